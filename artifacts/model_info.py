@@ -1,0 +1,221 @@
+"""What a GGUF model is, read from its header only: shapes, bytes by role and layer, experts, KV cost.
+
+Split models (``name-00001-of-00003.gguf``) are one model: pass any shard, every shard is read.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from artifacts.errors import ModelFileError
+from artifacts.gguf_header import ArrayInfo, GGUFHeader, TensorInfo, read_header
+
+Role = Literal[
+    "embeddings", "attention", "norm", "dense_ffn", "shared_expert", "router",
+    "experts_gate", "experts_up", "experts_down", "output", "other",
+]
+ROLES: tuple[Role, ...] = (
+    "embeddings", "attention", "norm", "dense_ffn", "shared_expert", "router",
+    "experts_gate", "experts_up", "experts_down", "output", "other",
+)
+# Bytes per KV element for each cache type llama.cpp accepts (block bytes / block elements).
+KV_TYPES: dict[str, float] = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32,
+                              "q5_0": 22 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32, "iq4_nl": 18 / 32}
+_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
+_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
+_ROLE_RULES: tuple[tuple[re.Pattern[str], Role], ...] = tuple(
+    (re.compile(p), r)
+    for p, r in (
+        (r"^(token_embd|tok_embd|token_types|pos_embd|per_layer_token_embd)", "embeddings"),
+        (r"^(output|lm_head)\.", "output"),
+        (r"^output_norm", "norm"),
+        (r"ffn_gate_exps", "experts_gate"),
+        (r"ffn_up_exps", "experts_up"),
+        (r"ffn_down_exps", "experts_down"),
+        (r"ffn_gate_up_exps", "experts_gate"),
+        (r"ffn_(gate|up|down)_shexp|ffn_gate_inp_shexp", "shared_expert"),
+        (r"ffn_gate_inp|exp_probs_b", "router"),
+        (r"norm", "norm"),
+        (r"^attn_|\.attn_|ssm_|time_mix|wkv", "attention"),
+        (r"ffn_(gate|up|down)", "dense_ffn"),
+    )
+)
+
+
+class LayerInfo(BaseModel):
+    """Bytes of one transformer block by role."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    index: int
+    bytes_by_role: dict[str, int]
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of this layer's routed-expert tensors (gate + up + down)."""
+        return sum(self.bytes_by_role.get(r, 0) for r in ("experts_gate", "experts_up", "experts_down"))
+
+    @property
+    def total_bytes(self) -> int:
+        """All bytes of this layer."""
+        return sum(self.bytes_by_role.values())
+
+
+class ModelInfo(BaseModel):
+    """A model as Flux plans for it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    path: str
+    shards: list[str]
+    file_bytes: int
+    architecture: str
+    supported: bool
+    name: str
+    file_type: str
+    n_params: int
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    key_length: int
+    value_length: int
+    n_vocab: int
+    n_ctx_train: int
+    n_expert: int
+    n_expert_used: int
+    bytes_by_role: dict[str, int]
+    quant_types: dict[str, int]
+    layers: list[LayerInfo]
+    kv_bytes_per_token: dict[str, int]
+    content_hash: str | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        """True when the model has routed experts."""
+        return self.n_expert > 0
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all tensors."""
+        return sum(self.bytes_by_role.values())
+
+
+def tensor_role(name: str) -> Role:
+    """Return the role of a tensor, from llama.cpp's tensor naming conventions."""
+    for pattern, role in _ROLE_RULES:
+        if pattern.search(name):
+            return role
+    return "other"
+
+
+def tensor_layer(name: str) -> int | None:
+    """Return the block index in ``blk.N.*`` names, else None."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def shard_paths(path: Path) -> list[Path]:
+    """Return every shard of a split GGUF (or just ``path``), checking that none is missing."""
+    m = _SPLIT.match(path.name)
+    if not m:
+        return [path]
+    n = int(m.group("n"))
+    paths = [path.with_name(f"{m.group('stem')}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+    missing = [p.name for p in paths if not p.exists()]
+    if missing:
+        raise ModelFileError(path, f"split model is missing shard(s) {', '.join(missing)}: download them")
+    return paths
+
+
+def supported_architectures(repo_root: Path | None = None) -> frozenset[str]:
+    """Architectures the pinned llama.cpp implements (third_party/architectures.txt, made at build time)."""
+    root = repo_root or Path(__file__).resolve().parents[1]
+    lines = (root / "third_party" / "architectures.txt").read_text(encoding="utf-8").splitlines()
+    return frozenset(x.strip() for x in lines if x.strip() and not x.startswith("#"))
+
+
+def _int(md: dict[str, Any], key: str, default: int = 0) -> int:
+    v = md.get(key, default)
+    if isinstance(v, list):  # per-layer arrays (e.g. head_count_kv on some models): take the max
+        return int(max(v)) if v else default
+    return int(v)
+
+
+def _vocab(md: dict[str, Any], arch: str) -> int:
+    tokens = md.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, ArrayInfo):
+        return tokens.length
+    if isinstance(tokens, list):
+        return len(tokens)
+    return _int(md, f"{arch}.vocab_size")
+
+
+def _head_dim(md: dict[str, Any], arch: str, which: str) -> int:
+    n_head = _int(md, f"{arch}.attention.head_count")
+    default = _int(md, f"{arch}.embedding_length") // n_head if n_head else 0
+    return _int(md, f"{arch}.attention.{which}", default)
+
+
+def _kv_per_token(md: dict[str, Any], arch: str, n_layer: int) -> dict[str, int]:
+    n_kv = _int(md, f"{arch}.attention.head_count_kv", _int(md, f"{arch}.attention.head_count"))
+    elements = n_layer * n_kv * (_head_dim(md, arch, "key_length") + _head_dim(md, arch, "value_length"))
+    return {t: int(round(elements * b)) for t, b in KV_TYPES.items()}
+
+
+def _summarize(tensors: list[TensorInfo], n_layer: int) -> tuple[dict[str, int], dict[str, int], list[LayerInfo]]:
+    by_role: dict[str, int] = dict.fromkeys(ROLES, 0)
+    quant: dict[str, int] = defaultdict(int)
+    per_layer: list[dict[str, int]] = [defaultdict(int) for _ in range(n_layer)]
+    for t in tensors:
+        role = tensor_role(t.name)
+        by_role[role] += t.n_bytes
+        quant[t.ggml_type] += t.n_bytes
+        layer = tensor_layer(t.name)
+        if layer is not None and layer < n_layer:
+            per_layer[layer][role] += t.n_bytes
+    layers = [LayerInfo(index=i, bytes_by_role=dict(d)) for i, d in enumerate(per_layer)]
+    return by_role, dict(quant), layers
+
+
+def model_info(path: Path, supported: frozenset[str] | None = None) -> ModelInfo:
+    """Read a model's header(s) and describe it; never loads weights.
+
+    Args:
+        path: a ``.gguf`` file, or any shard of a split model.
+        supported: architectures to accept (default: the pinned llama.cpp's list).
+
+    Raises:
+        ModelFileError: not a GGUF, truncated, unknown version, missing shard, unreadable.
+    """
+    paths = shard_paths(path)
+    headers: list[GGUFHeader] = [read_header(p) for p in paths]
+    md = headers[0].metadata
+    arch = md.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise ModelFileError(path, "GGUF has no general.architecture: not a llama.cpp model file")
+    tensors = [t for h in headers for t in h.tensors]
+    n_layer = _int(md, f"{arch}.block_count")
+    by_role, quant, layers = _summarize(tensors, n_layer)
+    arch_ok = arch in (supported if supported is not None else supported_architectures())
+    return ModelInfo(
+        path=str(path), shards=[str(p) for p in paths], file_bytes=sum(h.file_bytes for h in headers),
+        architecture=arch, supported=arch_ok, name=str(md.get("general.name", path.stem)),
+        file_type=str(md.get("general.file_type", "")), n_params=sum(t.n_elements for t in tensors),
+        n_layer=n_layer, n_embd=_int(md, f"{arch}.embedding_length"),
+        n_head=_int(md, f"{arch}.attention.head_count"),
+        n_head_kv=_int(md, f"{arch}.attention.head_count_kv", _int(md, f"{arch}.attention.head_count")),
+        key_length=_head_dim(md, arch, "key_length"), value_length=_head_dim(md, arch, "value_length"),
+        n_vocab=_vocab(md, arch), n_ctx_train=_int(md, f"{arch}.context_length"),
+        n_expert=_int(md, f"{arch}.expert_count"), n_expert_used=_int(md, f"{arch}.expert_used_count"),
+        bytes_by_role=by_role, quant_types=quant, layers=layers,
+        kv_bytes_per_token=_kv_per_token(md, arch, n_layer),
+    )
+
+
+def read_tensors(path: Path) -> list[TensorInfo]:
+    """Every tensor of a model (all shards), in file order."""
+    return [t for p in shard_paths(path) for t in read_header(p).tensors]

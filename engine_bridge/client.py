@@ -1,0 +1,172 @@
+"""Client side of the worker protocol: spawn, talk with timeouts, kill.
+
+Every call has a timeout; a worker that misses it is killed (its whole process group) and the call
+raises :class:`WorkerTimeout`. A worker that exits mid-call raises :class:`WorkerDied`. Nothing here
+imports llama_cpp: planning, benchmarks and the server all drive llama.cpp through this class.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+from engine_bridge.errors import EngineError, ProtocolMismatch, WorkerDied, WorkerTimeout
+from engine_bridge.protocol import PROTOCOL_VERSION, decode, encode
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+_EOF = object()
+
+
+class WorkerClient:
+    """One engine worker subprocess."""
+
+    def __init__(self, log_path: Path | None = None, env: Mapping[str, str] | None = None,
+                 hello_timeout_s: float = 30.0, python: str = sys.executable) -> None:
+        self.log_path = log_path
+        self.extra_env = dict(env or {})
+        self.hello_timeout_s = hello_timeout_s
+        self.python = python
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._ids = itertools.count(1)
+        self._inbox: queue.Queue[Any] = queue.Queue()
+        self._log: IO[bytes] | None = None
+        self._lock = threading.Lock()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> dict[str, Any]:
+        """Spawn the worker and check its protocol version; returns its hello."""
+        env = {**os.environ, **self.extra_env}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [self.python, "-m", "engine_bridge.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self._log if self._log is not None else subprocess.DEVNULL, env=env,
+            start_new_session=True, cwd=str(REPO_ROOT))
+        threading.Thread(target=self._read, args=(self.proc,), daemon=True, name="worker-reader").start()
+        hello = self.call("hello", timeout=self.hello_timeout_s)
+        if hello.get("protocol") != PROTOCOL_VERSION:
+            self.kill()
+            raise ProtocolMismatch(PROTOCOL_VERSION, hello.get("protocol"))
+        return hello
+
+    def _read(self, proc: subprocess.Popen[bytes]) -> None:
+        stdout = proc.stdout
+        if stdout is None:
+            return
+        for line in stdout:
+            try:
+                self._inbox.put(decode(line))
+            except ValueError:
+                continue
+        self._inbox.put(_EOF)
+
+    @property
+    def alive(self) -> bool:
+        """True while the worker process runs."""
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        """The worker's process id."""
+        return self.proc.pid if self.proc else None
+
+    def kill(self) -> None:
+        """Kill the worker's process group at once."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        self._close_log()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ask the worker to exit; kill it if it does not."""
+        if self.alive:
+            try:
+                self.call("shutdown", timeout=timeout)
+                if self.proc is not None:
+                    self.proc.wait(timeout=timeout)
+            except (EngineError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> WorkerClient:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- calls ------------------------------------------------------------------------------------
+    def _send(self, op: str, args: Mapping[str, Any] | None) -> int:
+        if self.proc is None or self.proc.stdin is None:
+            raise WorkerDied(None, "not started")
+        rid = next(self._ids)
+        try:
+            self.proc.stdin.write(encode({"id": rid, "op": op, "args": dict(args or {})}))
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            raise self._died() from exc
+        return rid
+
+    def _died(self) -> WorkerDied:
+        code = self.proc.wait() if self.proc else None
+        self._close_log()
+        return WorkerDied(code, self._log_tail())
+
+    def _log_tail(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        lines = self.log_path.read_bytes()[-2000:].decode("utf-8", errors="replace").strip().splitlines()
+        return lines[-1] if lines else ""
+
+    def stream(self, op: str, args: Mapping[str, Any] | None = None,
+               timeout: float = 120.0) -> Iterator[dict[str, Any]]:
+        """Send a request; yield its events, then its result as ``{"result": ...}``.
+
+        ``timeout`` bounds the wait for each message, not the whole call.
+        """
+        with self._lock:
+            rid = self._send(op, args)
+            while True:
+                try:
+                    msg = self._inbox.get(timeout=timeout)
+                except queue.Empty:
+                    self.kill()
+                    raise WorkerTimeout(op, timeout) from None
+                if msg is _EOF:
+                    raise self._died()
+                if msg.get("id") != rid:
+                    continue
+                if "event" in msg:
+                    yield msg["event"]
+                    continue
+                if not msg.get("ok"):
+                    err = msg.get("error") or {}
+                    raise EngineError(str(err.get("code", "error")), str(err.get("message", "")))
+                yield {"result": msg.get("result") or {}}
+                return
+
+    def call(self, op: str, args: Mapping[str, Any] | None = None, timeout: float = 120.0) -> dict[str, Any]:
+        """Send a request and return its result."""
+        result: dict[str, Any] = {}
+        for msg in self.stream(op, args, timeout):
+            if "result" in msg:
+                result = msg["result"]
+        return result

@@ -1,0 +1,39 @@
+"""Typed errors of the engine bridge. ``code`` is stable and travels over the worker protocol."""
+
+from __future__ import annotations
+
+from artifacts.errors import FluxError
+
+
+class EngineError(FluxError):
+    """Something the engine refused or failed to do, with a stable machine-readable code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        self.code = code
+        self.message = message
+        super().__init__(message)
+
+
+class WorkerDied(EngineError):
+    """The worker process exited (crash, OOM kill, kill -9) while a call was in flight."""
+
+    def __init__(self, returncode: int | None, detail: str = "") -> None:
+        self.returncode = returncode
+        msg = f"the engine worker exited (code {returncode})"
+        super().__init__("worker_died", msg + (f": {detail}" if detail else ""))
+
+
+class WorkerTimeout(EngineError):
+    """The worker did not answer within its timeout; it has been killed."""
+
+    def __init__(self, op: str, seconds: float) -> None:
+        self.op = op
+        self.seconds = seconds
+        super().__init__("worker_timeout", f"the engine worker did not answer '{op}' within {seconds:g} s")
+
+
+class ProtocolMismatch(EngineError):
+    """The worker speaks another protocol version (a stale install)."""
+
+    def __init__(self, ours: int, theirs: object) -> None:
+        super().__init__("protocol_mismatch", f"worker protocol {theirs!r}, server expects {ours}: reinstall Flux")

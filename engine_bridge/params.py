@@ -1,0 +1,96 @@
+"""Engine parameters: one validated model of every llama.cpp knob a plan sets.
+
+``Llama(**kwargs)`` silently ignores unknown keyword arguments, so Flux never passes a free-form dict: a
+placement becomes an :class:`EngineParams`, whose fields are checked here, and only then llama.cpp calls.
+This module does not import llama_cpp (planning tasks use it to describe candidates).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+KvType = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"]
+# ggml_type ids of the KV cache types (ggml.h).
+KV_TYPE_IDS: dict[str, int] = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
+                               "iq4_nl": 20, "bf16": 30}
+LoadMode = Literal["mmap", "load", "mlock"]
+
+
+class TensorOverride(BaseModel):
+    """Put tensors whose name matches ``pattern`` (a regex, as llama.cpp's ``-ot``) on ``device``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    pattern: str
+    device: str = Field(description="ggml device name: 'CPU', 'CUDA0', ...")
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, v: str) -> str:
+        re.compile(v)
+        return v
+
+    def as_flag(self) -> str:
+        """The same override as llama.cpp's command-line ``-ot`` value."""
+        return f"{self.pattern}={self.device}"
+
+
+class EngineParams(BaseModel):
+    """How llama.cpp loads and runs a model: the executable part of a plan."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    n_ctx: int = Field(4096, ge=16)
+    n_seq_max: int = Field(1, ge=1, le=256)
+    n_batch: int = Field(2048, ge=1)
+    n_ubatch: int = Field(512, ge=1)
+    n_threads: int = Field(1, ge=1)
+    n_threads_batch: int = Field(1, ge=1)
+    n_gpu_layers: int = Field(0, ge=-1)
+    main_gpu: int = Field(0, ge=0)
+    split_mode: Literal["none", "layer", "row"] = "layer"
+    tensor_split: list[float] | None = None
+    flash_attn: bool = False
+    type_k: KvType = "f16"
+    type_v: KvType = "f16"
+    load_mode: LoadMode = "mmap"
+    offload_kqv: bool = True
+    op_offload: bool = True
+    offload_min_batch: int | None = Field(None, ge=1, description="GGML_OP_OFFLOAD_MIN_BATCH")
+    tensor_overrides: list[TensorOverride] = []
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EngineParams:
+        if self.n_ubatch > self.n_batch:
+            raise ValueError(f"n_ubatch ({self.n_ubatch}) must not exceed n_batch ({self.n_batch})")
+        if self.type_v != "f16" and self.type_v != "f32" and not self.flash_attn:
+            raise ValueError(f"a quantized V cache (type_v={self.type_v}) needs flash_attn=True")
+        return self
+
+    def cli_args(self) -> list[str]:
+        """The same configuration as llama.cpp command-line flags (llama-server, llama-bench)."""
+        args = ["-c", str(self.n_ctx), "-b", str(self.n_batch), "-ub", str(self.n_ubatch),
+                "-t", str(self.n_threads), "-tb", str(self.n_threads_batch), "-ngl", str(self.n_gpu_layers),
+                "-fa", "on" if self.flash_attn else "off", "-ctk", self.type_k, "-ctv", self.type_v,
+                "-sm", self.split_mode, "-mg", str(self.main_gpu)]
+        if self.tensor_split:
+            args += ["-ts", ",".join(f"{x:g}" for x in self.tensor_split)]
+        if self.load_mode != "mmap":
+            args.append("--no-mmap")
+        if self.load_mode == "mlock":
+            args.append("--mlock")
+        if not self.offload_kqv:
+            args.append("-nkvo")
+        if not self.op_offload:
+            args.append("--no-op-offload")
+        for o in self.tensor_overrides:
+            args += ["-ot", o.as_flag()]
+        return args
+
+    def environment(self) -> dict[str, str]:
+        """Environment variables the worker process needs for this configuration."""
+        if self.offload_min_batch is None:
+            return {}
+        return {"GGML_OP_OFFLOAD_MIN_BATCH": str(self.offload_min_batch)}

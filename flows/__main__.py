@@ -1,0 +1,7 @@
+"""``python -m flows`` = ``flux``."""
+
+import sys
+
+from flows.cli import main
+
+sys.exit(main())

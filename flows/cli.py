@@ -1,0 +1,57 @@
+"""The ``flux`` command: a registry of subcommands, each in its own module.
+
+Errors a person can fix (``FluxError``) end the process with exit code 2 and one line naming the file
+and the problem; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from rich.console import Console
+
+from artifacts.config import load_settings
+from artifacts.errors import FluxError
+from artifacts.logs import setup_logging
+
+Handler = Callable[[argparse.Namespace], int]
+COMMAND_MODULES = ("flows.cmd_models", "flows.cmd_backend")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser; every command module registers its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="flux",
+        description="Flux: measured execution plans for LLM inference on llama.cpp.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    import importlib
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``flux`` console script."""
+    err = Console(stderr=True, highlight=False)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings()
+        setup_logging(settings.log_filter)
+        args.settings = settings
+        handler: Handler = args.handler
+        return handler(args)
+    except FluxError as exc:
+        err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+        return 2
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

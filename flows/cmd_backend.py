@@ -1,0 +1,118 @@
+"""``flux version``, ``flux config``, ``flux devices``, ``flux generate``: the backend and settings."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+from artifacts.config import Settings, default_toml
+from artifacts.model_info import model_info
+from engine_bridge.backend import backend_info
+from engine_bridge.client import WorkerClient
+from engine_bridge.params import EngineParams
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the backend commands to the ``flux`` parser."""
+    p = sub.add_parser("version", help="print Flux's version and the backend build id",
+                       description="The backend build id is a hash of backend.pin, the patches and the built "
+                                   "libraries; every plan records it.")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_version)
+
+    p = sub.add_parser("config", help="print the effective settings",
+                       description="Settings come from $FLUX_CONFIG, else ~/.config/flux/flux.toml.")
+    p.add_argument("--defaults", action="store_true", help="print a flux.toml with every default")
+    p.set_defaults(handler=cmd_config)
+
+    p = sub.add_parser("devices", help="list the ggml devices the backend sees")
+    p.set_defaults(handler=cmd_devices)
+
+    p = sub.add_parser("generate", help="generate text with a model through the engine worker",
+                       description="Loads the model in a worker process and prints a greedy completion "
+                                   "(a chat reply with --chat).")
+    p.add_argument("model", type=Path)
+    p.add_argument("--prompt", default="The quick brown fox")
+    p.add_argument("-n", "--max-tokens", type=int, default=16)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--threads", type=int, default=2)
+    p.set_defaults(handler=cmd_generate)
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    """Print the Flux version and the backend build id."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        flux_version = version("flux")
+    except PackageNotFoundError:
+        flux_version = "dev"
+    info = backend_info(args.settings.cache_dir)
+    if args.json:
+        Console(highlight=False).print_json(json.dumps({"flux": flux_version, **info.model_dump()}))
+        return 0
+    pin = info.pin
+    Console(highlight=False).print(
+        f"flux {flux_version}\nbackend build {info.build_id} (llama-cpp-python "
+        f"{pin.get('LLAMA_CPP_PYTHON_VERSION')}, llama.cpp {pin.get('LLAMA_CPP_COMMIT')}, "
+        f"{len(info.patches)} patch(es))\nllama-server {info.llama_server or 'not built'}")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """Print the effective settings, or every default."""
+    settings: Settings = args.settings
+    con = Console(highlight=False)
+    if args.defaults:
+        con.print(default_toml(), end="", markup=False)
+        return 0
+    con.print_json(settings.model_dump_json())
+    return 0
+
+
+def _worker(settings: Settings) -> WorkerClient:
+    return WorkerClient(log_path=settings.logs_dir / "worker.log",
+                        hello_timeout_s=settings.serve.worker_timeouts.hello_s)
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    """List ggml devices (through a worker: only it links llama.cpp)."""
+    with _worker(args.settings) as w:
+        devices = w.call("devices")["devices"]
+    con = Console(highlight=False)
+    for d in devices:
+        con.print(f"{d['name']:<8} {d['kind']:<5} {d['description']}  "
+                  f"{d['memory_free'] / 2**30:.1f}/{d['memory_total'] / 2**30:.1f} GiB free")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Load a model in a worker and print a greedy completion."""
+    info = model_info(args.model)  # a bad file fails here with a one-line error, before any load
+    settings: Settings = args.settings
+    params = EngineParams(n_ctx=min(args.ctx, info.n_ctx_train or args.ctx), n_batch=256, n_ubatch=256,
+                          n_threads=args.threads, n_threads_batch=args.threads)
+    con = Console(highlight=False)
+    with _worker(settings) as w:
+        load = w.call("load", {"model": str(args.model), "params": params.model_dump()},
+                      timeout=settings.serve.worker_timeouts.load_s)
+        if args.chat:
+            reply = w.call("chat", {"messages": [{"role": "user", "content": args.prompt}],
+                                    "max_tokens": args.max_tokens})
+            con.print(reply["choices"][0]["message"]["content"], markup=False)
+            usage = reply.get("usage", {})
+            con.print(f"[dim]{usage.get('prompt_tokens')} prompt + {usage.get('completion_tokens')} "
+                      f"completion tokens; load {load['load_ms']:.0f} ms[/]")
+            return 0
+        prompt = w.call("tokenize", {"text": args.prompt})["tokens"]
+        out = w.call("greedy", {"prompt": prompt, "n_gen": args.max_tokens, "stop_eog": False})
+        timing = w.call("timed_run", {"prompt": prompt, "n_gen": args.max_tokens})
+    con.print(args.prompt + out["text"], markup=False)
+    con.print(f"[dim]{len(out['tokens'])} tokens; prefill {timing['prompt_tokens']} tok in "
+              f"{timing['prompt_ms']:.1f} ms, decode {timing['gen_tokens']} tok in {timing['gen_ms']:.1f} ms; "
+              f"load {load['load_ms']:.0f} ms[/]")
+    return 0

@@ -1,0 +1,118 @@
+"""``flux synth`` and ``flux inspect``: model files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from artifacts.errors import FluxError, UnsupportedArchitecture
+from artifacts.filehash import model_hash
+from artifacts.model_info import ModelInfo, model_info
+from artifacts.synth import PRESETS, QUANTS, synthesize
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the model commands to the ``flux`` parser."""
+    p = sub.add_parser("synth", help="write a shape-faithful random-weight twin of a real model",
+                       description="Write a GGUF with a real model's tensor shapes and random weights "
+                                   "(realistic MoE routing), for what-if planning, tests and benchmarks.")
+    p.add_argument("--like", required=True, choices=sorted(PRESETS), help="the model shape to copy")
+    p.add_argument("--quant", default="Q4_0", choices=QUANTS, help="weight type (default Q4_0)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a shape field, e.g. --set n_layer=4 (repeatable)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--output", type=Path, required=True, help="the .gguf file to write")
+    p.set_defaults(handler=cmd_synth)
+
+    p = sub.add_parser("inspect", help="describe a GGUF model without loading its weights",
+                       description="Architecture and llama.cpp support, parameters, bytes by role and "
+                                   "layer, quant types, experts, trained context, KV bytes per token, hash.")
+    p.add_argument("model", type=Path, help="a .gguf file (any shard of a split model)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--no-hash", action="store_true", help="skip the content hash (first hash reads the file)")
+    p.set_defaults(handler=cmd_inspect)
+
+
+def _overrides(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise FluxError(f"--set {item!r}: expected KEY=VALUE, e.g. --set n_layer=4")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    """Write a synthetic twin and report its size and speed."""
+    try:
+        res = synthesize(args.like, args.output, quant=args.quant, overrides=_overrides(args.overrides),
+                         seed=args.seed)
+    except ValueError as exc:
+        raise FluxError(f"flux synth: {exc}") from exc
+    mb_s = res.file_bytes / 1e6 / max(res.seconds, 1e-9)
+    Console().print(f"wrote {res.path}: {args.like} {args.quant}, {res.n_tensors} tensors, "
+                    f"{res.file_bytes / 1e9:.3f} GB in {res.seconds:.1f} s ({mb_s:,.0f} MB/s)")
+    return 0
+
+
+def inspect_model(path: Path, cache_dir: Path, with_hash: bool = True) -> ModelInfo:
+    """Read a model's header and, when asked, its content hash (remembered by path, size, mtime)."""
+    info = model_info(path)
+    if not info.supported:
+        raise UnsupportedArchitecture(path, info.architecture)
+    if not with_hash:
+        return info
+    return info.model_copy(update={"content_hash": model_hash([Path(s) for s in info.shards], cache_dir)})
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Print what a model is, for people or as JSON."""
+    info = inspect_model(args.model, args.settings.cache_dir, with_hash=not args.no_hash)
+    if args.json:
+        Console(soft_wrap=True, highlight=False).print_json(json.dumps(_json_view(info)))
+        return 0
+    _print_human(info)
+    return 0
+
+
+def _json_view(info: ModelInfo) -> dict[str, object]:
+    data = info.model_dump(mode="json")
+    data["weight_bytes"] = info.weight_bytes
+    data["experts"] = {"total": info.n_expert, "used": info.n_expert_used}
+    data["layers"] = [{"index": layer.index, **layer.bytes_by_role} for layer in info.layers]
+    return data
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:,.3f} GB" if n >= 1e8 else f"{n / 1e6:,.2f} MB"
+
+
+def _print_human(info: ModelInfo) -> None:
+    con = Console(highlight=False)
+    support = "[green]supported[/]" if info.supported else "[red]NOT supported by the pinned llama.cpp[/]"
+    con.print(f"[bold]{info.name}[/]  {info.path}")
+    con.print(f"architecture {info.architecture} ({support}); {len(info.shards)} file(s), {_gb(info.file_bytes)}")
+    con.print(f"parameters {info.n_params / 1e9:.3f} B; layers {info.n_layer}; embedding {info.n_embd}; "
+              f"heads {info.n_head}/{info.n_head_kv} kv; vocab {info.n_vocab}; trained context {info.n_ctx_train}")
+    if info.is_moe:
+        con.print(f"experts {info.n_expert} total, {info.n_expert_used} used per token")
+    con.print("quant types: " + ", ".join(f"{k} {_gb(v)}" for k, v in sorted(info.quant_types.items())))
+    roles = Table(title="bytes by role", show_edge=False)
+    roles.add_column("role")
+    roles.add_column("bytes", justify="right")
+    for role, n in info.bytes_by_role.items():
+        if n:
+            roles.add_row(role, _gb(n))
+    con.print(roles)
+    layer0 = info.layers[0] if info.layers else None
+    if layer0:
+        con.print("per layer (layer 0): " + ", ".join(f"{k} {_gb(v)}" for k, v in layer0.bytes_by_role.items()))
+    kv = info.kv_bytes_per_token
+    con.print("KV bytes per token: " + ", ".join(f"{t} {kv[t]:,}" for t in ("f16", "q8_0", "q4_0", "f32")))
+    if info.content_hash:
+        con.print(f"content hash {info.content_hash}")

@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# Build Flux's pinned, patched llama.cpp backend.
+#
+#   scripts/build-backend.sh                 CPU build (default)
+#   CUDA_ARCHS=90 scripts/build-backend.sh   CUDA build for compute capability 9.0 (H100/H200)
+#
+# 1. downloads the llama-cpp-python sdist named in third_party/backend.pin with pip and checks its sha256
+#    (or takes it from FLUX_SDIST=/path/to/sdist.tar.gz, for offline machines);
+# 2. applies every patches/llama.cpp/*.patch to its vendored llama.cpp (a patch that does not apply
+#    stops the build and names the patch);
+# 3. builds a wheel, cached under $XDG_CACHE_HOME/flux/backend/<key>, key = hash(pin, patches, CMAKE_ARGS),
+#    and installs it;
+# 4. builds llama.cpp's own llama-server (web UI off, static) from the same patched source into that dir;
+# 5. writes third_party/architectures.txt, the architectures the pinned llama.cpp implements.
+# A second run with nothing changed finds the key in the cache and only checks the install.
+#
+# Environment: PYTHON (interpreter to install into), JOBS (parallel compile jobs), CMAKE_ARGS (extra cmake
+# flags, part of the key), FLUX_OFFLINE=1 (no index: --no-index --no-build-isolation --no-deps),
+# FLUX_SKIP_SERVER=1 (skip llama-server).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PIN_FILE="$ROOT/third_party/backend.pin"
+PATCH_DIR="$ROOT/patches/llama.cpp"
+CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/flux"
+PY="${PYTHON:-python3}"
+JOBS="${JOBS:-$(nproc)}"
+
+log() { printf '[build-backend] %s\n' "$*" >&2; }
+die() { printf '[build-backend] error: %s\n' "$*" >&2; exit 1; }
+
+pin_value() { sed -n "s/^$1=//p" "$PIN_FILE" | head -n1; }
+VERSION=$(pin_value LLAMA_CPP_PYTHON_VERSION)
+SHA256=$(pin_value LLAMA_CPP_PYTHON_SHA256)
+COMMIT=$(pin_value LLAMA_CPP_COMMIT)
+[ -n "$VERSION" ] && [ -n "$SHA256" ] && [ -n "$COMMIT" ] || die "$PIN_FILE must set LLAMA_CPP_PYTHON_VERSION, LLAMA_CPP_PYTHON_SHA256 and LLAMA_CPP_COMMIT"
+
+# -- what this build is: cmake flags + key -------------------------------------------------------------
+FLAGS="-DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+if [ -n "${CUDA_ARCHS:-}" ]; then
+  FLAGS="$FLAGS -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHS}"
+fi
+FLAGS="$FLAGS ${CMAKE_ARGS:-}"
+PATCHES=()
+if compgen -G "$PATCH_DIR/*.patch" >/dev/null; then
+  mapfile -t PATCHES < <(ls "$PATCH_DIR"/*.patch | LC_ALL=C sort)
+fi
+KEY=$( { cat "$PIN_FILE"; for p in "${PATCHES[@]}"; do basename "$p"; cat "$p"; done; echo "$FLAGS"; } \
+       | sha256sum | cut -c1-16)
+OUT="$CACHE/backend/$KEY"
+WHEEL_DIR="$OUT/wheel"
+mkdir -p "$OUT"
+log "pin llama-cpp-python $VERSION (llama.cpp $COMMIT), ${#PATCHES[@]} patch(es), key $KEY"
+log "cmake flags: $FLAGS"
+
+PIP_OFFLINE=()
+if [ "${FLUX_OFFLINE:-0}" = 1 ]; then
+  PIP_OFFLINE=(--no-index)
+else
+  # Build tools, installed once so that every pip step below can run without build isolation.
+  "$PY" -m pip install --quiet "scikit-build-core[pyproject]>=0.9.2" >&2
+fi
+"$PY" -c 'import scikit_build_core' 2>/dev/null || die "scikit-build-core is missing: pip install 'scikit-build-core[pyproject]>=0.9.2' (offline: bring its wheel)"
+
+# -- 1. sdist ------------------------------------------------------------------------------------------
+fetch_sdist() {
+  local dir="$CACHE/sdist" f
+  mkdir -p "$dir"
+  f="$dir/llama_cpp_python-$VERSION.tar.gz"
+  if [ -n "${FLUX_SDIST:-}" ]; then cp "$FLUX_SDIST" "$f.tmp" && mv "$f.tmp" "$f"; fi
+  if [ ! -f "$f" ]; then
+    log "downloading llama-cpp-python==$VERSION sdist"
+    "$PY" -m pip download --quiet --no-deps --no-binary :all: --no-build-isolation \
+      "llama-cpp-python==$VERSION" -d "$dir" >&2
+  fi
+  [ -f "$f" ] || die "pip did not produce $f"
+  local got
+  got=$(sha256sum "$f" | cut -d' ' -f1)
+  [ "$got" = "$SHA256" ] || die "sha256 of $f is $got, backend.pin says $SHA256: delete the file and run again"
+  printf '%s' "$f"
+}
+
+# -- 2. unpack + patch ---------------------------------------------------------------------------------
+prepare_source() {
+  local sdist=$1 src="$OUT/src"
+  rm -rf "$src" "$src.tmp"; mkdir -p "$src.tmp"
+  tar -xzf "$sdist" -C "$src.tmp" --strip-components=1
+  "$ROOT/scripts/apply-patches.sh" "$src.tmp/vendor/llama.cpp" "${PATCHES[@]}"
+  mv "$src.tmp" "$src"
+  printf '%s' "$src"
+}
+
+# -- 3. wheel ------------------------------------------------------------------------------------------
+installed_key() {
+  "$PY" - <<'EOF' 2>/dev/null || true
+import importlib.util, pathlib
+spec = importlib.util.find_spec("llama_cpp")
+if spec and spec.origin:
+    p = pathlib.Path(spec.origin).parent / "FLUX_BACKEND_KEY"
+    print(p.read_text().strip() if p.exists() else "")
+EOF
+}
+
+build_wheel() {
+  local src=$1
+  log "building the llama-cpp-python wheel (several minutes)"
+  # The key file inside the package lets `flux version` and this script know which build is installed.
+  echo "$KEY" > "$src/llama_cpp/FLUX_BACKEND_KEY"
+  rm -rf "$WHEEL_DIR.tmp"; mkdir -p "$WHEEL_DIR.tmp"
+  CMAKE_ARGS="$FLAGS" CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
+    "$PY" -m pip wheel --no-deps --no-build-isolation "${PIP_OFFLINE[@]}" -w "$WHEEL_DIR.tmp" "$src" >&2
+  rm -rf "$WHEEL_DIR"; mv "$WHEEL_DIR.tmp" "$WHEEL_DIR"
+}
+
+install_wheel() {
+  local whl
+  whl=$(ls "$WHEEL_DIR"/llama_cpp_python-*.whl | head -n1)
+  log "installing $(basename "$whl")"
+  if [ "${FLUX_OFFLINE:-0}" = 1 ]; then
+    "$PY" -m pip install --quiet --force-reinstall --no-deps "$whl" >&2
+  else
+    "$PY" -m pip install --quiet --force-reinstall --no-deps "$whl" >&2
+    "$PY" -m pip install --quiet "typing-extensions>=4.5.0" "numpy>=1.20.0" "diskcache>=5.6.1" "jinja2>=2.11.3" >&2
+  fi
+}
+
+# -- 4. llama-server -----------------------------------------------------------------------------------
+build_server() {
+  local src=$1 bdir="$OUT/server-build"
+  log "building llama-server (several minutes)"
+  # shellcheck disable=SC2086
+  cmake -S "$src/vendor/llama.cpp" -B "$bdir" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
+    $FLAGS >&2
+  cmake --build "$bdir" --target llama-server -j "$JOBS" >&2
+  mkdir -p "$OUT/bin"
+  cp "$bdir/bin/llama-server" "$OUT/bin/llama-server.tmp" && mv "$OUT/bin/llama-server.tmp" "$OUT/bin/llama-server"
+  rm -rf "$bdir"
+}
+
+# -- 5. architectures ----------------------------------------------------------------------------------
+write_architectures() {
+  local src=$1 dest="$ROOT/third_party/architectures.txt"
+  {
+    echo "# general.architecture values implemented by llama.cpp $COMMIT (from src/llama-arch.cpp LLM_ARCH_NAMES)."
+    echo "# Written by scripts/build-backend.sh; do not edit."
+    sed -n '/LLM_ARCH_NAMES = {/,/^};/p' "$src/vendor/llama.cpp/src/llama-arch.cpp" \
+      | sed -n 's/.*{ *LLM_ARCH_[A-Z0-9_]*, *"\([^"]*\)" *}.*/\1/p' | grep -v -x -e clip -e unknown
+  } > "$dest.tmp"
+  mv "$dest.tmp" "$dest"
+  cp "$dest" "$OUT/architectures.txt"
+}
+
+# -- main ----------------------------------------------------------------------------------------------
+if [ -f "$OUT/build.json" ] && [ -f "$WHEEL_DIR"/llama_cpp_python-*.whl ] 2>/dev/null \
+   && { [ "${FLUX_SKIP_SERVER:-0}" = 1 ] || [ -x "$OUT/bin/llama-server" ]; }; then
+  log "cache hit: $OUT"
+  if [ "$(installed_key)" != "$KEY" ]; then install_wheel; fi
+  cp "$OUT/architectures.txt" "$ROOT/third_party/architectures.txt"
+else
+  SDIST=$(fetch_sdist)
+  SRC=$(prepare_source "$SDIST")
+  write_architectures "$SRC"
+  if ! ls "$WHEEL_DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then build_wheel "$SRC"; fi
+  install_wheel
+  if [ "${FLUX_SKIP_SERVER:-0}" != 1 ] && [ ! -x "$OUT/bin/llama-server" ]; then build_server "$SRC"; fi
+  rm -rf "$SRC"
+  cat > "$OUT/build.json" <<EOF
+{"key": "$KEY", "llama_cpp_python": "$VERSION", "llama_cpp_commit": "$COMMIT", "cmake_flags": "$FLAGS",
+ "patches": [$(for p in "${PATCHES[@]}"; do printf '"%s",' "$(basename "$p")"; done | sed 's/,$//')],
+ "cuda_archs": "${CUDA_ARCHS:-}"}
+EOF
+fi
+ln -sfn "$OUT" "$CACHE/backend/current"
+log "done: wheel and llama-server in $OUT (backend/current points there)"

@@ -1,0 +1,133 @@
+"""The real `flux` CLI in a subprocess: help, synth → inspect, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+COMMANDS = ["synth", "inspect", "version", "config", "devices", "generate"]
+
+
+def one_line_error(proc: object, *needles: str) -> None:
+    rc, err = proc.returncode, proc.stderr  # type: ignore[attr-defined]
+    assert rc == 2, (rc, err)
+    assert "Traceback" not in err
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert len(lines) == 1, err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def test_help_lists_every_command(flux) -> None:
+    out = flux("--help")
+    assert out.returncode == 0
+    for c in COMMANDS:
+        assert c in out.stdout
+        sub = flux(c, "--help")
+        assert sub.returncode == 0 and "usage: flux " + c in sub.stdout
+
+
+def test_synth_then_inspect_json(flux, tmp_path: Path) -> None:
+    model = tmp_path / "t.gguf"
+    made = flux("synth", "--like", "tiny-moe", "-o", str(model))
+    assert made.returncode == 0, made.stderr
+    assert model.stat().st_size < 10_000_000
+    out = flux("inspect", str(model), "--json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["architecture"] == "qwen3moe" and info["supported"] is True
+    assert info["experts"]["total"] == info["n_expert"] > 0
+    assert len(info["layers"]) == info["n_layer"]
+    assert info["file_bytes"] == model.stat().st_size
+    assert len(info["content_hash"]) == 64
+    assert set(info["kv_bytes_per_token"]) >= {"f16", "q8_0", "q4_0"}
+    human = flux("inspect", str(model))
+    assert human.returncode == 0 and "qwen3moe" in human.stdout and "experts_gate" in human.stdout
+
+
+def test_synth_overrides(flux, tmp_path: Path) -> None:
+    model = tmp_path / "o.gguf"
+    assert flux("synth", "--like", "tiny-dense", "--set", "n_layer=3", "-o", str(model)).returncode == 0
+    info = json.loads(flux("inspect", str(model), "--json", "--no-hash").stdout)
+    assert info["n_layer"] == 3
+    bad = flux("synth", "--like", "tiny-dense", "--set", "n_layr=3", "-o", str(model))
+    one_line_error(bad, "n_layr")
+
+
+def test_not_gguf(flux, tmp_path: Path) -> None:
+    p = tmp_path / "notes.gguf"
+    p.write_text("hello, I am text\n" * 10)
+    one_line_error(flux("inspect", str(p)), str(p), "not a GGUF")
+
+
+def test_truncated(flux, tiny_moe: Path, tmp_path: Path) -> None:
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(tiny_moe.read_bytes()[:200_000])
+    one_line_error(flux("inspect", str(p)), str(p), "truncated")
+
+
+def test_unknown_version(flux, tiny_moe: Path, tmp_path: Path) -> None:
+    raw = bytearray(tiny_moe.read_bytes())
+    raw[4:8] = struct.pack("<I", 9)
+    p = tmp_path / "v9.gguf"
+    p.write_bytes(bytes(raw))
+    one_line_error(flux("inspect", str(p)), str(p), "version 9")
+
+
+def test_unsupported_architecture(flux, tiny_dense: Path, tmp_path: Path) -> None:
+    raw = tiny_dense.read_bytes()
+    key = b"general.architecture"
+    at = raw.index(key) + len(key) + 4 + 8
+    assert raw[at : at + 5] == b"llama"
+    p = tmp_path / "odd.gguf"
+    p.write_bytes(raw[:at] + b"zzzzz" + raw[at + 5 :])
+    one_line_error(flux("inspect", str(p)), str(p), "zzzzz", "not implemented")
+
+
+def test_missing_shard(flux, tmp_path: Path) -> None:
+    p = tmp_path / "m-00001-of-00002.gguf"
+    p.write_bytes(b"GGUF")
+    one_line_error(flux("inspect", str(p)), "m-00002-of-00002.gguf", "missing shard")
+
+
+@pytest.mark.parametrize("kind", ["absent", "dir", "noperm"])
+def test_unreadable(flux, tmp_path: Path, kind: str) -> None:
+    p = tmp_path / "x.gguf"
+    if kind == "dir":
+        p.mkdir()
+    elif kind == "noperm":
+        p.write_bytes(b"GGUF")
+        p.chmod(0)
+        import os
+
+        if os.geteuid() == 0:
+            pytest.skip("root reads any file")
+    one_line_error(flux("inspect", str(p)), str(p))
+
+
+def test_broken_config(flux, tmp_path: Path, tiny_moe: Path) -> None:
+    cfg = tmp_path / "flux.toml"
+    cfg.write_text("[serve]\nport = 'x'\n")
+    one_line_error(flux("inspect", str(tiny_moe), env={"FLUX_CONFIG": str(cfg)}), str(cfg), "serve.port")
+    cfg.write_text("[plan]\nbudget = 3\n")
+    one_line_error(flux("config", env={"FLUX_CONFIG": str(cfg)}), "plan.budget", "unknown key")
+
+
+def test_generate_through_the_worker(flux, tiny_moe: Path) -> None:
+    out = flux("generate", str(tiny_moe), "--prompt", "Hello", "-n", "8")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("Hello") and "8 tokens" in out.stdout
+    chat = flux("generate", str(tiny_moe), "--chat", "--prompt", "Hi", "-n", "4")
+    assert chat.returncode == 0, chat.stderr
+    assert "completion tokens" in chat.stdout
+
+
+def test_version_prints_build_id(flux) -> None:
+    out = flux("version", "--json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert len(info["build_id"]) == 16 and info["pin"]["LLAMA_CPP_PYTHON_VERSION"] == "0.3.36"
+    assert any(name.startswith("libllama") for name in info["libraries"])
