@@ -150,7 +150,7 @@ class NativeModel:
                     model_path=str(model_path), n_ctx=params.n_ctx, n_batch=params.n_batch,
                     n_ubatch=params.n_ubatch, n_threads=params.n_threads, n_threads_batch=params.n_threads_batch,
                     n_gpu_layers=params.n_gpu_layers, main_gpu=params.main_gpu,
-                    split_mode=_SPLIT_MODES[params.split_mode], tensor_split=params.tensor_split,
+                    split_mode=_SPLIT_MODES[params.split_mode], tensor_split=list(params.tensor_split) if params.tensor_split else None,
                     flash_attn=params.flash_attn, type_k=KV_TYPE_IDS[params.type_k],
                     type_v=KV_TYPE_IDS[params.type_v], use_mmap=params.load_mode == "mmap",
                     use_mlock=params.load_mode == "mlock", offload_kqv=params.offload_kqv,

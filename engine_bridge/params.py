@@ -50,7 +50,7 @@ class EngineParams(BaseModel):
     n_gpu_layers: int = Field(0, ge=-1)
     main_gpu: int = Field(0, ge=0)
     split_mode: Literal["none", "layer", "row"] = "layer"
-    tensor_split: list[float] | None = None
+    tensor_split: tuple[float, ...] | None = None
     flash_attn: bool = False
     type_k: KvType = "f16"
     type_v: KvType = "f16"
@@ -58,7 +58,7 @@ class EngineParams(BaseModel):
     offload_kqv: bool = True
     op_offload: bool = True
     offload_min_batch: int | None = Field(None, ge=1, description="GGML_OP_OFFLOAD_MIN_BATCH")
-    tensor_overrides: list[TensorOverride] = []
+    tensor_overrides: tuple[TensorOverride, ...] = ()
     seed: int = 0
 
     @model_validator(mode="after")

@@ -1,0 +1,158 @@
+"""The cost model: predicted prefill and decode speed of a candidate from the probe's numbers.
+
+It ranks and prunes; it never decides. Decode at batch 1 is modelled as a fixed per-token cost plus the
+bytes each device reads per token over that device's measured bandwidth; prefill as compute scaled from
+the model's own prefill kernel timed by the probe, plus PCIe copies of host-resident weights for
+micro-batches that llama.cpp offloads to a GPU (``GGML_OP_OFFLOAD_MIN_BATCH``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from artifacts.model_info import ModelInfo
+from tasks.models import Candidate, HardwareReport, Placement, Prediction
+
+EXPERT_PARTS = ("gate", "up", "down")
+GPU_HBM_GBS = 3000.0  # used only until a GPU kernel timing calibrates it (H200: 4.8 TB/s nominal)
+GPU_TOKEN_OVERHEAD_MS = 3.0  # measured on the H200: batch-1 decode is bound by per-token launch cost
+HYBRID_LAYER_SYNC_MS = 0.05  # per host<->GPU hand-over in a layer (notes: ~0.48 ms per CPU expert layer)
+DEFAULT_OFFLOAD_MIN_BATCH = 32
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Token counts of the workload a plan optimises (prefill-heavy for coding agents)."""
+
+    prefill_tokens: int
+    decode_tokens: int
+    mean_prompt_tokens: float
+
+    @property
+    def prefill_share(self) -> float:
+        """Fraction of the workload's tokens that are prompt tokens."""
+        total = self.prefill_tokens + self.decode_tokens
+        return self.prefill_tokens / total if total else 0.0
+
+
+def layer_bytes(info: ModelInfo, placement: Placement) -> dict[str, tuple[float, float]]:
+    """Per device: (bytes read per decoded token, bytes resident).
+
+    Routed experts are read in proportion n_used / n_expert; everything else whole.
+    """
+    frac = info.n_expert_used / info.n_expert if info.n_expert else 1.0
+    out: dict[str, list[float]] = {}
+
+    def add(dev: str, read: float, resident: float) -> None:
+        cur = out.setdefault(dev, [0.0, 0.0])
+        cur[0] += read
+        cur[1] += resident
+
+    for layer in info.layers:
+        roles = layer.bytes_by_role
+        dense = sum(v for k, v in roles.items() if not k.startswith("experts_"))
+        add(placement.layer_device[layer.index], dense, dense)
+        for part in EXPERT_PARTS:
+            b = roles.get(f"experts_{part}", 0)
+            if b:
+                dev = placement.expert_device[layer.index][part] if placement.expert_device else placement.layer_device[layer.index]
+                add(dev, b * frac, b)
+    head = info.bytes_by_role.get("output", 0) + info.bytes_by_role.get("norm", 0) - sum(
+        layer.bytes_by_role.get("norm", 0) for layer in info.layers)
+    add(placement.output_device, head, head)
+    emb = info.bytes_by_role.get("embeddings", 0)
+    add("CPU", 0.0, emb)  # the token embedding stays on the host; one row per token is read
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def cpu_bandwidth(hw: HardwareReport, threads: int) -> float:
+    """Measured host read bandwidth in bytes/s for ``threads`` threads (linear until it saturates)."""
+    return min(hw.ram_read_gbs_1thread * threads, max(hw.ram_read_gbs, hw.ram_read_gbs_1thread)) * 1e9
+
+
+def effective_cores(hw: HardwareReport, threads: int) -> float:
+    """Compute a thread count buys: full physical cores, a fifth of a core per extra hyperthread."""
+    t = min(threads, hw.cpu.logical_cores)
+    return min(t, hw.cpu.physical_cores) + 0.2 * max(0, t - hw.cpu.physical_cores)
+
+
+def _cpu_calibration(info: ModelInfo, hw: HardwareReport) -> tuple[float, float, int]:
+    """(decode efficiency vs bandwidth bound, prefill ms per active byte, threads) from the CPU kernel timing."""
+    k = next((k for k in hw.kernels if k.device == "CPU"), None)
+    read_all = sum(r for r, _ in layer_bytes(info, all_on(info, "CPU")).values())
+    if k is None or k.decode_ms_per_token <= 0:
+        return 0.5, 0.0, hw.cpu.physical_cores
+    bound_ms = read_all / cpu_bandwidth(hw, k.n_threads) * 1e3
+    eff = min(1.0, bound_ms / k.decode_ms_per_token)
+    return max(eff, 0.05), k.prefill_ms_per_token / max(read_all, 1.0), k.n_threads
+
+
+def all_on(info: ModelInfo, device: str) -> Placement:
+    """Every weight on one device."""
+    return Placement(layer_device=[device] * info.n_layer,
+                     expert_device=[dict.fromkeys(EXPERT_PARTS, device) for _ in range(info.n_layer)] if info.is_moe else [],
+                     output_device=device)
+
+
+def _gpu_bandwidth(hw: HardwareReport) -> tuple[float, float]:
+    """(GPU bytes/s, fixed ms per token) from a GPU kernel timing when the probe has one."""
+    k = next((k for k in hw.kernels if k.device != "CPU"), None)
+    if k is None:
+        return GPU_HBM_GBS * 1e9, GPU_TOKEN_OVERHEAD_MS
+    return GPU_HBM_GBS * 1e9, max(0.2, k.decode_ms_per_token * 0.8)
+
+
+def _transitions(placement: Placement) -> int:
+    """Host<->GPU hand-overs per token along the layer sequence (each costs a synchronisation)."""
+    seq: list[str] = []
+    for i, dev in enumerate(placement.layer_device):
+        seq.append(dev)
+        if placement.expert_device:
+            seq.extend(placement.expert_device[i][p] for p in EXPERT_PARTS)
+    seq.append(placement.output_device)
+    return sum(1 for a, b in zip(seq, seq[1:], strict=False) if (a == "CPU") != (b == "CPU"))
+
+
+def predict(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: Workload) -> Prediction:
+    """Predicted prefill/decode tokens per second of ``cand`` and seconds for ``work``."""
+    eff, prefill_ms_per_byte, probe_threads = _cpu_calibration(info, hw)
+    per_dev = layer_bytes(info, cand.placement)
+    gpu_bw, gpu_fixed = _gpu_bandwidth(hw)
+    p = cand.params
+    cpu_read = per_dev.get("CPU", (0.0, 0.0))[0]
+    gpu_read = sum(r for d, (r, _) in per_dev.items() if d != "CPU")
+    kv_read = info.kv_bytes_per_token.get(p.type_k, 0) * work.mean_prompt_tokens
+    kv_on_cpu = not any(d != "CPU" for d in cand.placement.layer_device) or not p.offload_kqv
+    cpu_read += kv_read if kv_on_cpu else 0.0
+    gpu_read += 0.0 if kv_on_cpu else kv_read
+    decode_ms = cpu_read / (cpu_bandwidth(hw, p.n_threads) * eff) * 1e3
+    if gpu_read:
+        decode_ms += gpu_fixed + gpu_read / gpu_bw * 1e3 + _transitions(cand.placement) * HYBRID_LAYER_SYNC_MS
+    if p.flash_attn and gpu_read:
+        decode_ms *= 0.85
+    prefill_ms = _prefill_ms(info, hw, cand, per_dev, prefill_ms_per_byte, probe_threads)
+    decode_tps, prefill_tps = 1e3 / max(decode_ms, 1e-6), 1e3 / max(prefill_ms, 1e-6)
+    score = work.prefill_tokens / prefill_tps + work.decode_tokens / decode_tps
+    return Prediction(candidate_id=cand.id, prefill_tps=prefill_tps, decode_tps=decode_tps, score_s=score)
+
+
+def _prefill_ms(info: ModelInfo, hw: HardwareReport, cand: Candidate, per_dev: dict[str, tuple[float, float]],
+                ms_per_byte: float, probe_threads: int) -> float:
+    """Prefill ms per token: CPU compute scaled by threads; host weights copied per offloaded micro-batch."""
+    p = cand.params
+    cpu_read = per_dev.get("CPU", (0.0, 0.0))[0]
+    gpu_resident = sum(res for d, (_, res) in per_dev.items() if d != "CPU")
+    scale = effective_cores(hw, probe_threads) / effective_cores(hw, p.n_threads_batch)
+    cpu_ms = cpu_read * ms_per_byte * scale * (512 / max(64, min(p.n_ubatch, 512))) ** 0.1
+    if not gpu_resident:
+        return cpu_ms
+    threshold = p.offload_min_batch or DEFAULT_OFFLOAD_MIN_BATCH
+    if p.n_ubatch < threshold or not p.op_offload:
+        return cpu_ms + 0.02
+    gpu = next((g for g in hw.gpus), None)
+    pinned = p.load_mode != "mmap"
+    h2d = (gpu.h2d_pinned_gbs if pinned else gpu.h2d_pageable_gbs) if gpu else None
+    h2d_gbs = h2d or (45.0 if pinned else 7.5)
+    host_resident = per_dev.get("CPU", (0.0, 0.0))[1] - info.bytes_by_role.get("embeddings", 0)
+    copy_ms_per_token = host_resident / (h2d_gbs * 1e9) * 1e3 / p.n_ubatch
+    return 0.08 + copy_ms_per_token * (0.9 if p.flash_attn else 1.0)

@@ -1,0 +1,207 @@
+"""Enumerate: the search space of placements and runtime knobs, checked against memory.
+
+On a CPU-only machine the space is threads (decode and batch), n_batch/n_ubatch, flash attention,
+mmap vs loaded weights and the requested KV type. With GPUs it adds where weights live: all on a GPU,
+llama.cpp's last-N layers, and per-layer expert tensors (gate/up/down separately) chosen by the MILP in
+:mod:`tasks.expert_select` under each GPU's budget, with pinned host weights and the offload threshold.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from artifacts.model_info import ModelInfo
+from engine_bridge.params import EngineParams, TensorOverride
+from tasks import expert_select
+from tasks.costmodel import EXPERT_PARTS, all_on, layer_bytes
+from tasks.errors import ImpossiblePlan
+from tasks.models import Candidate, HardwareReport, Placement, PlacementSpace, PlanRequest
+
+log = logging.getLogger(__name__)
+GIB = 2**30
+GPU_MARGIN = 512 * 2**20  # CUDA context, cuBLAS workspace and fragmentation
+
+
+def compute_bytes(info: ModelInfo, n_ubatch: int, n_ctx: int, flash_attn: bool) -> int:
+    """Estimated compute buffer of one device: activations + logits of a micro-batch (+ scores without FA)."""
+    act = n_ubatch * (4 * info.n_embd + 3 * max(info.n_embd * 4, 1)) * 4
+    logits = n_ubatch * info.n_vocab * 4
+    scores = 0 if flash_attn else n_ubatch * n_ctx * max(info.n_head, 1) * 4
+    return int(act + logits + scores + 16 * 2**20)
+
+
+def _thread_choices(hw: HardwareReport) -> list[int]:
+    phys, logical = hw.cpu.physical_cores, hw.cpu.logical_cores
+    return sorted({max(1, phys // 2), phys, logical})
+
+
+def host_budget(hw: HardwareReport, reserve_percent: float) -> int:
+    """Host bytes Flux may use: available RAM minus the host reserve."""
+    return int(min(hw.ram_available, hw.ram_total * (1 - reserve_percent / 100)))
+
+
+def resolve_context(info: ModelInfo, hw: HardwareReport, req: PlanRequest, reserve_percent: float) -> tuple[int, bool]:
+    """Tokens per sequence: the request, else the trained context capped by what RAM can hold."""
+    kv_tok = info.kv_bytes_per_token[req.kv] * req.concurrency
+    trained = info.n_ctx_train or 4096
+    room = host_budget(hw, reserve_percent) - info.weight_bytes - compute_bytes(info, 512, 4096, True)
+    if req.ctx is not None:
+        if req.ctx > trained:
+            raise ImpossiblePlan(f"--ctx {req.ctx} exceeds the model's trained context {trained}",
+                                 f"use --ctx {trained} or less")
+        return req.ctx, False
+    fit = max(0, room // max(kv_tok, 1))
+    if fit >= trained:
+        return trained, False
+    if fit < 256:
+        need = (info.weight_bytes + 256 * kv_tok) / GIB
+        raise ImpossiblePlan(f"RAM cannot hold the weights plus a 256-token KV cache (needs {need:.1f} GiB, "
+                             f"{host_budget(hw, reserve_percent) / GIB:.1f} GiB usable)",
+                             "lower host_reserve_percent, use a smaller quant, or --allow-storage-streaming")
+    return int(fit // 256 * 256), True
+
+
+def _overrides(p: Placement) -> list[TensorOverride]:
+    """tensor_buft_overrides that realise a placement when llama.cpp offloads every layer (-ngl 999)."""
+    by_dev: dict[tuple[str, str], list[int]] = {}
+    for i, dev in enumerate(p.layer_device):
+        parts = {q: p.expert_device[i][q] for q in EXPERT_PARTS} if p.expert_device else {}
+        for q, qdev in parts.items():
+            if qdev != dev or dev == "CPU":
+                by_dev.setdefault((qdev, f"ffn_{q}_exps"), []).append(i)
+        if dev == "CPU":
+            by_dev.setdefault(("CPU", "block"), []).append(i)
+    out = []
+    for (dev, what), layers in sorted(by_dev.items()):
+        ids = "|".join(str(i) for i in layers)
+        pat = rf"^blk\.({ids})\." if what == "block" else rf"^blk\.({ids})\.{what}\."
+        out.append(TensorOverride(pattern=pat, device=dev))
+    return out
+
+
+def _memory(info: ModelInfo, p: Placement, params: EngineParams, n_seq: int) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    weights = {d: int(res) for d, (_, res) in layer_bytes(info, p).items()}
+    kv_total = info.kv_bytes_per_token[params.type_k] * params.n_ctx * n_seq
+    gpu_layers = [d for d in p.layer_device if d != "CPU"]
+    kv: dict[str, int] = {}
+    for d in set(p.layer_device):
+        share = sum(1 for x in p.layer_device if x == d) / max(1, info.n_layer)
+        dev = d if (d != "CPU" and params.offload_kqv) else "CPU"
+        kv[dev] = kv.get(dev, 0) + int(kv_total * share)
+    comp = {"CPU": compute_bytes(info, params.n_ubatch, params.n_ctx, params.flash_attn)}
+    for d in set(gpu_layers) | ({p.output_device} - {"CPU"}):
+        comp[d] = compute_bytes(info, params.n_ubatch, params.n_ctx, params.flash_attn)
+    return weights, kv, comp
+
+
+def _gpu_placements(info: ModelInfo, budgets: list[int]) -> list[tuple[str, Placement]]:
+    """Structural placements for the GPUs: all on GPU, llama.cpp's last-N layers, MILP expert sets."""
+    if not budgets:
+        return []
+    out: list[tuple[str, Placement]] = []
+    full = all_on(info, "CUDA0")
+    if sum(res for _, res in layer_bytes(info, full).values()) - info.bytes_by_role.get("embeddings", 0) <= budgets[0]:
+        out.append(("all-gpu", full))
+    head = info.bytes_by_role.get("output", 0)
+    room = [max(0, b - (head if i == 0 else 0)) for i, b in enumerate(budgets)]
+    for weight, bias, name in ((0.0, 1.0, "milp-decode"), (0.5, 1.0, "milp-mixed"), (0.9, -1.0, "milp-prefill")):
+        p = expert_select.select(info, room, prefill_weight=weight, bias_late=bias)
+        out.append((name, p.model_copy(update={"output_device": "CUDA0"})))
+    per_layer = max(1, max(layer.total_bytes for layer in info.layers))
+    n_fit = min(info.n_layer, room[0] // per_layer)
+    if 0 < n_fit < info.n_layer:
+        last = ["CPU"] * (info.n_layer - n_fit) + ["CUDA0"] * n_fit
+        out.append((f"last-{n_fit}-layers", Placement(layer_device=last, expert_device=[
+            dict.fromkeys(EXPERT_PARTS, d) for d in last] if info.is_moe else [], output_device="CUDA0")))
+    return out
+
+
+def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest,
+                         reserve_percent: float) -> PlacementSpace:
+    """Every memory-feasible candidate for this model, machine and request.
+
+    Raises:
+        ImpossiblePlan: no candidate fits (context too large, weights beyond RAM without streaming).
+    """
+    n_ctx, capped = resolve_context(info, hw, req, reserve_percent)
+    host = host_budget(hw, reserve_percent)
+    gpu_limits = _gpu_limits(hw, req)
+    limits = {"CPU": host, **{f"CUDA{i}": b for i, b in enumerate(gpu_limits)}}
+    placements = [("cpu", all_on(info, "CPU"))] + _gpu_placements(info, [max(0, b - GPU_MARGIN) for b in gpu_limits])
+    rejected: dict[str, int] = {}
+    cands: list[Candidate] = []
+    for family, placement in placements:
+        for params in _runtime_grid(info, hw, req, n_ctx, placement):
+            weights, kv, comp = _memory(info, placement, params, req.concurrency)
+            over = _over_limit(limits, weights, kv, comp, params, req)
+            if over:
+                rejected[over] = rejected.get(over, 0) + 1
+                continue
+            cid = f"c{len(cands):03d}"
+            cands.append(Candidate(id=cid, family=family, placement=placement, params=params, weights_bytes=weights,
+                                   kv_bytes=kv, compute_bytes=comp,
+                                   needs_storage_streaming=weights.get("CPU", 0) > host and params.load_mode == "mmap"))
+    if not cands:
+        raise _explain(info, req, rejected, limits, n_ctx)
+    log.info("enumerate: %d candidates (%d placements), %d rejected, n_ctx %d", len(cands), len(placements),
+             sum(rejected.values()), n_ctx)
+    return PlacementSpace(candidates=cands, rejected=rejected, memory_limits=limits, n_ctx=n_ctx,
+                          n_seq=req.concurrency, ctx_capped_by_ram=capped)
+
+
+def _gpu_limits(hw: HardwareReport, req: PlanRequest) -> list[int]:
+    budgets = req.gpu_mem_budget_gib or []
+    out = []
+    for i, g in enumerate(hw.gpus):
+        b = budgets[i] if i < len(budgets) else (budgets[-1] if budgets else None)
+        out.append(int(min(g.memory_free, b * GIB)) if b is not None else g.memory_free)
+    return out
+
+
+def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, n_ctx: int,
+                  placement: Placement) -> list[EngineParams]:
+    on_gpu = placement.gpu_layers() > 0 or placement.output_device != "CPU"
+    threads = _thread_choices(hw)
+    ubatches = [256, 512, 2048] if on_gpu else [128, 512]
+    loads = ["mmap", "load"]
+    fas = [True, False] if req.kv in ("f16", "f32") else [True]
+    offload = [None, 4096] if on_gpu and any(d == "CPU" for d in placement.layer_device + [
+        e for ex in placement.expert_device for e in ex.values()]) else [None]
+    overrides = _overrides(placement) if on_gpu else []
+    out = []
+    for t, tb, ub, load, fa, omb in itertools.product(threads, threads, ubatches, loads, fas, offload):
+        if ub > n_ctx or (on_gpu and t != tb):
+            continue
+        out.append(EngineParams(
+            n_ctx=n_ctx, n_seq_max=req.concurrency, n_batch=max(ub, 512 if not on_gpu else ub), n_ubatch=ub,
+            n_threads=t, n_threads_batch=tb, n_gpu_layers=999 if on_gpu else 0, flash_attn=fa, type_k=req.kv,
+            type_v=req.kv, load_mode=load, offload_min_batch=omb, tensor_overrides=tuple(overrides), seed=req.seed))
+    return out
+
+
+def _over_limit(limits: dict[str, int], weights: dict[str, int], kv: dict[str, int], comp: dict[str, int],
+                params: EngineParams, req: PlanRequest) -> str | None:
+    for dev, limit in limits.items():
+        resident = kv.get(dev, 0) + comp.get(dev, 0)
+        if dev != "CPU" or params.load_mode != "mmap" or not req.allow_storage_streaming:
+            resident += weights.get(dev, 0)
+        if resident > limit:
+            return f"{dev} memory"
+    return None
+
+
+def _explain(info: ModelInfo, req: PlanRequest, rejected: dict[str, int], limits: dict[str, int],
+             n_ctx: int) -> ImpossiblePlan:
+    kv = info.kv_bytes_per_token[req.kv] * n_ctx * req.concurrency
+    host = limits["CPU"]
+    if info.weight_bytes > host and not req.allow_storage_streaming:
+        return ImpossiblePlan(
+            f"the weights ({info.weight_bytes / GIB:.1f} GiB) exceed usable RAM ({host / GIB:.1f} GiB)",
+            "pass --allow-storage-streaming to read the rest from the drive (decode is then bound by its "
+            "read speed), or use a smaller quant")
+    return ImpossiblePlan(
+        f"no placement fits: weights {info.weight_bytes / GIB:.2f} GiB + KV {kv / GIB:.2f} GiB "
+        f"(ctx {n_ctx} x {req.concurrency}) vs limits " +
+        ", ".join(f"{d} {b / GIB:.1f} GiB" for d, b in limits.items()) + f" ({rejected})",
+        "lower --ctx or --concurrency, or use --kv q8_0")

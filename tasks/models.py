@@ -1,0 +1,228 @@
+"""The nouns of planning, shared by the pipeline stages (TVM-style: Candidate, MeasureResult, Plan).
+
+Each stage's result is a frozen pydantic model, content-hashed into the store. Bulk rows (candidate
+grids, per-trial timings) travel as pyarrow tables next to these models.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine_bridge.params import EngineParams, KvType
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# -- request -----------------------------------------------------------------------------------------
+class PlanRequest(_Model):
+    """What the user asked `flux plan` for (the planning flags)."""
+
+    model: str
+    ctx: int | None = Field(None, ge=16, description="tokens per sequence; None = trained context (capped by RAM)")
+    concurrency: int = Field(1, ge=1, le=256)
+    kv: KvType = "f16"
+    budget_s: float = Field(600.0, gt=0)
+    gpu_mem_budget_gib: list[float] | None = None
+    allow_storage_streaming: bool = False
+    finalists: int = Field(6, ge=1)
+    repeats: int = Field(3, ge=1)
+    seed: int = 0
+
+    @property
+    def quality_profile(self) -> str:
+        """'reference' for f16 KV, else the KV type: a different profile is allowed to differ in output."""
+        return "reference" if self.kv in ("f16", "f32") else f"kv-{self.kv}"
+
+
+# -- probe -------------------------------------------------------------------------------------------
+class CpuInfo(_Model):
+    """The host CPU."""
+
+    model: str
+    physical_cores: int
+    logical_cores: int
+    isa: list[str]
+
+
+class GpuInfo(_Model):
+    """One NVIDIA GPU as NVML reports it (plus measured host-to-device bandwidth when probed)."""
+
+    index: int
+    name: str
+    memory_total: int
+    memory_free: int
+    pcie_gen: int | None = None
+    pcie_width: int | None = None
+    compute_capability: str | None = None
+    h2d_pinned_gbs: float | None = None
+    h2d_pageable_gbs: float | None = None
+
+
+class KernelTiming(_Model):
+    """The model's own kernels timed on one device (whole-model runs divided per layer)."""
+
+    device: str
+    n_threads: int
+    decode_ms_per_token: float
+    prefill_ms_per_token: float
+    prefill_batch: int
+    decode_ms_per_layer: float
+    prefill_ms_per_layer: float
+
+
+class HardwareReport(_Model):
+    """Everything the probe measured; the fingerprint keys plans to this machine."""
+
+    fingerprint: str
+    cpu: CpuInfo
+    ram_total: int
+    ram_available: int
+    ram_read_gbs: float
+    ram_read_gbs_1thread: float
+    storage_read_gbs: float
+    storage_method: str
+    gpus: list[GpuInfo]
+    driver: str | None
+    ggml_devices: list[dict[str, object]]
+    kernels: list[KernelTiming]
+    model_hash: str
+    backend_build: str
+
+
+# -- search space --------------------------------------------------------------------------------------
+DeviceName = str  # "CPU", "CUDA0", ...
+ExpertPart = Literal["gate", "up", "down"]
+
+
+class Placement(_Model):
+    """Where weights live: per layer, its attention/dense part and each expert tensor."""
+
+    layer_device: list[DeviceName] = Field(description="device of each layer's non-expert weights")
+    expert_device: list[dict[str, DeviceName]] = Field(
+        default_factory=list, description="per layer {'gate'|'up'|'down': device}; empty for dense models")
+    output_device: DeviceName = "CPU"
+
+    def gpu_layers(self) -> int:
+        """Layers whose non-expert weights are not on the CPU."""
+        return sum(1 for d in self.layer_device if d != "CPU")
+
+
+class Candidate(_Model):
+    """One point of the search space: a placement plus runtime knobs, as llama.cpp parameters."""
+
+    id: str
+    family: str = Field(description="how it was generated: 'cpu-grid', 'all-gpu', 'experts-milp', ...")
+    placement: Placement
+    params: EngineParams
+    weights_bytes: dict[DeviceName, int]
+    kv_bytes: dict[DeviceName, int]
+    compute_bytes: dict[DeviceName, int]
+    needs_storage_streaming: bool = False
+
+
+class PlacementSpace(_Model):
+    """The enumerated, memory-feasible candidates and the limits they were checked against."""
+
+    candidates: list[Candidate]
+    rejected: dict[str, int] = Field(description="reason -> count of infeasible points")
+    memory_limits: dict[DeviceName, int]
+    n_ctx: int
+    n_seq: int
+    ctx_capped_by_ram: bool = False
+
+
+class Prediction(_Model):
+    """The cost model's estimate for one candidate."""
+
+    candidate_id: str
+    prefill_tps: float
+    decode_tps: float
+    score_s: float = Field(description="predicted seconds for the workload mix; lower is better")
+
+
+class Finalists(_Model):
+    """What prune kept for measurement, with predictions for every kept candidate."""
+
+    finalists: list[Candidate]
+    predictions: list[Prediction]
+    workload_prefill_tokens: int
+    workload_decode_tokens: int
+    n_ranked: int
+
+
+# -- measurement ---------------------------------------------------------------------------------------
+class MeasureSummary(_Model):
+    """Per-finalist medians over its trials (the trials themselves are a Parquet table)."""
+
+    candidate_id: str
+    prefill_tps: float | None
+    decode_tps: float | None
+    prefill_iqr: float | None = None
+    decode_iqr: float | None = None
+    workload_s: float | None
+    n_trials: int
+    error: str | None = None
+    peak_rss_bytes: int | None = None
+
+
+class MeasureResults(_Model):
+    """The measure stage's result: summaries + the id of the stored trials table."""
+
+    summaries: list[MeasureSummary]
+    trials_table: str
+    budget_s: float
+    spent_s: float
+    stopped_by_budget: bool
+
+
+class ValidationResult(_Model):
+    """One candidate compared with the reference placement."""
+
+    candidate_id: str
+    mean_kl: float
+    max_kl: float
+    top1_agreement: float
+    n_tokens: int
+    passed: bool
+    held_out_decode_tps: float | None = None
+    held_out_prefill_tps: float | None = None
+
+
+class ValidationReport(_Model):
+    """The validate stage's result: the winner among the top two."""
+
+    results: list[ValidationResult]
+    winner_id: str
+    quality_profile: str
+    reference: EngineParams
+
+
+class Plan(_Model):
+    """An immutable plan (FFTW's wisdom): the winner, its evidence, and everything it is keyed by."""
+
+    id: str
+    key: dict[str, object]
+    created_at: str
+    model_path: str
+    model_name: str
+    model_hash: str
+    hardware_fingerprint: str
+    backend_build: str
+    driver: str | None
+    request: PlanRequest
+    candidate: Candidate
+    measured: MeasureSummary
+    predicted: Prediction
+    validation: ValidationResult
+    finalists: list[MeasureSummary]
+    predictions: list[Prediction]
+    median_prediction_error: float | None
+    roofline_decode_tps: float | None
+    memory_budget: dict[DeviceName, int]
+    trials_table: str
+    quality_profile: str
+    workload_prefill_share: float

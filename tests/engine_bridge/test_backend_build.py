@@ -1,0 +1,107 @@
+"""The pinned backend: patch mechanism on a copy of the vendored tree, cache hit, build id."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from engine_bridge.backend import PATCH_DIR, backend_info, read_pin
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flux"
+ARCH_FILE = "src/llama-arch.cpp"
+
+
+@pytest.fixture(scope="module")
+def vendored(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of part of the pinned sdist's vendored llama.cpp (src/ and include/)."""
+    pin = read_pin()
+    sdist = CACHE / "sdist" / f"llama_cpp_python-{pin['LLAMA_CPP_PYTHON_VERSION']}.tar.gz"
+    if not sdist.exists():
+        pytest.skip("the pinned sdist is not in the cache: run scripts/build-backend.sh")
+    out = tmp_path_factory.mktemp("vendor")
+    prefix = f"llama_cpp_python-{pin['LLAMA_CPP_PYTHON_VERSION']}/vendor/llama.cpp/"
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers()
+                   if m.name.startswith(prefix + "src/") or m.name.startswith(prefix + "include/")]
+        for m in members:
+            m.name = m.name[len(prefix):]
+        tar.extractall(out, members=members, filter="data")
+    return out / ""
+
+
+def make_patch(tree: Path, rel: str, old: str, new: str, dest: Path) -> Path:
+    """A git-style patch replacing one line of ``rel`` (made with git diff --no-index)."""
+    a, b = dest.parent / "a", dest.parent / "b"
+    for d in (a, b):
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+    text = (tree / rel).read_text()
+    (a / rel).write_text(text)
+    (b / rel).write_text(text.replace(old, new, 1))
+    diff = subprocess.run(["git", "diff", "--no-index", "--no-prefix", "--", f"a/{rel}", f"b/{rel}"], cwd=dest.parent,
+                          capture_output=True, text=True).stdout
+    dest.write_text(diff)
+    return dest
+
+
+def apply(tree: Path, *patches: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(REPO / "scripts" / "apply-patches.sh"), str(tree), *map(str, patches)],
+                          capture_output=True, text=True)
+
+
+def test_patch_set_applies_in_order(vendored: Path, tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    subprocess.run(["cp", "-r", str(vendored), str(tree)], check=True)
+    p1 = make_patch(tree, ARCH_FILE, '"llama"', '"llama" /* flux-test-1 */', tmp_path / "0001-one.patch")
+    r = apply(tree, p1)
+    assert r.returncode == 0, r.stderr
+    assert "flux-test-1" in (tree / ARCH_FILE).read_text()
+    assert "applied 0001-one.patch" in r.stderr
+
+
+def test_a_patch_that_does_not_apply_is_named(vendored: Path, tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    subprocess.run(["cp", "-r", str(vendored), str(tree)], check=True)
+    good = make_patch(tree, ARCH_FILE, '"llama"', '"llama" /* ok */', tmp_path / "0001-good.patch")
+    bad = tmp_path / "0002-stale.patch"
+    bad.write_text(good.read_text().replace('"llama"', '"no-such-line-in-llama-arch"'))
+    r = apply(tree, good, bad)
+    assert r.returncode != 0
+    assert "0002-stale.patch does not apply" in r.stderr
+
+
+def test_the_projects_own_patches_apply(vendored: Path, tmp_path: Path) -> None:
+    patches = sorted(PATCH_DIR.glob("*.patch"))
+    touched = [line.split(" b/")[-1] for p in patches for line in p.read_text().splitlines()
+               if line.startswith("diff --git")]
+    if any(not (vendored / t).exists() for t in touched):
+        pytest.skip("a project patch touches files outside src/ and include/")
+    tree = tmp_path / "tree"
+    subprocess.run(["cp", "-r", str(vendored), str(tree)], check=True)
+    r = apply(tree, *patches)
+    assert r.returncode == 0, r.stderr
+
+
+def test_second_build_is_a_cache_hit() -> None:
+    if not (CACHE / "backend" / "current" / "build.json").exists():
+        pytest.skip("backend not built in this cache")
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", str(REPO / "scripts" / "build-backend.sh")], capture_output=True, text=True,
+                       timeout=120)
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr
+    assert "cache hit" in r.stderr
+    assert took < 30, f"cache hit took {took:.1f} s"
+
+
+def test_build_id_is_stable_and_names_the_libraries(tmp_path: Path) -> None:
+    a = backend_info(tmp_path)
+    b = backend_info(tmp_path)
+    assert a.build_id == b.build_id and len(a.build_id) == 16
+    assert "libllama.so" in a.libraries
+    assert a.pin["LLAMA_CPP_PYTHON_SHA256"] == "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"

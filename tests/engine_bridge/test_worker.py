@@ -1,0 +1,109 @@
+"""The engine worker over its protocol: real llama.cpp in a real subprocess, faults included."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine_bridge.client import WorkerClient
+from engine_bridge.errors import EngineError, WorkerDied, WorkerTimeout
+from engine_bridge.params import EngineParams, TensorOverride
+from engine_bridge.protocol import PROTOCOL_VERSION
+
+PARAMS = EngineParams(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=2, n_threads_batch=2)
+
+
+@pytest.fixture()
+def worker(tmp_path: Path):  # type: ignore[no-untyped-def]
+    w = WorkerClient(log_path=tmp_path / "worker.log")
+    w.start()
+    yield w
+    w.close()
+
+
+def test_hello_speaks_our_protocol(worker: WorkerClient) -> None:
+    assert worker.call("hello")["protocol"] == PROTOCOL_VERSION
+
+
+def test_timed_run_uses_llama_counters(worker: WorkerClient, tiny_moe: Path) -> None:
+    load = worker.call("load", {"model": str(tiny_moe), "params": PARAMS.model_dump()})
+    assert load["n_ctx"] == 256 and load["n_vocab"] > 256
+    toks = worker.call("tokenize", {"text": "Hello world, this is Flux."})["tokens"]
+    t = worker.call("timed_run", {"prompt": toks, "n_gen": 5})
+    assert t["prompt_tokens"] == len(toks)
+    assert t["gen_tokens"] in (4, 5), "llama.cpp counts decode steps after the first sampled token"
+    assert t["prompt_ms"] > 0 and t["gen_ms"] > 0
+
+
+def test_logprobs_are_normalized(worker: WorkerClient, tiny_moe: Path, tmp_path: Path) -> None:
+    worker.call("load", {"model": str(tiny_moe), "params": PARAMS.model_dump()})
+    toks = worker.call("tokenize", {"text": "abc def"})["tokens"]
+    cont = worker.call("greedy", {"prompt": toks, "n_gen": 4, "stop_eog": False})["tokens"]
+    out = tmp_path / "lp.npy"
+    worker.call("logprobs", {"prompt": toks, "continuation": cont, "out": str(out)})
+    lp = np.load(out)
+    assert lp.shape[0] == 4
+    np.testing.assert_allclose(np.exp(lp).sum(axis=1), 1.0, rtol=1e-4)
+    assert (lp.argmax(axis=1) == np.array(cont)).all(), "greedy tokens are the argmax of their distributions"
+
+
+def test_overrides_load_and_match_plain_outputs(worker: WorkerClient, tiny_moe: Path, tmp_path: Path) -> None:
+    worker.call("load", {"model": str(tiny_moe), "params": PARAMS.model_dump()})
+    toks = worker.call("tokenize", {"text": "overrides"})["tokens"]
+    plain = worker.call("greedy", {"prompt": toks, "n_gen": 6, "stop_eog": False})["tokens"]
+    params = PARAMS.model_copy(update={"tensor_overrides": (TensorOverride(pattern=r"^blk\.(0|2)\.ffn_(gate|up)_exps\.", device="CPU"),)})
+    worker.call("load", {"model": str(tiny_moe), "params": params.model_dump()})
+    assert worker.call("greedy", {"prompt": toks, "n_gen": 6, "stop_eog": False})["tokens"] == plain
+
+
+def test_unknown_device_is_a_typed_error(worker: WorkerClient, tiny_moe: Path) -> None:
+    params = PARAMS.model_copy(update={"tensor_overrides": (TensorOverride(pattern="exps", device="CUDA7"),)})
+    with pytest.raises(EngineError) as exc:
+        worker.call("load", {"model": str(tiny_moe), "params": params.model_dump()})
+    assert exc.value.code == "bad_override" and "CUDA7" in exc.value.message
+    assert worker.call("hello")["protocol"] == PROTOCOL_VERSION, "the worker survives a failed request"
+
+
+def test_requests_before_load_fail_cleanly(worker: WorkerClient) -> None:
+    with pytest.raises(EngineError) as exc:
+        worker.call("timed_run", {"prompt": [1, 2], "n_gen": 1})
+    assert exc.value.code == "not_loaded"
+
+
+def test_native_crash_is_worker_died(worker: WorkerClient) -> None:
+    with pytest.raises(WorkerDied) as exc:
+        worker.call("abort")
+    assert exc.value.returncode is not None and exc.value.returncode < 0
+    assert not worker.alive
+
+
+def test_kill_mid_request(worker: WorkerClient, tiny_moe: Path) -> None:
+    worker.call("load", {"model": str(tiny_moe), "params": PARAMS.model_dump()})
+    pid = worker.pid
+    assert pid
+    threading.Timer(0.3, lambda: os.kill(pid, signal.SIGKILL)).start()
+    with pytest.raises(WorkerDied):
+        for _ in range(10_000):
+            worker.call("timed_run", {"prompt": list(range(10, 200)), "n_gen": 40})
+
+
+def test_timeout_kills_the_worker(worker: WorkerClient, tiny_moe: Path) -> None:
+    worker.call("load", {"model": str(tiny_moe), "params": PARAMS.model_dump()})
+    pid = worker.pid
+    assert pid
+    os.kill(pid, signal.SIGSTOP)  # a hung worker
+    t0 = time.monotonic()
+    with pytest.raises(WorkerTimeout):
+        worker.call("hello", timeout=0.5)
+    assert time.monotonic() - t0 < 5 and not worker.alive
+
+
+def test_quantized_v_without_flash_attention_is_refused() -> None:
+    with pytest.raises(ValueError, match="flash_attn"):
+        EngineParams(type_v="q8_0", flash_attn=False)

@@ -1,0 +1,131 @@
+"""Pure planning parts: expert selection (MILP), enumeration under memory, overrides, cost model."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from artifacts.model_info import ModelInfo, model_info, read_tensors
+from tasks import expert_select
+from tasks.costmodel import Workload, all_on, layer_bytes, predict
+from tasks.enumerate import GPU_MARGIN, _overrides, enumerate_placements
+from tasks.errors import ImpossiblePlan
+from tasks.models import Candidate, PlanRequest
+from tasks.testing import h200_report
+
+WORK = Workload(prefill_tokens=2048, decode_tokens=128, mean_prompt_tokens=512)
+
+
+@pytest.fixture(scope="module")
+def moe(tiny_moe: Path) -> ModelInfo:
+    return model_info(tiny_moe)
+
+
+def gpu_bytes(info: ModelInfo, placement) -> int:  # type: ignore[no-untyped-def]
+    return int(sum(res for d, (_, res) in layer_bytes(info, placement).items() if d != "CPU"))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frac=st.floats(0.0, 1.2), weight=st.floats(0, 1))
+def test_milp_respects_the_budget(moe: ModelInfo, frac: float, weight: float) -> None:
+    budget = int(frac * moe.weight_bytes)
+    p = expert_select.select(moe, [budget], prefill_weight=weight)
+    assert gpu_bytes(moe, p) - 0 <= budget
+    for i, ex in enumerate(p.expert_device):
+        for dev in ex.values():
+            assert dev == "CPU" or dev == p.layer_device[i], "an expert tensor must sit with its layer's attention"
+
+
+def test_milp_more_budget_never_less_on_gpu(moe: ModelInfo) -> None:
+    sizes = [gpu_bytes(moe, expert_select.select(moe, [int(f * moe.weight_bytes)])) for f in (0.1, 0.3, 0.6, 1.0)]
+    assert sizes == sorted(sizes) and sizes[-1] > 0
+
+
+def test_milp_splits_gate_up_down(moe: ModelInfo) -> None:
+    layer = moe.layers[0]
+    block = sum(v for k, v in layer.bytes_by_role.items() if not k.startswith("experts_"))
+    budget = moe.n_layer * block + layer.bytes_by_role["experts_gate"] + 10
+    p = expert_select.select(moe, [budget])
+    parts_on_gpu = sum(1 for ex in p.expert_device for d in ex.values() if d != "CPU")
+    assert parts_on_gpu == 1, "exactly one expert tensor fits beside the blocks: the MILP picks a single part"
+
+
+def test_two_gpus_split_the_model(moe: ModelInfo) -> None:
+    half = moe.weight_bytes // 2
+    p = expert_select.select(moe, [half, half])
+    assert {"CUDA0", "CUDA1"} <= set(p.layer_device)
+
+
+def test_overrides_match_exactly_the_cpu_tensors(moe: ModelInfo, tiny_moe: Path) -> None:
+    p = expert_select.select(moe, [moe.weight_bytes // 3])
+    rules = [(re.compile(o.pattern), o.device) for o in _overrides(p)]
+    for t in read_tensors(tiny_moe):
+        m = re.match(r"blk\.(\d+)\.(.*)", t.name)
+        if not m:
+            continue
+        layer, rest = int(m.group(1)), m.group(2)
+        part = next((q for q in ("gate", "up", "down") if rest.startswith(f"ffn_{q}_exps")), None)
+        want = p.expert_device[layer][part] if part else p.layer_device[layer]
+        got = next((dev for rx, dev in rules if rx.search(t.name)), None)
+        assert (got or p.layer_device[layer]) == want, t.name
+
+
+def test_cpu_machine_space_is_real(moe: ModelInfo) -> None:
+    hw = h200_report(0)
+    space = enumerate_placements(moe, hw, PlanRequest(model="m", ctx=512), 10)
+    ps = {c.params for c in space.candidates}
+    assert len(ps) == len(space.candidates) > 8
+    assert {c.params.flash_attn for c in space.candidates} == {True, False}
+    assert {c.params.load_mode for c in space.candidates} == {"mmap", "load"}
+    assert len({c.params.n_threads for c in space.candidates}) >= 2
+    assert all(c.params.n_gpu_layers == 0 and not c.params.tensor_overrides for c in space.candidates)
+
+
+def test_gpu_budget_below_the_model_gives_hybrid_candidates(moe: ModelInfo) -> None:
+    hw = h200_report(1)
+    budget_gib = (moe.weight_bytes * 0.5 + GPU_MARGIN) / 2**30
+    space = enumerate_placements(moe, hw, PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=[budget_gib]), 10)
+    fams = {c.family for c in space.candidates}
+    assert "all-gpu" not in fams and any(f.startswith("milp") for f in fams)
+    for c in space.candidates:
+        used = c.weights_bytes.get("CUDA0", 0) + c.kv_bytes.get("CUDA0", 0) + c.compute_bytes.get("CUDA0", 0)
+        assert used <= budget_gib * 2**30
+
+
+def test_context_beyond_training_is_refused(moe: ModelInfo) -> None:
+    with pytest.raises(ImpossiblePlan, match="trained context"):
+        enumerate_placements(moe, h200_report(0), PlanRequest(model="m", ctx=moe.n_ctx_train * 2), 10)
+
+
+def test_model_beyond_ram_needs_streaming(moe: ModelInfo) -> None:
+    hw = h200_report(0).model_copy(update={"ram_total": moe.weight_bytes // 2, "ram_available": moe.weight_bytes // 2})
+    with pytest.raises(ImpossiblePlan, match="allow-storage-streaming"):
+        enumerate_placements(moe, hw, PlanRequest(model="m", ctx=64), 10)
+
+
+def _cand(info: ModelInfo, placement, **kw) -> Candidate:  # type: ignore[no-untyped-def]
+    from engine_bridge.params import EngineParams
+
+    return Candidate(id="x", family="t", placement=placement, params=EngineParams(**kw), weights_bytes={},
+                     kv_bytes={}, compute_bytes={})
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(t=st.integers(1, 15))
+def test_more_threads_never_predicted_slower_decode(moe: ModelInfo, t: int) -> None:
+    hw = h200_report(0)
+    cpu = all_on(moe, "CPU")
+    a = predict(moe, hw, _cand(moe, cpu, n_threads=t, n_threads_batch=t), WORK)
+    b = predict(moe, hw, _cand(moe, cpu, n_threads=t + 1, n_threads_batch=t + 1), WORK)
+    assert b.decode_tps >= a.decode_tps * 0.999 and a.score_s > 0
+
+
+def test_gpu_predicted_faster_than_cpu(moe: ModelInfo) -> None:
+    hw = h200_report(1)
+    cpu = predict(moe, hw, _cand(moe, all_on(moe, "CPU"), n_threads=16, n_threads_batch=16), WORK)
+    gpu = predict(moe, hw, _cand(moe, all_on(moe, "CUDA0"), n_threads=16, n_threads_batch=16, n_gpu_layers=999), WORK)
+    assert gpu.prefill_tps > cpu.prefill_tps
