@@ -28,9 +28,7 @@ KV_TYPES: dict[str, float] = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 
                               "q5_0": 22 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32, "iq4_nl": 18 / 32}
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 _LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
-_ROLE_RULES: tuple[tuple[re.Pattern[str], Role], ...] = tuple(
-    (re.compile(p), r)
-    for p, r in (
+_ROLE_SPECS: tuple[tuple[str, Role], ...] = (
         (r"^(token_embd|tok_embd|token_types|pos_embd|per_layer_token_embd)", "embeddings"),
         (r"^(output|lm_head)\.", "output"),
         (r"^output_norm", "norm"),
@@ -43,8 +41,8 @@ _ROLE_RULES: tuple[tuple[re.Pattern[str], Role], ...] = tuple(
         (r"norm", "norm"),
         (r"^attn_|\.attn_|ssm_|time_mix|wkv", "attention"),
         (r"ffn_(gate|up|down)", "dense_ffn"),
-    )
 )
+_ROLE_RULES: tuple[tuple[re.Pattern[str], Role], ...] = tuple((re.compile(p), r) for p, r in _ROLE_SPECS)
 
 
 class LayerInfo(BaseModel):

@@ -99,8 +99,8 @@ def _to_placement(info: ModelInfo, its: list[Item], x: np.ndarray) -> Placement:
     layer_dev = ["CPU"] * info.n_layer
     experts: list[dict[str, str]] = [dict.fromkeys(EXPERT_PARTS, "CPU") for _ in range(info.n_layer)]
     for i, it in enumerate(its):
-        gpus = np.flatnonzero(x[i] > 0.5) if x.shape[1] else []
-        dev = f"CUDA{int(gpus[0])}" if len(gpus) else "CPU"
+        gpus: list[int] = [int(j) for j in np.flatnonzero(x[i] > 0.5)] if x.shape[1] else []
+        dev = f"CUDA{gpus[0]}" if gpus else "CPU"
         if it.part == "block":
             layer_dev[it.layer] = dev
         else:

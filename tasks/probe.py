@@ -1,0 +1,191 @@
+"""Probe: measure the machine a plan is made for, and the model's own kernels on each of its devices.
+
+``probe(...) -> HardwareReport``. Host figures come from :mod:`tasks.probe_host`, GPU facts from
+:mod:`tasks.probe_gpu`; ggml devices and kernel timings come from engine workers (only the worker links
+llama.cpp). The fingerprint covers the stable facts only, so a plan keyed by it survives a reboot
+but not a RAM, GPU or driver change.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from artifacts.config import Settings
+from artifacts.ids import content_id
+from artifacts.model_info import ModelInfo, model_info
+from engine_bridge.client import WorkerClient
+from engine_bridge.errors import EngineError
+from engine_bridge.params import EngineParams
+from tasks.models import CpuInfo, GpuInfo, HardwareReport, KernelTiming
+from tasks.probe_gpu import host_to_device_bandwidth, nvml_inventory
+from tasks.probe_host import cpu_info, ram_read_bandwidth, storage_read_speed, usable_cpus
+
+log = logging.getLogger(__name__)
+
+GIB = 2**30
+PREFILL_BATCH = 64  # one prefill micro-batch of this many tokens
+DECODE_TOKENS = 8
+TIMED_REPEATS = 3  # after one warm-up run: the first run after a load is 20-30% slow
+PROBE_CTX = 512
+GPU_HEADROOM = 1 * GIB  # KV cache, compute buffers and the CUDA context besides the weights
+# CUDA hides every GPU: CPU kernels are timed as a CPU-only plan runs them (weights repacked, no offload).
+HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
+PROMPT_TEXT = (
+    "The harbour master counted the ships that came in before the storm: eleven trawlers, two ferries and "
+    "a tanker that had lost its radio. Each captain reported the weather they had seen, the fuel they had "
+    "left and the cargo they carried, and the clerk wrote every figure into a ledger that nobody would "
+    "read until the inquiry, three winters later, asked why the lighthouse had been dark that night."
+)
+
+
+def hardware_fingerprint(cpu: CpuInfo, ram_total: int, gpus: Sequence[GpuInfo], driver: str | None) -> str:
+    """Content id of the machine's stable facts (no free memory, no measured speed).
+
+    Args:
+        cpu: the CPU (its model and logical core count).
+        ram_total: RAM bytes (rounded to GiB, so a kernel reserving a little more does not change it).
+        gpus: the GPUs (name, total memory, compute capability).
+        driver: the NVIDIA driver version, or None.
+    """
+    return content_id({
+        "cpu_model": cpu.model, "logical_cores": cpu.logical_cores, "ram_gib": round(ram_total / GIB),
+        "gpus": [{"name": g.name, "memory_total": g.memory_total, "compute_capability": g.compute_capability}
+                 for g in gpus],
+        "driver": driver,
+    })
+
+
+def _with_copy_bandwidth(gpus: list[GpuInfo], bus_ids: list[str]) -> list[GpuInfo]:
+    """The GPUs with their measured host-to-device bandwidth (None where it could not be measured)."""
+    measured = host_to_device_bandwidth(bus_ids, timeout_s=60.0 + 15.0 * len(bus_ids))
+    out = []
+    for g, bus in zip(gpus, bus_ids, strict=True):
+        pinned, pageable = measured.get(bus, (None, None))
+        if pinned is not None:
+            log.info("probe: GPU %d host-to-device %.1f GB/s pinned, %.1f GB/s pageable", g.index, pinned, pageable)
+        out.append(g.model_copy(update={"h2d_pinned_gbs": pinned, "h2d_pageable_gbs": pageable}))
+    return out
+
+
+def _prompt(w: WorkerClient, timeout_s: float) -> list[int]:
+    """PREFILL_BATCH tokens of the fixed text (repeated if the tokenizer packs it tighter)."""
+    toks = [int(t) for t in w.call("tokenize", {"text": PROMPT_TEXT, "special": False}, timeout=timeout_s)["tokens"]]
+    if not toks:
+        raise EngineError("probe_failed", "the model's tokenizer turned the probe text into no tokens")
+    return (toks * (PREFILL_BATCH // len(toks) + 1))[:PREFILL_BATCH]
+
+
+def _time_kernels(w: WorkerClient, model_path: Path, params: EngineParams, device: str, n_layer: int,
+                  settings: Settings) -> KernelTiming:
+    """Load on ``device`` and time a prefill micro-batch and a few decode tokens (best of the repeats)."""
+    t = settings.serve.worker_timeouts
+    load = w.call("load", {"model": str(model_path), "params": params.model_dump(mode="json")}, timeout=t.load_s)
+    prompt = _prompt(w, t.rpc_s)
+    args = {"prompt": prompt, "n_gen": DECODE_TOKENS}
+    runs = [w.call("timed_run", args, timeout=settings.plan.measure_timeout_s) for _ in range(1 + TIMED_REPEATS)]
+    runs = [r for r in runs[1:] if r["prompt_tokens"] > 0 and r["gen_tokens"] > 0]
+    if not runs:
+        raise EngineError("probe_failed", f"llama.cpp reported no timed tokens on {device}")
+    prefill = min(r["prompt_ms"] / r["prompt_tokens"] for r in runs)
+    decode = min(r["gen_ms"] / r["gen_tokens"] for r in runs)
+    layers = max(n_layer, 1)
+    log.info("probe: %s kernels: load %.0f ms, prefill %.2f ms/token (batch %d), decode %.2f ms/token, %d threads",
+             device, load.get("load_ms", 0.0), prefill, PREFILL_BATCH, decode, params.n_threads)
+    return KernelTiming(device=device, n_threads=params.n_threads, decode_ms_per_token=decode,
+                        prefill_ms_per_token=prefill, prefill_batch=PREFILL_BATCH,
+                        decode_ms_per_layer=decode / layers, prefill_ms_per_layer=prefill / layers)
+
+
+def _params(info: ModelInfo, threads: int, **placement: Any) -> EngineParams:
+    """Small-context parameters for kernel timing."""
+    n_ctx = max(PREFILL_BATCH + DECODE_TOKENS + 8, min(PROBE_CTX, info.n_ctx_train or PROBE_CTX))
+    return EngineParams(n_ctx=n_ctx, n_batch=PREFILL_BATCH, n_ubatch=PREFILL_BATCH, n_threads=threads,
+                        n_threads_batch=threads, **placement)
+
+
+def _worker(settings: Settings, env: Mapping[str, str] | None = None) -> WorkerClient:
+    return WorkerClient(log_path=settings.logs_dir / "probe-worker.log", env=env,
+                        hello_timeout_s=settings.serve.worker_timeouts.hello_s)
+
+
+def _gpu_kernels(w: WorkerClient, model_path: Path, info: ModelInfo, gpus: list[dict[str, Any]], threads: int,
+                 settings: Settings) -> list[KernelTiming]:
+    """Whole-model timings on each GPU the model fits on; a failure there is logged, not raised."""
+    out = []
+    for k, dev in enumerate(gpus):
+        name = str(dev["name"])
+        if info.file_bytes + GPU_HEADROOM > int(dev["memory_free"]):
+            log.info("probe: %s has %.1f GiB free: the model (%.1f GiB) is not timed there", name,
+                     int(dev["memory_free"]) / GIB, info.file_bytes / GIB)
+            continue
+        params = _params(info, threads, n_gpu_layers=-1, split_mode="none", main_gpu=k)
+        try:
+            out.append(_time_kernels(w, model_path, params, name, info.n_layer, settings))
+        except EngineError as exc:
+            log.warning("probe: kernel timing on %s failed: %s", name, exc)
+    return out
+
+
+def engine_probe(model_path: Path, info: ModelInfo, threads: int,
+                 settings: Settings) -> tuple[list[dict[str, object]], list[KernelTiming]]:
+    """ggml's devices and the model's kernels timed on each (CPU first), through engine workers.
+
+    Args:
+        model_path: the model to time.
+        info: its header summary (layer count, file size).
+        threads: CPU threads for decode and batch (the physical core count).
+        settings: worker log location and timeouts.
+
+    Raises:
+        EngineError: the worker failed to start, or the model could not be loaded or run on the CPU.
+    """
+    with _worker(settings) as w:
+        devices: list[dict[str, Any]] = w.call("devices", timeout=settings.serve.worker_timeouts.rpc_s)["devices"]
+        gpus = [d for d in devices if d.get("kind") == "gpu"]
+        log.info("probe: ggml devices: %s", ", ".join(f"{d['name']} ({d['kind']})" for d in devices))
+        if not gpus:  # nothing to hide: this worker times the CPU too
+            return devices, [_time_kernels(w, model_path, _params(info, threads), "CPU", info.n_layer, settings)]
+        kernels = _gpu_kernels(w, model_path, info, gpus, threads, settings)
+    with _worker(settings, env=HIDE_GPUS) as w:
+        cpu = _time_kernels(w, model_path, _params(info, threads), "CPU", info.n_layer, settings)
+    return devices, [cpu, *kernels]
+
+
+def probe(model_path: Path, model_hash: str, settings: Settings, backend_build: str) -> HardwareReport:
+    """Measure this machine for planning ``model_path``.
+
+    Args:
+        model_path: the model file (its drive is read, its kernels are timed).
+        model_hash: the model's content hash (recorded in the report).
+        settings: the process's settings (worker logs and timeouts).
+        backend_build: the backend build id (recorded in the report).
+
+    Returns:
+        CPU, RAM, storage, GPUs, ggml devices and kernel timings, with the hardware fingerprint.
+
+    Raises:
+        ModelFileError: the model file cannot be read.
+        EngineError: the engine worker could not load or run the model on the CPU.
+    """
+    info = model_info(model_path)
+    cpu = cpu_info()
+    vm = psutil.virtual_memory()
+    ram = ram_read_bandwidth(int(vm.available), threads=usable_cpus())
+    storage = storage_read_speed(model_path)
+    nvml = nvml_inventory()
+    gpus = _with_copy_bandwidth(nvml.gpus, nvml.bus_ids) if nvml.gpus else []
+    devices, kernels = engine_probe(model_path, info, cpu.physical_cores, settings)
+    report = HardwareReport(
+        fingerprint=hardware_fingerprint(cpu, int(vm.total), gpus, nvml.driver), cpu=cpu,
+        ram_total=int(vm.total), ram_available=int(vm.available), ram_read_gbs=ram.gbs,
+        ram_read_gbs_1thread=ram.gbs_1thread, storage_read_gbs=storage.gbs, storage_method=storage.method,
+        gpus=gpus, driver=nvml.driver, ggml_devices=devices, kernels=kernels, model_hash=model_hash,
+        backend_build=backend_build)
+    log.info("probe: fingerprint %s (%s, %d cores, %d GiB, %d GPU(s))", report.fingerprint[:12], cpu.model,
+             cpu.logical_cores, round(vm.total / GIB), len(gpus))
+    return report

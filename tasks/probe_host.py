@@ -1,0 +1,283 @@
+"""Host measurements of the probe stage: CPU identity and ISA, RAM read bandwidth, storage read speed.
+
+Everything here is measured or read from the kernel on the machine at hand; nothing is looked up
+from a table of known parts.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import mmap
+import os
+import platform
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import psutil
+
+from tasks.models import CpuInfo
+
+log = logging.getLogger(__name__)
+
+MIB = 2**20
+GIB = 2**30
+CPUINFO = Path("/proc/cpuinfo")
+CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
+# ISA extensions llama.cpp's CPU kernels dispatch on, in report order (x86 names, then arm64 names).
+ISA_OF_INTEREST: tuple[str, ...] = (
+    "sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+    "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16", "amx_fp16",
+    "neon", "asimdhp", "asimddp", "i8mm", "bf16", "sve", "sve2", "sme",
+)
+_ISA_ALIASES = {"asimd": "neon"}  # arm64 kernels call NEON "asimd" in /proc/cpuinfo
+SMALL_FILE_BYTES = 64 * MIB
+
+
+class RamBandwidth(NamedTuple):
+    """Measured RAM read bandwidth."""
+
+    gbs: float
+    gbs_1thread: float
+    threads: int
+    buffer_bytes: int
+
+
+class StorageRead(NamedTuple):
+    """Measured sequential read of one file, with how the page cache was kept out."""
+
+    gbs: float
+    method: str
+    bytes_read: int
+
+
+# -- CPU -----------------------------------------------------------------------------------------------
+def read_cpuinfo(path: Path = CPUINFO) -> list[dict[str, str]]:
+    """Return /proc/cpuinfo as one dict per block (processor); empty where the file does not exist."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    blocks: list[dict[str, str]] = []
+    for chunk in text.split("\n\n"):
+        fields = {}
+        for line in chunk.splitlines():
+            key, sep, value = line.partition(":")
+            if sep:
+                fields[key.strip().lower()] = value.strip()
+        if fields:
+            blocks.append(fields)
+    return blocks
+
+
+def _cpu_model(blocks: list[dict[str, str]]) -> str:
+    """The CPU's marketing name; arm64 kernels often give only implementer and part numbers."""
+    for key in ("model name", "hardware", "cpu model"):
+        for b in blocks:
+            if b.get(key):
+                return b[key]
+    arm = next((b for b in blocks if "cpu implementer" in b), None)
+    if arm is not None:
+        return f"{platform.machine()} (implementer {arm['cpu implementer']}, part {arm.get('cpu part', '?')})"
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _physical_cores(blocks: list[dict[str, str]], logical: int) -> int:
+    """Physical cores: psutil, else distinct (physical id, core id) pairs, else the logical count."""
+    n = psutil.cpu_count(logical=False)
+    if n:
+        return int(n)
+    pairs = {(b.get("physical id", "0"), b["core id"]) for b in blocks if "core id" in b}
+    return len(pairs) or logical
+
+
+def _isa(blocks: list[dict[str, str]]) -> list[str]:
+    """The extensions of interest this CPU reports (x86 'flags', arm64 'features')."""
+    raw = next((b.get("flags") or b.get("features") for b in blocks if b.get("flags") or b.get("features")), "")
+    have = {_ISA_ALIASES.get(f, f) for f in (raw or "").split()}
+    return [f for f in ISA_OF_INTEREST if f in have]
+
+
+def cpu_info(cpuinfo_path: Path = CPUINFO) -> CpuInfo:
+    """Identify the host CPU.
+
+    Args:
+        cpuinfo_path: the kernel's CPU description (a test may point at a saved copy).
+
+    Returns:
+        Model name, physical and logical core counts and the ISA extensions of interest.
+    """
+    blocks = read_cpuinfo(cpuinfo_path)
+    logical = psutil.cpu_count(logical=True) or os.cpu_count() or max(len(blocks), 1)
+    return CpuInfo(model=_cpu_model(blocks), physical_cores=_physical_cores(blocks, logical),
+                   logical_cores=logical, isa=_isa(blocks))
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (affinity mask, which a container may narrow)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+# -- RAM -----------------------------------------------------------------------------------------------
+def last_level_cache_bytes(cache_dir: Path = CACHE_DIR) -> int:
+    """Size of cpu0's largest cache level from sysfs (0 when unknown)."""
+    best = 0
+    for index in sorted(cache_dir.glob("index*")):
+        try:
+            size = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 2**10, "M": MIB, "G": GIB}.get(size[-1:], 1)
+        digits = size.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * scale)
+    return best
+
+
+def ram_buffer_bytes(available: int, llc_bytes: int) -> int:
+    """Buffer for the bandwidth test: 8x the last-level cache within [256 MiB, 1 GiB], at most available/8."""
+    want = min(max(256 * MIB, 8 * llc_bytes), GIB)
+    return max(16 * MIB, min(want, available // 8)) // MIB * MIB
+
+
+def _touch(chunk: np.ndarray) -> None:
+    """Write every page (numpy releases the GIL): first touch from the reading thread places it near it."""
+    chunk.fill(1.0)
+
+
+def _read(chunk: np.ndarray, passes: int) -> float:
+    """Read ``chunk`` ``passes`` times (a float64 sum streams memory and releases the GIL)."""
+    total = 0.0
+    for _ in range(passes):
+        total += float(chunk.sum())
+    return total
+
+
+def _best_gbs(run: Callable[[int], object], nbytes: int, repeats: int, target_s: float = 0.03) -> float:
+    """Best GB/s of ``run(passes)`` over ``repeats``; passes sized so one repeat lasts about ``target_s``."""
+    t0 = time.perf_counter()
+    run(1)  # warm-up, also calibrates the pass count
+    passes = min(64, max(1, math.ceil(target_s / max(time.perf_counter() - t0, 1e-6))))
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run(passes)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes * passes / best / 1e9
+
+
+def ram_read_bandwidth(available: int, threads: int, repeats: int = 3) -> RamBandwidth:
+    """Measure RAM read bandwidth with ``threads`` threads and with one.
+
+    Args:
+        available: bytes of RAM available now (the buffer is at most an eighth of it).
+        threads: reader threads for the multi-threaded figure (usually every usable CPU).
+        repeats: timed repetitions; the best counts (noise only ever slows a read down).
+
+    Returns:
+        GB/s (1e9 bytes/s) with ``threads`` threads and with one, and the buffer size used.
+    """
+    size = ram_buffer_bytes(available, last_level_cache_bytes())
+    buf = np.empty(size // 8, dtype=np.float64)
+    chunks = np.array_split(buf, threads)
+    with ThreadPoolExecutor(threads, thread_name_prefix="probe-ram") as pool:
+        list(pool.map(_touch, chunks))
+        multi = _best_gbs(lambda passes: list(pool.map(_read, chunks, [passes] * threads)), size, repeats)
+    single = _best_gbs(lambda passes: _read(buf, passes), size, repeats)
+    log.info("probe: RAM read %.1f GB/s (%d threads), %.1f GB/s (1 thread), %d MiB buffer",
+             multi, threads, single, size // MIB)
+    return RamBandwidth(gbs=multi, gbs_1thread=single, threads=threads, buffer_bytes=size)
+
+
+# -- storage -------------------------------------------------------------------------------------------
+def _timed_read(fd: int, limit: int, chunk: int, time_limit_s: float) -> tuple[int, float]:
+    """Read sequentially from offset 0 into a page-aligned buffer; (bytes, seconds)."""
+    buf = mmap.mmap(-1, chunk)  # anonymous mmap: page-aligned, as O_DIRECT requires
+    view = memoryview(buf)
+    done = 0
+    t0 = time.perf_counter()
+    try:
+        while done < limit and time.perf_counter() - t0 < time_limit_s:
+            n = os.preadv(fd, [view], done)
+            done += n
+            if n < chunk:
+                break  # end of file
+    finally:
+        elapsed = time.perf_counter() - t0
+        view.release()
+        buf.close()
+    return done, elapsed
+
+
+def _read_direct(path: Path, limit: int, chunk: int, time_limit_s: float) -> tuple[int, float] | None:
+    """Read with O_DIRECT; None where the filesystem refuses it (tmpfs, some overlays)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | flag)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return None
+        raise
+    try:
+        return _timed_read(fd, limit, chunk, time_limit_s)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return None
+        raise
+    finally:
+        os.close(fd)
+
+
+def _read_dropped(path: Path, limit: int, chunk: int, time_limit_s: float) -> tuple[int, float, str]:
+    """Flush and drop the file's cached pages, then read through the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        method = "buffered (page cache not dropped)"
+        if hasattr(os, "posix_fadvise"):
+            try:
+                os.fsync(fd)  # DONTNEED skips dirty pages: a freshly written model must reach the disk first
+            except OSError:
+                pass
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            method = "fadvise_dontneed"
+        done, elapsed = _timed_read(fd, limit, chunk, time_limit_s)
+        return done, elapsed, method
+    finally:
+        os.close(fd)
+
+
+def storage_read_speed(path: Path, limit: int = 512 * MIB, chunk: int = 8 * MIB,
+                       time_limit_s: float = 2.0, direct: bool = True) -> StorageRead:
+    """Measure sequential read throughput of the drive holding ``path``, bypassing the page cache.
+
+    Args:
+        path: the file to read (the model, so the figure is for the drive it will load from).
+        limit: read at most this many bytes.
+        chunk: bytes per read (a multiple of the page size).
+        time_limit_s: stop after this long on a slow drive.
+        direct: try O_DIRECT first; False goes straight to the fadvise fallback.
+
+    Returns:
+        GB/s, the method (``o_direct``, ``fadvise_dontneed`` or ``buffered ...``; a file under 64 MiB is
+        flagged, its figure being dominated by latency) and the bytes read.
+    """
+    size = path.stat().st_size
+    got = _read_direct(path, limit, chunk, time_limit_s) if direct else None
+    if got is not None:
+        done, elapsed, method = got[0], got[1], "o_direct"
+    else:
+        done, elapsed, method = _read_dropped(path, limit, chunk, time_limit_s)
+    if size < SMALL_FILE_BYTES:
+        method += f" (small file: {size / MIB:.1f} MiB)"
+    gbs = done / max(elapsed, 1e-9) / 1e9
+    log.info("probe: storage read %.2f GB/s (%s, %d MiB of %s)", gbs, method, done // MIB, path.name)
+    return StorageRead(gbs=gbs, method=method, bytes_read=done)
