@@ -1,0 +1,402 @@
+"""Shape-faithful random-weight twins: synthetic GGUF files with the tensor shapes of real models.
+
+llama.cpp's speed depends on tensor shapes and types, not on the weight values, so a twin of a model is a
+faithful benchmark stand-in when two things hold, both built in here:
+
+* MoE routing is realistic: every quant block dequantizes to zero-mean weights (random 4-bit blocks have a
+  nonzero mean, whose common component makes every token pick the same experts), the token embedding is
+  large and the attention output tiny, and the router is f32 N(0, router_std).
+* The output layer is large enough that logits are peaked (see `SynthSpec.logit_std`), yet finite.
+
+The tokenizer is a byte-level BPE (gpt2 model, qwen2 pre-tokenizer) with a few real merges and ChatML
+control tokens, so text prompts and `create_chat_completion` work.
+
+The GGUF v3 container is written by hand: GGUFWriter is far too slow for a 17 GB file. Tensor data is
+streamed from pools of pre-generated random blocks, at disk speed with a few hundred MB of memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as VT
+from gguf import LlamaFileType as FT
+from numpy.typing import NDArray
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from artifacts.errors import ModelFileError
+from artifacts.ids import canonical_json
+from artifacts.synth_presets import (
+    CHATML,
+    PRESETS,
+    QUANTS,
+    PlannedTensor,
+    Quant,
+    SynthSpec,
+    plan_tensors,
+    vocab,
+)
+
+# fmt: off
+__all__ = [
+    "PRESETS", "QUANTS", "PlannedTensor", "Quant", "SynthResult", "SynthSpec",
+    "apply_overrides", "plan_tensors", "planned_bytes", "synthesize",
+]
+# fmt: on
+
+logger = logging.getLogger(__name__)
+
+# Q4_K has no exact ftype (llama-quantize's Q4_K_S also mixes in Q5_K): Q4_K_S is the nearest.
+_FILE_TYPE = {"F16": FT.MOSTLY_F16, "Q8_0": FT.MOSTLY_Q8_0, "Q4_0": FT.MOSTLY_Q4_0, "Q4_K": FT.MOSTLY_Q4_K_S}
+ALIGN = 32
+_POOL_BYTES = 64 << 20  # random blocks per (type, std) pool
+_CHUNK_BYTES = 16 << 20  # one write, taken from a random block offset of a pool
+
+
+class SynthResult(BaseModel):
+    """A written twin."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: Path
+    preset: str
+    quant: Quant
+    n_tensors: int
+    file_bytes: int
+    seconds: float
+
+
+def apply_overrides(spec: SynthSpec, overrides: dict[str, str]) -> SynthSpec:
+    """Return `spec` with some fields replaced, converting text values to the fields' types.
+
+    Args:
+        spec: the spec to start from.
+        overrides: field name -> value, e.g. `{"n_layer": "4", "n_expert": "64"}` (from `--set k=v`).
+
+    Raises:
+        ValueError: an unknown field (the message lists the valid ones) or a value that does not convert
+            or makes the spec inconsistent.
+    """
+    valid = list(SynthSpec.model_fields)
+    for key in overrides:
+        if key not in SynthSpec.model_fields:
+            raise ValueError(f"unknown synth override {key!r}; valid keys: {', '.join(valid)}")
+    try:
+        return SynthSpec.model_validate({**spec.model_dump(), **overrides})
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or 'spec'}: {err['msg']}" for err in e.errors()
+        )
+        raise ValueError(f"synth overrides {overrides}: {problems}") from None
+
+
+def planned_bytes(
+    spec_or_preset: SynthSpec | str,
+    quant: Quant = "Q4_0",
+    overrides: dict[str, str] | None = None,
+    seed: int = 0,
+) -> int:
+    """Return the exact size in bytes of the file `synthesize` would write with these arguments, cheaply."""
+    name, spec = _resolve(spec_or_preset, overrides, quant, seed)
+    plan = plan_tensors(spec, quant)
+    header, _ = _layout(spec, plan, name, quant, seed)
+    return len(header) + _data_bytes(plan)
+
+
+def synthesize(
+    spec_or_preset: SynthSpec | str,
+    out: Path,
+    quant: Quant = "Q4_0",
+    overrides: dict[str, str] | None = None,
+    seed: int = 0,
+) -> SynthResult:
+    """Write a synthetic GGUF twin.
+
+    The file is written under a temporary name in the same directory and renamed into place, so a
+    process that dies mid-write never leaves a partial file under `out` (there is no fsync: a power
+    loss right after the rename can still lose data).
+
+    Args:
+        spec_or_preset: a `SynthSpec` or a key of `PRESETS`.
+        out: the file to write; its directory is created.
+        quant: the type of the 2-D/3-D weights; output.weight is Q6_K for 4-bit quants.
+        overrides: spec fields to replace, see `apply_overrides`.
+        seed: seed of the random weights; the same arguments give the same bytes.
+
+    Raises:
+        ValueError: unknown preset, quant or override, or a negative seed.
+        ModelFileError: the written file does not have the planned size.
+        OSError: the file cannot be written.
+    """
+    name, spec = _resolve(spec_or_preset, overrides, quant, seed)
+    plan = plan_tensors(spec, quant)
+    header, sizes = _layout(spec, plan, name, quant, seed)
+    total = len(header) + _data_bytes(plan)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    logger.info("synth %s %s: %d tensors, %.3f GB -> %s", name, quant, len(plan), total / 1e9, out)
+    t0 = time.perf_counter()
+    try:
+        with open(tmp, "wb", buffering=0) as f:
+            _write_all(f, memoryview(header))
+            _write_data(f, plan, sizes, np.random.default_rng(seed))
+        written = tmp.stat().st_size
+        if written != total:
+            raise ModelFileError(out, f"synthesizer wrote {written} bytes, planned {total}: report this bug")
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    seconds = time.perf_counter() - t0
+    logger.info("synth %s: %.3f GB in %.1f s (%.0f MB/s)", out, total / 1e9, seconds, total / 1e6 / seconds)
+    return SynthResult(
+        path=out, preset=name, quant=quant, n_tensors=len(plan), file_bytes=total, seconds=seconds
+    )
+
+
+# ---- plan ----------------------------------------------------------------------------------------------
+
+
+def _resolve(
+    spec_or_preset: SynthSpec | str, overrides: dict[str, str] | None, quant: Quant, seed: int
+) -> tuple[str, SynthSpec]:
+    """Check the arguments and return (preset name or "custom", spec with overrides)."""
+    if quant not in QUANTS:
+        raise ValueError(f"unknown quant {quant!r}; choose one of {', '.join(QUANTS)}")
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    if isinstance(spec_or_preset, SynthSpec):
+        name, spec = "custom", spec_or_preset
+    elif spec_or_preset in PRESETS:
+        name, spec = spec_or_preset, PRESETS[spec_or_preset]
+    else:
+        raise ValueError(f"unknown synth preset {spec_or_preset!r}; presets: {', '.join(PRESETS)}")
+    return name, apply_overrides(spec, overrides) if overrides else spec
+
+
+def _data_bytes(plan: Iterable[PlannedTensor]) -> int:
+    """Bytes of the data section: every tensor padded to ALIGN."""
+    return sum(_padded(t.nbytes) for t in plan)
+
+
+def _padded(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+# ---- GGUF container ----------------------------------------------------------------------------------
+
+_SCALAR_FMT = {VT.UINT32: "<I", VT.INT32: "<i", VT.UINT64: "<Q", VT.FLOAT32: "<f", VT.BOOL: "<?"}
+
+
+def _str(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return struct.pack("<Q", len(b)) + b
+
+
+def _value(vt: VT, value: Any) -> bytes:
+    if vt == VT.STRING:
+        return _str(value)
+    return struct.pack(_SCALAR_FMT[vt], value)
+
+
+def _kv(key: str, vt: VT, value: Any) -> bytes:
+    return _str(key) + struct.pack("<I", vt) + _value(vt, value)
+
+
+def _kv_array(key: str, vt: VT, values: list[Any]) -> bytes:
+    head = _str(key) + struct.pack("<IIQ", VT.ARRAY, vt, len(values))
+    if vt == VT.INT32:
+        return head + np.asarray(values, dtype="<i4").tobytes()
+    return head + b"".join(_value(vt, v) for v in values)
+
+
+def _layout(
+    spec: SynthSpec, plan: list[PlannedTensor], name: str, quant: Quant, seed: int
+) -> tuple[bytes, list[int]]:
+    """Return (header padded to ALIGN, tensor data sizes)."""
+    kvs = _metadata(spec, name, quant, seed)
+    infos, sizes, off = [], [], 0
+    for t in plan:
+        dims = struct.pack(f"<I{len(t.shape)}Q", len(t.shape), *t.shape)
+        infos.append(_str(t.name) + dims + struct.pack("<IQ", t.ggml_type, off))
+        sizes.append(t.nbytes)
+        off += _padded(t.nbytes)
+    header = b"GGUF" + struct.pack("<IQQ", 3, len(plan), len(kvs)) + b"".join(kvs) + b"".join(infos)
+    return header + b"\0" * (_padded(len(header)) - len(header)), sizes
+
+
+def _metadata(spec: SynthSpec, name: str, quant: Quant, seed: int) -> list[bytes]:
+    """GGUF key/values: general, architecture hparams, tokenizer, and flux.synth.* to recognise a twin."""
+    u32, f32, s = VT.UINT32, VT.FLOAT32, VT.STRING
+    a = spec.arch
+    hparams = {
+        "block_count": spec.n_layer, "context_length": spec.n_ctx_train, "embedding_length": spec.n_embd,
+        "feed_forward_length": spec.n_ff, "attention.head_count": spec.n_head,
+        "attention.head_count_kv": spec.n_head_kv, "attention.key_length": spec.head_dim,
+        "attention.value_length": spec.head_dim, "rope.dimension_count": spec.head_dim,
+        "vocab_size": spec.n_vocab,
+    }  # fmt: skip
+    if spec.n_expert:
+        hparams |= {"expert_count": spec.n_expert, "expert_used_count": spec.n_expert_used}
+    if spec.arch == "qwen3moe":
+        hparams["expert_feed_forward_length"] = spec.n_ff_exp
+    kvs = [
+        _kv("general.architecture", s, a),
+        _kv("general.name", s, f"flux-synth-{name}-{quant}"),
+        _kv("general.file_type", u32, _FILE_TYPE[quant]),
+        _kv("general.quantization_version", u32, 2),
+        *(_kv(f"{a}.{key}", u32, value) for key, value in hparams.items()),
+        _kv(f"{a}.rope.freq_base", f32, spec.rope_base),
+        _kv(f"{a}.attention.layer_norm_rms_epsilon", f32, spec.eps),
+    ]
+    tokens, types, merges = vocab(spec.n_vocab)
+    bos, eos = spec.n_vocab - 3, spec.n_vocab - 1  # <|endoftext|>, <|im_end|>
+    kvs += [
+        _kv("tokenizer.ggml.model", s, "gpt2"),
+        _kv("tokenizer.ggml.pre", s, "qwen2"),
+        _kv_array("tokenizer.ggml.tokens", s, tokens),
+        _kv_array("tokenizer.ggml.token_type", VT.INT32, types),
+        _kv_array("tokenizer.ggml.merges", s, merges),
+        _kv("tokenizer.ggml.bos_token_id", u32, bos),
+        _kv("tokenizer.ggml.eos_token_id", u32, eos),
+        _kv("tokenizer.ggml.padding_token_id", u32, bos),
+        _kv("tokenizer.ggml.add_bos_token", VT.BOOL, False),
+        _kv("tokenizer.chat_template", s, CHATML),
+        _kv("flux.synth.preset", s, name),
+        _kv("flux.synth.seed", VT.UINT64, seed),
+        _kv("flux.synth.spec", s, canonical_json(spec)),
+    ]
+    return kvs
+
+
+# ---- tensor data -------------------------------------------------------------------------------------
+
+
+def _random_bytes(rng: np.random.Generator, n: int) -> NDArray[np.uint8]:
+    """n uniform random bytes; 64-bit draws are ~15x faster than rng.bytes."""
+    words = rng.integers(0, np.iinfo(np.uint64).max, size=(n + 7) // 8, dtype=np.uint64, endpoint=True)
+    return words.view(np.uint8)[:n]
+
+
+def _f16(x: float) -> NDArray[np.uint8]:
+    return np.frombuffer(np.float16(x).tobytes(), dtype=np.uint8)
+
+
+def _scale(std: float, unit_std: float) -> float:
+    """fp16 block scale d giving weights of `std`, kept to 7 significant bits so 7.5*d is exact in fp16."""
+    mant, exp = np.frexp(std / unit_std)
+    return float(np.ldexp(np.round(mant * 128) / 128, exp))
+
+
+def _nibbles_around_8() -> NDArray[np.uint8]:
+    """Byte -> byte with each nibble 0 made 8: nibbles are then symmetric around 8, so d*(q-8) is zero-mean."""
+    byte = np.arange(256, dtype=np.uint16)
+    lo, hi = byte & 0x0F, byte >> 4
+    return (np.where(lo, lo, 8) | np.where(hi, hi, 8) << 4).astype(np.uint8)
+
+
+_NIBBLES_AROUND_8 = _nibbles_around_8()  # a table lookup is ~2x faster than masking each nibble
+
+
+def _q4_0(n: int, std: float, rng: np.random.Generator) -> NDArray[np.uint8]:
+    # w = d * (q - 8); q in 1..15 with 8 twice as likely: var 17.5
+    blocks = np.empty((n, 18), dtype=np.uint8)
+    blocks[:, :2] = _f16(_scale(std, 17.5**0.5))
+    blocks[:, 2:] = _NIBBLES_AROUND_8[_random_bytes(rng, n * 16).reshape(n, 16)]
+    return blocks
+
+
+def _q8_0(n: int, std: float, rng: np.random.Generator) -> NDArray[np.uint8]:
+    # w = d * q; q in -127..127 with 0 twice as likely (-128 moved to 0): var 5397.5
+    q = _random_bytes(rng, n * 32).view(np.int8).reshape(n, 32)
+    q[q == -128] = 0
+    blocks = np.empty((n, 34), dtype=np.uint8)
+    blocks[:, :2] = _f16(_scale(std, 5397.5**0.5))
+    blocks[:, 2:] = q.view(np.uint8)
+    return blocks
+
+
+def _q4_k(n: int, std: float, rng: np.random.Generator) -> NDArray[np.uint8]:
+    # w = d*sc*q - dmin*m with every 6-bit (sc, m) = (1, 1) and dmin = 7.5 d: w = d * (q - 7.5), var 21.25
+    d = _scale(std, 21.25**0.5)
+    blocks = _random_bytes(rng, n * 144).reshape(n, 144)
+    blocks[:, 0:2], blocks[:, 2:4] = _f16(d), _f16(7.5 * d)
+    blocks[:, 4:12] = 1  # sc[0..3], m[0..3] low 6 bits; high bits of sc/m[4..7] zero
+    blocks[:, 12:16] = 0x11  # low nibbles of sc[4..7] | m[4..7] << 4
+    return blocks
+
+
+def _q6_k(n: int, std: float, rng: np.random.Generator) -> NDArray[np.uint8]:
+    # w = d * sc * (q - 32), q in 0..63 (mean -0.5); int8 scales alternate +1/-1 to cancel that mean
+    blocks = _random_bytes(rng, n * 210).reshape(n, 210)
+    blocks[:, 192:208] = np.array([1, 255] * 8, dtype=np.uint8)
+    blocks[:, 208:210] = _f16(_scale(std, 341.25**0.5))
+    return blocks
+
+
+def _f16_blocks(n: int, std: float, rng: np.random.Generator) -> NDArray[np.uint8]:
+    values = (rng.standard_normal(n, dtype=np.float32) * np.float32(std)).astype("<f2")
+    return values.view(np.uint8).reshape(n, 2)
+
+
+_Maker = Callable[[int, float, np.random.Generator], NDArray[np.uint8]]
+_BLOCK_MAKERS: dict[Q, _Maker] = {
+    Q.Q4_0: _q4_0,
+    Q.Q8_0: _q8_0,
+    Q.Q4_K: _q4_k,
+    Q.Q6_K: _q6_k,
+    Q.F16: _f16_blocks,
+}
+
+
+def _write_all(f: BinaryIO, data: memoryview) -> None:
+    """Write all of `data`: a raw (unbuffered) write may write less than asked."""
+    while data:
+        data = data[f.write(data) :]
+
+
+def _write_data(f: BinaryIO, plan: list[PlannedTensor], sizes: list[int], rng: np.random.Generator) -> None:
+    """Write every tensor's data, block tensors streamed from per-(type, std) random pools."""
+    need: dict[tuple[Q, float], int] = {}
+    for t in plan:
+        if t.fill == "blocks":
+            need[(t.ggml_type, t.std)] = need.get((t.ggml_type, t.std), 0) + t.nbytes
+    pools: dict[tuple[Q, float], NDArray[np.uint8]] = {}
+    for t, size in zip(plan, sizes, strict=True):
+        if t.fill == "blocks":
+            key = (t.ggml_type, t.std)
+            if key not in pools:
+                block_bytes = GGML_QUANT_SIZES[t.ggml_type][1]
+                n_blocks = max(1, min(_POOL_BYTES, need[key]) // block_bytes)
+                pools[key] = _BLOCK_MAKERS[t.ggml_type](n_blocks, t.std, rng).reshape(-1)
+            _stream(f, pools[key], GGML_QUANT_SIZES[t.ggml_type][1], size, rng)
+        else:
+            shape = t.shape[::-1]
+            data = rng.normal(0.0, t.std, size=shape) if t.fill == "normal" else np.ones(shape)
+            _write_all(f, memoryview(data.astype("<f4").tobytes()))
+        _write_all(f, memoryview(b"\0" * (_padded(size) - size)))
+
+
+def _stream(
+    f: BinaryIO, pool: NDArray[np.uint8], block_bytes: int, size: int, rng: np.random.Generator
+) -> None:
+    """Write `size` bytes as chunks of whole blocks, each from a random block offset of the pool."""
+    pool_blocks = pool.size // block_bytes
+    chunk_blocks = max(1, min(_CHUNK_BYTES // block_bytes, pool_blocks))
+    view = memoryview(pool)  # type: ignore[arg-type]  # a 1-D uint8 array exports the buffer protocol
+    left = size // block_bytes
+    while left:
+        n = min(left, chunk_blocks)
+        start = int(rng.integers(0, pool_blocks - n + 1)) * block_bytes
+        _write_all(f, view[start : start + n * block_bytes])
+        left -= n

@@ -1,0 +1,309 @@
+"""What a synthetic twin is: its spec, the presets of real models, its tensor plan and its tokenizer.
+
+`artifacts.synth` writes what this module describes; this half is declarative and cheap (planning a
+17 GB twin writes nothing), so sizes can be checked without writing files.
+
+A `SynthSpec` holds the shapes llama.cpp's speed depends on (layers, widths, heads, experts, vocab) and
+the standard deviations of the random weights, which decide whether a twin behaves like a model at
+all: MoE routing that spreads tokens over the experts and logits that are not near-uniform.
+
+Every twin carries the same kind of tokenizer, one llama.cpp accepts: a byte-level BPE (gpt2 model, qwen2
+pre-tokenizer) with real merges and the ChatML control tokens, so text prompts and chat completions work.
+"""
+
+from __future__ import annotations
+
+import itertools
+import string
+from typing import Any, Literal, NamedTuple, Self
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Arch = Literal["llama", "qwen3moe"]
+Quant = Literal["F16", "Q8_0", "Q4_0", "Q4_K"]
+QUANTS: tuple[Quant, ...] = ("F16", "Q8_0", "Q4_0", "Q4_K")
+# quant -> (type of the 2-D/3-D weights, type of output.weight). Like llama-quantize's recipe, a 4-bit
+# model keeps output.weight at Q6_K.
+_RECIPES: dict[str, tuple[Q, Q]] = {
+    "F16": (Q.F16, Q.F16),
+    "Q8_0": (Q.Q8_0, Q.Q8_0),
+    "Q4_0": (Q.Q4_0, Q.Q6_K),
+    "Q4_K": (Q.Q4_K, Q.Q6_K),
+}
+# Type for a row length that is not a multiple of the block size (llama-quantize falls back Q4_K->Q5_0,
+# which this writer does not produce; Q4_0 is the nearest 4-bit type it does).
+_FALLBACK: dict[Q, Q] = {Q.Q4_K: Q.Q4_0, Q.Q6_K: Q.Q8_0, Q.Q4_0: Q.F16, Q.Q8_0: Q.F16}
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # bos/padding, -, eos
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% endif %}"
+)
+# 256 byte tokens + <|endoftext|>, <|im_start|>, <|im_end|> + at least one merged token: below this
+# llama.cpp's gpt2 tokenizer cannot be built.
+MIN_VOCAB = 256 + 3 + 1
+
+
+class SynthSpec(BaseModel):
+    """Shapes and weight scales of a synthetic model.
+
+    Shapes follow the model's config.json. For `arch="llama"` with experts (Mixtral), llama.cpp reads the
+    expert width from `feed_forward_length`, so `n_ff` must equal `n_ff_exp`.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    arch: Arch
+    n_layer: int = Field(ge=1)
+    n_embd: int = Field(ge=1)
+    n_head: int = Field(ge=1)
+    n_head_kv: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    n_ff: int = Field(ge=1)
+    n_expert: int = Field(default=0, ge=0)
+    n_expert_used: int = Field(default=0, ge=0)
+    n_ff_exp: int = Field(default=0, ge=0)
+    n_vocab: int = Field(ge=MIN_VOCAB)
+    n_ctx_train: int = Field(ge=1)
+    rope_base: float = Field(gt=0)
+    eps: float = Field(gt=0)
+    tied: bool = False
+    # Weight scales (std of the dequantized weights). A large embedding and a tiny attention output keep
+    # the token-specific part of the residual stream dominant; without that attention, which averages
+    # over positions, washes it out and every token is routed to the same experts.
+    embd_std: float = Field(default=1.0, gt=0)
+    weight_std: float = Field(default=0.02, gt=0)
+    attn_out_std: float = Field(default=5e-4, gt=0)
+    router_std: float = Field(default=0.02, gt=0)
+    # The output layer's std is logit_std / sqrt(n_embd): the logits get about this std, so the next-token
+    # distribution is peaked (KL between configs is sensitive) yet finite.
+    logit_std: float = Field(default=4.0, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        """Reject shapes llama.cpp would refuse to load."""
+        if self.n_head % self.n_head_kv:
+            raise ValueError(f"n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
+        if self.n_expert_used > self.n_expert:
+            raise ValueError(f"n_expert_used {self.n_expert_used} > n_expert {self.n_expert}")
+        if self.n_expert and (self.n_expert_used < 1 or self.n_ff_exp < 1):
+            raise ValueError("a MoE spec (n_expert > 0) needs n_expert_used >= 1 and n_ff_exp >= 1")
+        if self.arch == "qwen3moe" and not self.n_expert:
+            raise ValueError("arch qwen3moe needs n_expert > 0")
+        if self.arch == "llama" and self.n_expert and self.n_ff != self.n_ff_exp:
+            raise ValueError("llama MoE reads the expert width from n_ff: set n_ff == n_ff_exp")
+        return self
+
+
+_QWEN3: dict[str, Any] = {"arch": "qwen3moe", "rope_base": 1e6, "eps": 1e-6}
+
+PRESETS: dict[str, SynthSpec] = {
+    # Qwen/Qwen3-30B-A3B config.json
+    "qwen3-30b-a3b": SynthSpec(
+        **_QWEN3,
+        n_layer=48,
+        n_embd=2048,
+        n_head=32,
+        n_head_kv=4,
+        head_dim=128,
+        n_ff=6144,
+        n_expert=128,
+        n_expert_used=8,
+        n_ff_exp=768,
+        n_vocab=151936,
+        n_ctx_train=40960,
+    ),
+    # Llama-3.1-8B
+    "llama3-8b": SynthSpec(
+        arch="llama",
+        n_layer=32,
+        n_embd=4096,
+        n_head=32,
+        n_head_kv=8,
+        head_dim=128,
+        n_ff=14336,
+        n_vocab=128256,
+        n_ctx_train=131072,
+        rope_base=500000.0,
+        eps=1e-5,
+    ),
+    # Mixtral-8x7B-v0.1
+    "mixtral-8x7b": SynthSpec(
+        arch="llama",
+        n_layer=32,
+        n_embd=4096,
+        n_head=32,
+        n_head_kv=8,
+        head_dim=128,
+        n_ff=14336,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=14336,
+        n_vocab=32000,
+        n_ctx_train=32768,
+        rope_base=1e6,
+        eps=1e-5,
+    ),
+    # TinyLlama-1.1B
+    "tinyllama-1.1b": SynthSpec(
+        arch="llama",
+        n_layer=22,
+        n_embd=2048,
+        n_head=32,
+        n_head_kv=4,
+        head_dim=64,
+        n_ff=5632,
+        n_vocab=32000,
+        n_ctx_train=2048,
+        rope_base=10000.0,
+        eps=1e-5,
+    ),
+    # A Qwen3-MoE-shaped model of ~0.73 GB at Q4_0: big enough for a CPU benchmark, small enough for CI.
+    "qwen3moe-small": SynthSpec(
+        **_QWEN3,
+        n_layer=8,
+        n_embd=1024,
+        n_head=16,
+        n_head_kv=4,
+        head_dim=64,
+        n_ff=3072,
+        n_expert=64,
+        n_expert_used=8,
+        n_ff_exp=768,
+        n_vocab=32000,
+        n_ctx_train=40960,
+    ),
+    # Load and routing tests (< 10 MB at every quant). tiny-moe's n_ff_exp=128 is not a multiple of 256,
+    # so its ffn_down_exps exercises the K-quant fallback.
+    "tiny-dense": SynthSpec(
+        arch="llama",
+        n_layer=4,
+        n_embd=256,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=64,
+        n_ff=512,
+        n_vocab=512,
+        n_ctx_train=4096,
+        rope_base=500000.0,
+        eps=1e-5,
+    ),
+    "tiny-moe": SynthSpec(
+        **_QWEN3,
+        n_layer=4,
+        n_embd=256,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=64,
+        n_ff=512,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=128,
+        n_vocab=512,
+        n_ctx_train=4096,
+    ),
+}
+
+
+class PlannedTensor(NamedTuple):
+    """One tensor of a twin. `shape` is in ggml order: ne0, the row length, first."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: Q
+    fill: Literal["ones", "normal", "blocks"]
+    std: float
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor data (unpadded)."""
+        block, size = GGML_QUANT_SIZES[self.ggml_type]
+        return int(np.prod(self.shape, dtype=np.int64)) // block * size
+
+
+def plan_tensors(spec: SynthSpec, quant: Quant) -> list[PlannedTensor]:
+    """List the tensors of a twin in file order, with their types after the block-size fallback.
+
+    A tensor whose row length is not a multiple of its type's block size (256 for K quants, 32 for
+    Q4_0/Q8_0) falls back, like llama-quantize does: Q4_K -> Q4_0, Q6_K -> Q8_0, Q4_0/Q8_0 -> F16.
+    """
+    wt, ot = _RECIPES[quant]
+    e, v, hd = spec.n_embd, spec.n_vocab, spec.head_dim
+    raw: list[tuple[str, tuple[int, ...], Q | None, float]] = [
+        ("token_embd.weight", (e, v), ot if spec.tied else wt, spec.embd_std),
+        ("output_norm.weight", (e,), None, 0.0),
+    ]
+    if not spec.tied:
+        raw.append(("output.weight", (e, v), ot, spec.logit_std / float(np.sqrt(e))))
+    w = spec.weight_std
+    for i in range(spec.n_layer):
+        b = f"blk.{i}."
+        raw += [
+            (b + "attn_norm.weight", (e,), None, 0.0),
+            (b + "attn_q.weight", (e, spec.n_head * hd), wt, w),
+            (b + "attn_k.weight", (e, spec.n_head_kv * hd), wt, w),
+            (b + "attn_v.weight", (e, spec.n_head_kv * hd), wt, w),
+            (b + "attn_output.weight", (spec.n_head * hd, e), wt, spec.attn_out_std),
+            (b + "ffn_norm.weight", (e,), None, 0.0),
+        ]
+        if spec.arch == "qwen3moe":
+            raw += [
+                (b + "attn_q_norm.weight", (hd,), None, 0.0),
+                (b + "attn_k_norm.weight", (hd,), None, 0.0),
+            ]
+        if spec.n_expert:
+            nx, ff = spec.n_expert, spec.n_ff_exp
+            raw += [
+                (b + "ffn_gate_inp.weight", (e, nx), None, spec.router_std),
+                (b + "ffn_gate_exps.weight", (e, ff, nx), wt, w),
+                (b + "ffn_down_exps.weight", (ff, e, nx), wt, w),
+                (b + "ffn_up_exps.weight", (e, ff, nx), wt, w),
+            ]
+        else:
+            ff = spec.n_ff
+            raw += [
+                (b + "ffn_gate.weight", (e, ff), wt, w),
+                (b + "ffn_down.weight", (ff, e), wt, w),
+                (b + "ffn_up.weight", (e, ff), wt, w),
+            ]
+    return [_planned(name, shape, t, std) for name, shape, t, std in raw]
+
+
+def _planned(name: str, shape: tuple[int, ...], t: Q | None, std: float) -> PlannedTensor:
+    """Make one PlannedTensor: f32 for norms and router, else `t` after the block-size fallback."""
+    if t is None:
+        return PlannedTensor(name, shape, Q.F32, "normal" if std else "ones", std)
+    while shape[0] % GGML_QUANT_SIZES[t][0]:
+        t = _FALLBACK[t]
+    return PlannedTensor(name, shape, t, "blocks", std)
+
+
+def _byte_tokens() -> list[str]:
+    """GPT-2's bytes_to_unicode: the printable stand-in of each byte, indexed by byte value."""
+    keep = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(shifted)) for b in range(256)]
+
+
+def vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
+    """Return the tokenizer of a twin: (tokens, token types, merges), `n_vocab` tokens long.
+
+    Tokens are the 256 GPT-2 byte tokens, merged pairs, fillers, then the control tokens `SPECIALS`.
+    Merges (" x" for letters, then lowercase bigrams) make real text tokenize a little like a real BPE;
+    llama.cpp refuses a gpt2 tokenizer without any. Fillers (never produced by tokenizing) pad the vocab.
+    """
+    byte_tok = _byte_tokens()
+    space = byte_tok[ord(" ")]
+    pairs = itertools.chain(
+        ((space, c) for c in string.ascii_letters), itertools.product(string.ascii_lowercase, repeat=2)
+    )
+    n_free = n_vocab - len(byte_tok) - len(SPECIALS)
+    merged = list(itertools.islice(pairs, n_free))
+    fillers = [f"{space}synth{i}" for i in range(n_free - len(merged))]
+    tokens = byte_tok + [x + y for x, y in merged] + fillers + list(SPECIALS)
+    types = [1] * (n_vocab - len(SPECIALS)) + [3] * len(SPECIALS)  # 1 normal, 3 control
+    return tokens, types, [f"{x} {y}" for x, y in merged]

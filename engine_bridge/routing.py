@@ -1,0 +1,190 @@
+"""Which experts a MoE model routes tokens to, observed inside real llama.cpp.
+
+llama.cpp names the expert selection of layer `il` `ffn_moe_topk-<il>`: int32 expert ids of shape
+[n_expert_used, n_tokens] (ggml order), a strided view of the router's argsort. A ggml scheduler eval
+callback (`llama_context_params.cb_eval`) asks for exactly those tensors and copies them out once computed,
+so the counts are what llama.cpp's own kernels chose, not a re-implementation of the router.
+
+Used to check that a synthetic twin routes realistically: a degenerate twin sends every token to the same
+experts and makes MoE prefill look many times faster than the real model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+from llama_cpp._ggml import libggml
+from numpy.typing import NDArray
+
+from artifacts.errors import ModelFileError
+from engine_bridge.errors import EngineError
+
+_TOPK_PREFIX = b"ffn_moe_topk-"
+_GGML_TYPE_I32 = 26  # enum ggml_type in ggml.h
+
+
+def _declare_ggml() -> None:
+    """Declare the ggml tensor functions the callback calls (llama-cpp-python does not bind them)."""
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    for name, res, args in (
+        ("ggml_get_name", ctypes.c_char_p, [vp]),
+        ("ggml_nbytes", sz, [vp]),
+        ("ggml_backend_tensor_get", None, [vp, vp, sz, sz]),
+    ):
+        fn = getattr(libggml, name)
+        fn.restype, fn.argtypes = res, args
+
+
+_declare_ggml()
+
+
+class _TensorHead(ctypes.Structure):
+    """The leading fields of `struct ggml_tensor` (ggml.h): enough to read a strided view."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+    ]
+
+
+class _TopkRecorder:
+    """Counts expert selections from `ffn_moe_topk-<layer>` tensors as llama.cpp computes them."""
+
+    def __init__(self, n_layer: int, n_expert: int) -> None:
+        self.counts = np.zeros((n_layer, n_expert), dtype=np.int64)
+        self.error: str | None = None
+        # Kept on the object: the C side holds only the function pointer, which must outlive the context.
+        self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._eval)
+
+    def _eval(self, tensor: int, ask: bool, _user_data: int | None) -> bool:
+        """ggml's eval callback: with ask, say whether we want `tensor`; without, read it (True: go on)."""
+        name = libggml.ggml_get_name(tensor) or b""
+        if not name.startswith(_TOPK_PREFIX):
+            return not ask
+        if ask:
+            return True
+        try:
+            self._record(tensor, int(name[len(_TOPK_PREFIX) :]))
+        except Exception as e:  # an exception must not cross the C callback
+            self.error = self.error or f"{name.decode(errors='replace')}: {e}"
+        return True
+
+    def _record(self, tensor: int, layer: int) -> None:
+        """Copy the (possibly strided) id tensor out of its backend buffer and add up its ids."""
+        head = _TensorHead.from_address(tensor)
+        if head.type != _GGML_TYPE_I32:
+            raise ValueError(f"expected int32 expert ids, got ggml type {head.type}")
+        nbytes = int(libggml.ggml_nbytes(tensor))
+        raw = np.empty(nbytes, dtype=np.uint8)
+        libggml.ggml_backend_tensor_get(tensor, raw.ctypes.data, 0, nbytes)
+        ids = np.ndarray(
+            shape=tuple(reversed(head.ne)), dtype=np.int32, buffer=raw, strides=tuple(reversed(head.nb))
+        )
+        n_layer, n_expert = self.counts.shape
+        if not 0 <= layer < n_layer or ids.size and not 0 <= ids.min() <= ids.max() < n_expert:
+            raise ValueError(f"layer {layer} or expert ids out of range for {n_layer}x{n_expert}")
+        self.counts[layer] += np.bincount(ids.ravel(), minlength=n_expert)
+
+
+def expert_counts(
+    model_path: Path | str,
+    text_or_tokens: str | Sequence[int],
+    n_tokens: int = 256,
+    n_threads: int | None = None,
+) -> NDArray[np.int64]:
+    """Run one prefill through llama.cpp and count how often each expert of each layer was selected.
+
+    Logits are requested for every token: llama.cpp otherwise computes the last layer only for the rows
+    it outputs, and the last layer's counts would cover one token.
+
+    Args:
+        model_path: a MoE GGUF.
+        text_or_tokens: text (tokenized without special tokens) or token ids; the first `n_tokens` are used.
+        n_tokens: how many tokens to decode, in one batch.
+        n_threads: CPU threads (default: all cores).
+
+    Returns:
+        int64 array [n_layer, n_expert]; each row sums to n_tokens * n_expert_used.
+
+    Raises:
+        ModelFileError: the model does not load or has no experts.
+        ValueError: fewer than `n_tokens` tokens, or token ids outside the vocabulary.
+        EngineError: llama.cpp fails to make a context or to decode, or the routing tensors are unreadable.
+    """
+    path = Path(model_path)
+    llama_cpp.llama_backend_init()
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+    if not model:
+        raise ModelFileError(path, "llama.cpp could not load it (run with a llama.cpp log to see why)")
+    try:
+        arch = _meta(model, "general.architecture")
+        n_expert = int(_meta(model, f"{arch}.expert_count") or 0)
+        if n_expert < 1:
+            raise ModelFileError(path, f"has no experts ({arch}.expert_count): routing needs a MoE model")
+        tokens = _tokens(model, text_or_tokens, n_tokens)
+        recorder = _TopkRecorder(llama_cpp.llama_model_n_layer(model), n_expert)
+        _decode_all(model, tokens, recorder, n_threads or os.cpu_count() or 1)
+    finally:
+        llama_cpp.llama_model_free(model)
+    if recorder.error:
+        raise EngineError("routing_unreadable", f"{path}: cannot read the expert selection: {recorder.error}")
+    return recorder.counts
+
+
+def _meta(model: llama_cpp.llama_model_p, key: str) -> str | None:
+    """A GGUF metadata value as text, None when absent."""
+    buf = ctypes.create_string_buffer(256)
+    n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, ctypes.sizeof(buf))
+    return buf.value.decode() if n >= 0 else None
+
+
+def _tokens(model: llama_cpp.llama_model_p, text_or_tokens: str | Sequence[int], n_tokens: int) -> list[int]:
+    """The first n_tokens token ids of the input, checked against the vocabulary."""
+    vocab = llama_cpp.llama_model_get_vocab(model)
+    if isinstance(text_or_tokens, str):
+        data = text_or_tokens.encode()
+        buf = (llama_cpp.llama_token * (len(data) + 1))()
+        n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, len(buf), False, False)
+        tokens = list(buf[: max(n, 0)])
+    else:
+        tokens = [int(t) for t in text_or_tokens]
+    if len(tokens) < n_tokens:
+        raise ValueError(f"the input gives {len(tokens)} tokens, fewer than n_tokens={n_tokens}")
+    n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+    if any(not 0 <= t < n_vocab for t in tokens[:n_tokens]):
+        raise ValueError(f"token ids must be in [0, {n_vocab})")
+    return tokens[:n_tokens]
+
+
+def _decode_all(
+    model: llama_cpp.llama_model_p, tokens: list[int], recorder: _TopkRecorder, n_threads: int
+) -> None:
+    """Decode `tokens` as one batch in a fresh context whose eval callback is the recorder."""
+    n = len(tokens)
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = n, n, n
+    cparams.n_threads = cparams.n_threads_batch = n_threads
+    cparams.cb_eval = recorder.callback
+    cparams.cb_eval_user_data = None
+    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    if not ctx:
+        raise EngineError("context_failed", f"llama.cpp could not create a context for {n} tokens")
+    batch = llama_cpp.llama_batch_init(n, 0, 1)
+    try:
+        for i, token in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, True
+            batch.seq_id[i][0] = 0
+        batch.n_tokens = n
+        rc = llama_cpp.llama_decode(ctx, batch)
+        if rc != 0:
+            raise EngineError("decode_failed", f"llama_decode returned {rc} for {n} tokens")
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
