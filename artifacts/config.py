@@ -35,7 +35,7 @@ class PlanSettings(_Section):
     tuning_budget_s: float = Field(600.0, gt=0, description="wall-clock budget of the measure stage")
     finalists: int = Field(6, ge=1, le=64, description="candidates the cost model keeps for measurement")
     repeats: int = Field(3, ge=1, le=20, description="timed repetitions per finalist and prompt")
-    validate_tokens: int = Field(48, ge=4, le=4096, description="tokens compared against the reference")
+    validate_tokens: int = Field(32, ge=4, le=512, description="tokens compared against the reference")
     max_kl: float = Field(0.01, ge=0, description="largest mean KL divergence a plan may show vs reference")
     min_top1: float = Field(0.95, ge=0, le=1, description="smallest top-1 agreement vs reference")
     measure_timeout_s: float = Field(300.0, gt=0, description="kill a finalist's worker after this long")
@@ -100,6 +100,7 @@ class Settings(_Section):
     engines: dict[str, EngineSettings]
     log_filter: str = "info"
     native_log: str = "warn"
+    fault_inject: str | None = Field(None, description="FLUX_FAULT_INJECT, e.g. fail-once:validate:/tmp/marker")
 
     @property
     def logs_dir(self) -> Path:
@@ -189,6 +190,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         engines=fs.engines,
         log_filter=env.get("FLUX_LOG", "info"),
         native_log=env.get("FLUX_NATIVE_LOG", "warn"),
+        fault_inject=env.get("FLUX_FAULT_INJECT") or None,
     )
 
 

@@ -44,3 +44,11 @@ def setup_logging(spec: str, stderr: bool = True) -> None:
         log.propagate = False
     for name, level in per.items():
         logging.getLogger(name).setLevel(level)
+
+
+def console(stderr: bool = False) -> Console:
+    """A rich console for command output; wide when not a terminal, so pipes and logs get whole lines."""
+    c = Console(stderr=stderr, highlight=False)
+    if not c.is_terminal:
+        c = Console(stderr=stderr, highlight=False, width=200)
+    return c

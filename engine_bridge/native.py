@@ -210,14 +210,27 @@ class NativeModel:
         return out
 
     def logprobs(self, prompt: Sequence[int], continuation: Sequence[int]) -> np.ndarray:
-        """Log-softmax over the vocabulary before each continuation token: shape [len(cont), n_vocab]."""
+        """Log-softmax over the vocabulary before each continuation token: shape [len(cont), n_vocab].
+
+        The prompt is evaluated without outputs; the last prompt token and the continuation then go in
+        one batch with an output row per position (one llama_decode instead of one per token).
+        """
+        cont = [int(t) for t in continuation]
+        if not cont:
+            return np.zeros((0, self.n_vocab))
+        if len(prompt) + len(cont) > self.n_ctx or len(cont) > self.llm.n_batch:
+            raise EngineError("context_overflow", f"{len(prompt)} + {len(cont)} tokens do not fit n_ctx/n_batch")
         self._clear()
-        rows = []
-        self.llm.eval(list(prompt))
-        for tok in continuation:
-            rows.append(self._last_logits().astype(np.float64))
-            self.llm.eval([int(tok)])
-        logits = np.stack(rows) if rows else np.zeros((0, self.n_vocab))
+        head, last = list(prompt[:-1]), int(prompt[-1])
+        if head:
+            self.llm.eval(head)
+        batch = [last, *cont[:-1]]
+        self.llm._batch.set_batch(batch=batch, n_past=len(head), logits_all=True)
+        self.llm._ctx.decode(self.llm._batch)
+        self.llm.n_tokens = len(head) + len(batch)
+        rows = [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,)).astype(np.float64)
+                for i in range(len(batch))]
+        logits = np.stack(rows)
         logits -= logits.max(axis=1, keepdims=True)
         return logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
 

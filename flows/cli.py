@@ -7,17 +7,16 @@ and the problem; no traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
-from rich.console import Console
-
 from artifacts.config import load_settings
 from artifacts.errors import FluxError
-from artifacts.logs import setup_logging
+from artifacts.logs import console, setup_logging
 
 Handler = Callable[[argparse.Namespace], int]
-COMMAND_MODULES = ("flows.cmd_models", "flows.cmd_backend")
+COMMAND_MODULES = ("flows.cmd_models", "flows.cmd_plan", "flows.cmd_backend")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,9 +33,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Prefect telemetry is off unless a user turns it on; runner pickup fast for `flux deploy`.
+PREFECT_DEFAULTS = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                    "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PREFECT_LOGGING_LEVEL": "INFO"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``flux`` console script."""
-    err = Console(stderr=True, highlight=False)
+    for k, v in PREFECT_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    err = console(stderr=True)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

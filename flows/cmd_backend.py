@@ -6,9 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from rich.console import Console
-
 from artifacts.config import Settings, default_toml
+from artifacts.logs import console
 from artifacts.model_info import model_info
 from engine_bridge.backend import backend_info
 from engine_bridge.client import WorkerClient
@@ -53,10 +52,10 @@ def cmd_version(args: argparse.Namespace) -> int:
         flux_version = "dev"
     info = backend_info(args.settings.cache_dir)
     if args.json:
-        Console(highlight=False).print_json(json.dumps({"flux": flux_version, **info.model_dump()}))
+        console().print_json(json.dumps({"flux": flux_version, **info.model_dump()}))
         return 0
     pin = info.pin
-    Console(highlight=False).print(
+    console().print(
         f"flux {flux_version}\nbackend build {info.build_id} (llama-cpp-python "
         f"{pin.get('LLAMA_CPP_PYTHON_VERSION')}, llama.cpp {pin.get('LLAMA_CPP_COMMIT')}, "
         f"{len(info.patches)} patch(es))\nllama-server {info.llama_server or 'not built'}")
@@ -66,7 +65,7 @@ def cmd_version(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     """Print the effective settings, or every default."""
     settings: Settings = args.settings
-    con = Console(highlight=False)
+    con = console()
     if args.defaults:
         con.print(default_toml(), end="", markup=False)
         return 0
@@ -83,7 +82,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
     """List ggml devices (through a worker: only it links llama.cpp)."""
     with _worker(args.settings) as w:
         devices = w.call("devices")["devices"]
-    con = Console(highlight=False)
+    con = console()
     for d in devices:
         con.print(f"{d['name']:<8} {d['kind']:<5} {d['description']}  "
                   f"{d['memory_free'] / 2**30:.1f}/{d['memory_total'] / 2**30:.1f} GiB free")
@@ -96,7 +95,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     settings: Settings = args.settings
     params = EngineParams(n_ctx=min(args.ctx, info.n_ctx_train or args.ctx), n_batch=256, n_ubatch=256,
                           n_threads=args.threads, n_threads_batch=args.threads)
-    con = Console(highlight=False)
+    con = console()
     with _worker(settings) as w:
         load = w.call("load", {"model": str(args.model), "params": params.model_dump()},
                       timeout=settings.serve.worker_timeouts.load_s)

@@ -6,11 +6,11 @@ import argparse
 import json
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from artifacts.errors import FluxError, UnsupportedArchitecture
 from artifacts.filehash import model_hash
+from artifacts.logs import console
 from artifacts.model_info import ModelInfo, model_info
 from artifacts.synth import PRESETS, QUANTS, synthesize
 
@@ -55,7 +55,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise FluxError(f"flux synth: {exc}") from exc
     mb_s = res.file_bytes / 1e6 / max(res.seconds, 1e-9)
-    Console().print(f"wrote {res.path}: {args.like} {args.quant}, {res.n_tensors} tensors, "
+    console().print(f"wrote {res.path}: {args.like} {args.quant}, {res.n_tensors} tensors, "
                     f"{res.file_bytes / 1e9:.3f} GB in {res.seconds:.1f} s ({mb_s:,.0f} MB/s)")
     return 0
 
@@ -74,7 +74,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     """Print what a model is, for people or as JSON."""
     info = inspect_model(args.model, args.settings.cache_dir, with_hash=not args.no_hash)
     if args.json:
-        Console(soft_wrap=True, highlight=False).print_json(json.dumps(_json_view(info)))
+        console().print_json(json.dumps(_json_view(info)))
         return 0
     _print_human(info)
     return 0
@@ -93,7 +93,7 @@ def _gb(n: int) -> str:
 
 
 def _print_human(info: ModelInfo) -> None:
-    con = Console(highlight=False)
+    con = console()
     support = "[green]supported[/]" if info.supported else "[red]NOT supported by the pinned llama.cpp[/]"
     con.print(f"[bold]{info.name}[/]  {info.path}")
     con.print(f"architecture {info.architecture} ({support}); {len(info.shards)} file(s), {_gb(info.file_bytes)}")

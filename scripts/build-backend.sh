@@ -58,7 +58,7 @@ if [ "${FLUX_OFFLINE:-0}" = 1 ]; then
   PIP_OFFLINE=(--no-index)
 else
   # Build tools, installed once so that every pip step below can run without build isolation.
-  "$PY" -m pip install --quiet "scikit-build-core[pyproject]>=0.9.2" >&2
+  "$PY" -m pip install --quiet "scikit-build-core>=0.9.2" >&2
 fi
 "$PY" -c 'import scikit_build_core' 2>/dev/null || die "scikit-build-core is missing: pip install 'scikit-build-core[pyproject]>=0.9.2' (offline: bring its wheel)"
 

@@ -1,0 +1,166 @@
+"""``flux plan``, ``flux plans``, ``flux show``, ``flux deploy``: making and reading plans."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+from rich.table import Table
+
+from artifacts.config import Settings
+from artifacts.errors import FluxError
+from artifacts.logs import console
+from artifacts.store import Store
+from tasks.errors import ImpossiblePlan
+from tasks.models import Plan, PlanRequest
+
+DEFAULT_MODEL = "tiny-moe"
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the planning commands to the ``flux`` parser."""
+    p = sub.add_parser("plan", help="measure this machine and save the fastest plan for a model",
+                       description="Runs the Prefect flow plan-model in-process: probe, enumerate, prune, "
+                                   "measure, validate, persist. Prints the plan id. With no model, plans a "
+                                   "synthesized tiny MoE model.")
+    p.add_argument("model", type=Path, nargs="?", help="a .gguf file (default: a synthesized tiny-moe twin)")
+    p.add_argument("--ctx", type=int, help="tokens per sequence (default: trained context, capped by RAM)")
+    p.add_argument("--concurrency", type=int, default=1, help="sequences served at once")
+    p.add_argument("--kv", default="f16", help="KV cache type; other than f16 is a separate quality profile")
+    p.add_argument("--budget-s", type=float, help="measurement budget (default [plan] tuning_budget_s)")
+    p.add_argument("--gpu-mem-budget", type=str, help="GiB per GPU, e.g. 12 or 12,24")
+    p.add_argument("--allow-storage-streaming", action="store_true",
+                   help="allow placements that read weights beyond RAM from the drive")
+    p.add_argument("--replan", action="store_true", help="measure again even if a matching plan exists")
+    p.add_argument("--reprobe", action="store_true", help="measure the hardware again")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler=cmd_plan)
+
+    p = sub.add_parser("plans", help="list saved plans")
+    p.set_defaults(handler=cmd_plans)
+
+    p = sub.add_parser("show", help="print a saved plan", description="Placement, measured speeds with spread, "
+                       "predicted vs measured, % of roofline, memory budget per device, and the plan's key.")
+    p.add_argument("plan", help="a unique prefix of a plan id")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_show)
+
+    p = sub.add_parser("deploy", help="serve the plan-model/default Prefect deployment (needs a Prefect server)",
+                       description="Long-running: with `prefect server start` running and PREFECT_API_URL set, "
+                                   "`prefect deployment run 'plan-model/default' --param model=/path/m.gguf --watch`.")
+    p.add_argument("--name", default="default")
+    p.set_defaults(handler=cmd_deploy)
+
+
+def default_model(settings: Settings) -> Path:
+    """The embedded default: a tiny MoE twin synthesized once into the cache."""
+    from artifacts.synth import synthesize
+
+    path = settings.cache_dir / "models" / f"{DEFAULT_MODEL}.gguf"
+    if not path.exists():
+        synthesize(DEFAULT_MODEL, path, quant="Q4_0")
+    return path
+
+
+def _gpu_budget(text: str | None) -> list[float] | None:
+    if not text:
+        return None
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError as exc:
+        raise FluxError(f"--gpu-mem-budget {text!r}: expected GiB per GPU, e.g. 12 or 12,24") from exc
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Plan a model (reusing a matching saved plan unless --replan) and print the plan id."""
+    from flows import stages
+
+    settings: Settings = args.settings
+    model = (args.model or default_model(settings)).expanduser().resolve()
+    con = console(stderr=True)
+    req = PlanRequest(model=str(model), ctx=args.ctx, concurrency=args.concurrency, kv=args.kv,
+                      budget_s=args.budget_s or settings.plan.tuning_budget_s,
+                      gpu_mem_budget_gib=_gpu_budget(args.gpu_mem_budget),
+                      allow_storage_streaming=args.allow_storage_streaming, finalists=settings.plan.finalists,
+                      repeats=settings.plan.repeats, seed=args.seed)
+    t0 = time.monotonic()
+    pctx = stages.context(req, settings)
+    trained = pctx.info.n_ctx_train
+    if req.ctx and trained and req.ctx > trained:
+        raise ImpossiblePlan(f"--ctx {req.ctx} exceeds the model's trained context {trained}", f"use --ctx {trained} or less")
+    if not args.replan and not args.reprobe:
+        found = stages.existing_plan(pctx)
+        if found:
+            con.print(f"reusing saved plan {found[:12]} (same model, machine, backend and flags; --replan to measure again)")
+            console().print(found)
+            return 0
+    from flows.plan_model import plan_model
+
+    _quiet_flux_errors()
+    plan_id = plan_model(model=str(model), ctx=args.ctx, concurrency=args.concurrency, kv=args.kv,
+                         budget_s=req.budget_s, gpu_mem_budget_gib=req.gpu_mem_budget_gib,
+                         allow_storage_streaming=args.allow_storage_streaming, replan=args.replan,
+                         reprobe=args.reprobe, seed=args.seed)
+    con.print(f"planned in {time.monotonic() - t0:.0f} s; `flux show {plan_id[:12]}` prints it, "
+              f"`flux serve {plan_id[:12]}` serves it")
+    console().print(plan_id)
+    return 0
+
+
+class _NoTracebackForFluxErrors(logging.Filter):
+    """Prefect logs a failed task's traceback; a FluxError is a message for a person, not a bug."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], FluxError):
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def _quiet_flux_errors() -> None:
+    for name in ("prefect", "prefect.task_runs", "prefect.flow_runs"):
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(_NoTracebackForFluxErrors())
+
+
+def load_plan(settings: Settings, prefix: str) -> Plan:
+    """The saved plan with this unique id prefix."""
+    store = Store(settings.data_dir)
+    return Plan.model_validate(store.get_json("plan", store.find("plan", prefix)))
+
+
+def cmd_plans(args: argparse.Namespace) -> int:
+    """List saved plans, newest last."""
+    store = Store(args.settings.data_dir)
+    t = Table(show_edge=False)
+    for col in ("plan", "created", "model", "prefill tok/s", "decode tok/s", "ctx", "kv"):
+        t.add_column(col)
+    for row in store.list("plan"):
+        plan = Plan.model_validate(store.get_json("plan", row["id"]))
+        m = plan.measured
+        t.add_row(plan.id[:12], plan.created_at, plan.model_name, f"{m.prefill_tps or 0:.1f}",
+                  f"{m.decode_tps or 0:.1f}", str(plan.candidate.params.n_ctx), plan.request.kv)
+    console().print(t)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """Print one plan."""
+    from flows.show import print_plan
+
+    plan = load_plan(args.settings, args.plan)
+    if args.json:
+        console().print_json(plan.model_dump_json())
+    else:
+        print_plan(plan)
+    return 0
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    """Serve the plan-model deployment until interrupted."""
+    from flows.plan_model import plan_model
+
+    plan_model.serve(name=args.name)
+    return 0

@@ -1,0 +1,42 @@
+"""The ``plan-model`` Prefect flow: probe → enumerate → prune → measure → validate → persist.
+
+This module only composes the stages in ``tasks/``; :mod:`flows.stages` wraps each as a Prefect task
+that returns its stored output when the inputs hash to one (the task's state message says so).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+
+from artifacts.config import load_settings
+from flows import stages
+from tasks.models import PlanRequest
+
+
+@flow(name="plan-model", log_prints=False, persist_result=False)
+def plan_model(model: str, ctx: int | None = None, concurrency: int = 1, kv: str = "f16",
+               budget_s: float | None = None, gpu_mem_budget_gib: list[float] | None = None,
+               allow_storage_streaming: bool = False, replan: bool = False, reprobe: bool = False,
+               seed: int = 0) -> str:
+    """Plan a model on this machine and return the plan id."""
+    settings = load_settings()
+    log = get_run_logger()
+    req = PlanRequest(model=str(Path(model).expanduser().resolve()), ctx=ctx, concurrency=concurrency, kv=kv,
+                      budget_s=budget_s or settings.plan.tuning_budget_s, gpu_mem_budget_gib=gpu_mem_budget_gib,
+                      allow_storage_streaming=allow_storage_streaming, finalists=settings.plan.finalists,
+                      repeats=settings.plan.repeats, seed=seed)
+    ctx_ = stages.context(req, settings)
+    if not replan:
+        existing = stages.existing_plan(ctx_)
+        if existing:
+            log.info("plan %s matches this model, machine, build and flags: reused (--replan measures again)",
+                     existing[:12])
+            return existing
+    hw = stages.probe_stage(ctx_, reprobe)
+    space = stages.enumerate_stage(ctx_, hw)
+    finalists = stages.prune_stage(ctx_, hw, space)
+    measured = stages.measure_stage(ctx_, hw, finalists)
+    report = stages.validate_stage(ctx_, finalists, measured)
+    return stages.persist_stage(ctx_, hw, space, finalists, measured, report)

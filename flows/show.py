@@ -1,0 +1,80 @@
+"""How a plan reads to a person: `flux show`, `flux plans`, and the Prefect plan artifact."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from artifacts.logs import console
+from tasks.models import Plan
+
+GIB = 2**30
+
+
+def _placement_lines(plan: Plan) -> list[str]:
+    c = plan.candidate
+    p = c.placement
+    lines = [f"family {c.family}; layers on GPU {p.gpu_layers()}/{len(p.layer_device)}; output on {p.output_device}"]
+    if p.expert_device:
+        parts: dict[str, int] = {}
+        for ex in p.expert_device:
+            for part, dev in ex.items():
+                if dev != "CPU":
+                    parts[part] = parts.get(part, 0) + 1
+        lines.append("expert tensors on GPU: " + (", ".join(f"{k} {v}/{len(p.expert_device)}" for k, v in sorted(parts.items())) or "none"))
+    lines.append("llama.cpp flags: " + " ".join(c.params.cli_args()))
+    return lines
+
+
+def _spread(lo: float | None) -> str:
+    return f" (spread {lo:.1f}: IQR, or range under 4 trials)" if lo is not None else " (one trial: no spread)"
+
+
+def plan_markdown(plan: Plan) -> str:
+    """The plan as markdown (Prefect artifact, docs)."""
+    m, v = plan.measured, plan.validation
+    rows = "\n".join(
+        f"| {s.candidate_id} | {s.prefill_tps or 0:.1f} | {s.decode_tps or 0:.1f} | {p.prefill_tps:.1f} | "
+        f"{p.decode_tps:.1f} | {s.error or ''} |"
+        for s, p in zip(plan.finalists, plan.predictions, strict=False))
+    return (f"# Plan {plan.id[:12]}\n\nModel **{plan.model_name}** ({plan.model_hash[:12]}), hardware "
+            f"{plan.hardware_fingerprint[:12]}, backend {plan.backend_build}\n\n"
+            + "\n".join(f"- {x}" for x in _placement_lines(plan))
+            + f"\n- measured: prefill {m.prefill_tps or 0:.1f} tok/s, decode {m.decode_tps or 0:.1f} tok/s"
+            f"\n- quality vs reference: mean KL {v.mean_kl:.2e}, top-1 {v.top1_agreement:.3f} ({plan.quality_profile})"
+            "\n\n| candidate | prefill tok/s | decode tok/s | predicted prefill | predicted decode | error |"
+            "\n|---|---:|---:|---:|---:|---|\n" + rows + "\n")
+
+
+def print_plan(plan: Plan, con: Console | None = None) -> None:
+    """`flux show`: placement, measured speeds with spread, predicted vs measured, roofline, budgets, key."""
+    con = con or console()
+    m, v, r = plan.measured, plan.validation, plan.request
+    con.print(f"[bold]plan {plan.id}[/]  created {plan.created_at}")
+    con.print(f"model {plan.model_name}  {plan.model_path}")
+    con.print(f"request: ctx {plan.candidate.params.n_ctx}, concurrency {r.concurrency}, kv {r.kv}, "
+              f"budget {r.budget_s:.0f} s; quality profile {plan.quality_profile}")
+    con.print(f"workload mix: {plan.workload_prefill_share:.0%} prefill tokens")
+    for line in _placement_lines(plan):
+        con.print("  " + line, markup=False)
+    con.print(f"measured: prefill {m.prefill_tps or 0:.1f} tok/s{_spread(m.prefill_iqr)}, decode "
+              f"{m.decode_tps or 0:.1f} tok/s{_spread(m.decode_iqr)} over {m.n_trials} trials")
+    if plan.roofline_decode_tps and m.decode_tps:
+        con.print(f"roofline: decode bound {plan.roofline_decode_tps:.1f} tok/s (bytes/bandwidth): "
+                  f"{m.decode_tps / plan.roofline_decode_tps:.0%} of it")
+    con.print(f"quality vs reference: mean KL {v.mean_kl:.2e}, max {v.max_kl:.2e}, top-1 {v.top1_agreement:.3f} "
+              f"over {v.n_tokens} tokens")
+    t = Table(title="finalists: predicted vs measured", show_edge=False)
+    for col in ("candidate", "pred prefill", "meas prefill", "pred decode", "meas decode", "trials", "error"):
+        t.add_column(col, justify="right" if col.startswith(("pred", "meas", "trials")) else "left")
+    for s, p in zip(plan.finalists, plan.predictions, strict=False):
+        mark = "*" if s.candidate_id == plan.candidate.id else ""
+        t.add_row(s.candidate_id + mark, f"{p.prefill_tps:.1f}", f"{s.prefill_tps or 0:.1f}", f"{p.decode_tps:.1f}",
+                  f"{s.decode_tps or 0:.1f}", str(s.n_trials), s.error or "")
+    con.print(t)
+    if plan.median_prediction_error is not None:
+        con.print(f"cost model median error (workload time): {plan.median_prediction_error:.0%}")
+    con.print("memory budget: " + ", ".join(f"{d} {b / GIB:.1f} GiB" for d, b in plan.memory_budget.items())
+              + "; chosen uses " + ", ".join(f"{d} {b / GIB:.2f} GiB weights" for d, b in plan.candidate.weights_bytes.items()))
+    con.print(f"key: model {plan.model_hash[:16]}, hardware {plan.hardware_fingerprint[:16]}, backend "
+              f"{plan.backend_build}, driver {plan.driver or 'none'}")

@@ -1,0 +1,254 @@
+"""Prefect tasks around the pipeline stages, with Flux's own content-addressed caching.
+
+Each task computes its stage key from its inputs, returns the stored output when the store has it
+(state message "reused from the store"), else runs the stage and publishes the output. Prefect's own
+result caching is off (its default key includes the run id and its files are pickles); a retried flow
+run recomputes the same keys and so reuses every stage that finished — measure and validate included,
+since their keys include the flow run id.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.context import get_run_context
+from prefect.states import Completed
+from pydantic import BaseModel
+
+from artifacts.config import Settings
+from artifacts.filehash import model_hash
+from artifacts.ids import content_id
+from artifacts.model_info import ModelInfo
+from artifacts.store import Store
+from engine_bridge.backend import backend_info
+from flows import workload as wl
+from tasks.costmodel import Workload
+from tasks.enumerate import enumerate_placements
+from tasks.measure import measure
+from tasks.models import (
+    Finalists,
+    HardwareReport,
+    MeasureResults,
+    PlacementSpace,
+    PlanRequest,
+    ValidationReport,
+)
+from tasks.persist import find_plan, persist, plan_key
+from tasks.probe import probe
+from tasks.prune import prune
+from tasks.validate import validate
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What every stage needs: request, settings, store, model facts, backend build."""
+
+    req: PlanRequest
+    settings: Settings
+    store: Store
+    info: ModelInfo
+    model_hash: str
+    backend_build: str
+
+    @property
+    def model(self) -> Path:
+        """The model file."""
+        return Path(self.req.model)
+
+    @property
+    def worker_log(self) -> Path:
+        """Where planning workers write their output."""
+        return self.settings.logs_dir / "plan-worker.log"
+
+    def settings_view(self) -> dict[str, Any]:
+        """The settings that shape a plan (part of its key)."""
+        return {"host_reserve_percent": self.settings.host_reserve_percent,
+                **self.settings.plan.model_dump(exclude={"tuning_budget_s"})}
+
+
+def context(req: PlanRequest, settings: Settings) -> PlanContext:
+    """Read the model (header + cached hash) and the backend build once per flow run."""
+    from flows.cmd_models import inspect_model
+
+    info = inspect_model(Path(req.model), settings.cache_dir, with_hash=False)
+    mh = model_hash([Path(s) for s in info.shards], settings.cache_dir)
+    return PlanContext(req=req, settings=settings, store=Store(settings.data_dir), info=info.model_copy(
+        update={"content_hash": mh}), model_hash=mh, backend_build=backend_info(settings.cache_dir).build_id)
+
+
+def probe_key(model_hash: str, backend_build: str) -> dict[str, Any]:
+    """Key of the probe report: this host (cheap identity, before measuring), the model and the build."""
+    import platform
+
+    import psutil
+
+    machine_id = Path("/etc/machine-id")
+    host = {"node": platform.node(), "machine_id": machine_id.read_text().strip() if machine_id.exists() else "",
+            "cpus": psutil.cpu_count(), "ram": psutil.virtual_memory().total}
+    return {"stage": "probe", "host": host, "model": model_hash, "backend": backend_build}
+
+
+def _flow_run_id() -> str:
+    try:
+        ctx = get_run_context()
+        run = getattr(ctx, "flow_run", None) or getattr(getattr(ctx, "task_run", None), "flow_run_id", None)
+        return str(getattr(run, "id", run))
+    except Exception:  # noqa: BLE001 - outside a run (task.fn in tests): no run id
+        return "no-run"
+
+
+class InjectedFault(RuntimeError):
+    """A failure asked for by FLUX_FAULT_INJECT (tests and the soak suite exercise retries with it)."""
+
+
+def inject_fault(spec: str | None, kind: str) -> None:
+    """``fail-once:<kind>:<marker>`` fails the first computation of ``kind`` (the marker file records it)."""
+    if not spec or not spec.startswith("fail-once:"):
+        return
+    _, what, marker = spec.split(":", 2)
+    if what == kind and not Path(marker).exists():
+        Path(marker).write_text("failed once\n")
+        raise InjectedFault(f"injected failure in stage {kind} (FLUX_FAULT_INJECT); retry the run")
+
+
+def cached(store: Store, kind: str, key: dict[str, Any], model: type[M], compute: Callable[[], M],
+           force: bool = False, fault: str | None = None) -> Any:
+    """Return a Completed state holding the stored ``kind`` output for ``key``, computing it if needed."""
+    kid = content_id(key)
+    log = get_run_logger()
+    if not force and store.has(kind, kid):
+        obj = model.model_validate(store.get_json(kind, kid))
+        msg = f"{kind} {kid[:12]} reused from the store"
+        log.info(msg)
+        return Completed(message=msg, data=obj)
+    inject_fault(fault, kind)
+    obj = compute()
+    store.put_json(kind, obj, key=kid)
+    return Completed(message=f"{kind} {kid[:12]} computed and stored", data=obj)
+
+
+def existing_plan(ctx: PlanContext) -> str | None:
+    """Id of a stored plan whose key matches, if the probe report for this machine is stored."""
+    pk = probe_key(ctx.model_hash, ctx.backend_build)
+    if not ctx.store.has("probe", content_id(pk)):
+        return None
+    hw = HardwareReport.model_validate(ctx.store.get_json("probe", content_id(pk)))
+    found = find_plan(ctx.store, plan_key(ctx.model_hash, hw, ctx.backend_build, ctx.req, ctx.settings_view()))
+    return str(found["id"]) if found else None
+
+
+@task(name="probe", cache_policy=NO_CACHE)
+def probe_stage(ctx: PlanContext, reprobe: bool) -> HardwareReport:
+    """Measure this machine (reused unless --reprobe)."""
+    key = probe_key(ctx.model_hash, ctx.backend_build)
+    return cached(ctx.store, "probe", key, HardwareReport,
+                  lambda: probe(ctx.model, ctx.model_hash, ctx.settings, ctx.backend_build), force=reprobe)
+
+
+def _space_key(ctx: PlanContext, hw: HardwareReport) -> dict[str, Any]:
+    flags = ctx.req.model_dump(include={"ctx", "concurrency", "kv", "gpu_mem_budget_gib", "allow_storage_streaming", "seed"})
+    return {"stage": "enumerate", "probe": content_id(hw), "model": ctx.model_hash, "flags": flags,
+            "reserve": ctx.settings.host_reserve_percent}
+
+
+@task(name="enumerate", cache_policy=NO_CACHE)
+def enumerate_stage(ctx: PlanContext, hw: HardwareReport) -> PlacementSpace:
+    """The memory-feasible search space."""
+    return cached(ctx.store, "space", _space_key(ctx, hw), PlacementSpace,
+                  lambda: enumerate_placements(ctx.info, hw, ctx.req, ctx.settings.host_reserve_percent))
+
+
+def workload_for(ctx: PlanContext, hw: HardwareReport, space: PlacementSpace) -> Workload:
+    """Token counts of the measurement workload this request and budget allow."""
+    lengths, n_gen = wl.prompt_lengths(hw, ctx.info, space.n_ctx, ctx.req)
+    return Workload(prefill_tokens=sum(lengths), decode_tokens=n_gen * len(lengths),
+                    mean_prompt_tokens=sum(lengths) / len(lengths))
+
+
+@task(name="prune", cache_policy=NO_CACHE)
+def prune_stage(ctx: PlanContext, hw: HardwareReport, space: PlacementSpace) -> Finalists:
+    """Cost-model ranking and the finalists."""
+    work = workload_for(ctx, hw, space)
+    key = {"stage": "prune", "space": _space_key(ctx, hw), "work": [work.prefill_tokens, work.decode_tokens],
+           "n": ctx.req.finalists}
+    state = cached(ctx.store, "finalists", key, Finalists,
+                   lambda: prune(space, ctx.info, hw, work, ctx.req.finalists))
+    fin: Finalists = state.data
+    create_table_artifact(key="finalists", description="Finalists and their predicted speed", table=[
+        {"candidate": c.id, "family": c.family, "threads": f"{c.params.n_threads}/{c.params.n_threads_batch}",
+         "ubatch": c.params.n_ubatch, "flash_attn": c.params.flash_attn, "load": c.params.load_mode,
+         "pred_prefill_tps": round(p.prefill_tps, 1), "pred_decode_tps": round(p.decode_tps, 1)}
+        for c, p in zip(fin.finalists, fin.predictions, strict=True)])
+    return state
+
+
+@task(name="measure", cache_policy=NO_CACHE)
+def measure_stage(ctx: PlanContext, hw: HardwareReport, fin: Finalists) -> MeasureResults:
+    """Time the finalists in fresh workers within the budget."""
+    log = get_run_logger()
+    lengths, n_gen = wl.prompt_lengths(hw, ctx.info, fin.finalists[0].params.n_ctx, ctx.req)
+    key = {"stage": "measure", "finalists": content_id(fin), "run": _flow_run_id(), "budget": ctx.req.budget_s}
+
+    def run() -> MeasureResults:
+        prompts = wl.tune_prompts(ctx.model, lengths, ctx.req.seed, ctx.worker_log)
+        summaries, table, spent, stopped = measure(
+            fin.finalists, ctx.model, prompts, n_gen, budget_s=ctx.req.budget_s, repeats=ctx.req.repeats,
+            timeout_s=ctx.settings.plan.measure_timeout_s, log_path=ctx.worker_log, seed=ctx.req.seed,
+            progress=log.info)
+        tid = content_id({"measure": content_id(key), "rows": table.num_rows})
+        ctx.store.put_table("trials_raw", table, key=tid)
+        return MeasureResults(summaries=summaries, trials_table=tid, budget_s=ctx.req.budget_s, spent_s=spent,
+                              stopped_by_budget=stopped)
+
+    return cached(ctx.store, "measured", key, MeasureResults, run, fault=ctx.settings.fault_inject)
+
+
+@task(name="validate", cache_policy=NO_CACHE)
+def validate_stage(ctx: PlanContext, fin: Finalists, measured: MeasureResults) -> ValidationReport:
+    """The top two against the reference placement."""
+    ok = sorted((s for s in measured.summaries if s.workload_s is not None), key=lambda s: s.workload_s or 0)
+    if not ok:
+        from tasks.errors import NoMeasurement
+
+        raise NoMeasurement("; ".join(f"{s.candidate_id}: {s.error}" for s in measured.summaries))
+    by_id = {c.id: c for c in fin.finalists}
+    ranked = [by_id[s.candidate_id] for s in ok]
+    key = {"stage": "validate", "measured": content_id(measured), "run": _flow_run_id()}
+
+    def run() -> ValidationReport:
+        n_ctx = ranked[0].params.n_ctx
+        seqs, held = wl.validation_prompts(ctx.model, n_ctx, ctx.settings.plan.validate_tokens, ctx.req.seed,
+                                           ctx.worker_log)
+        return validate(ranked, ok, ctx.model, seqs, held, n_tokens=ctx.settings.plan.validate_tokens,
+                        max_kl=ctx.settings.plan.max_kl, min_top1=ctx.settings.plan.min_top1,
+                        quality_profile=ctx.req.quality_profile, log_path=ctx.worker_log,
+                        timeout_s=ctx.settings.plan.measure_timeout_s)
+
+    return cached(ctx.store, "validation", key, ValidationReport, run, fault=ctx.settings.fault_inject)
+
+
+@task(name="persist", cache_policy=NO_CACHE)
+def persist_stage(ctx: PlanContext, hw: HardwareReport, space: PlacementSpace, fin: Finalists,
+                  measured: MeasureResults, report: ValidationReport) -> str:
+    """Write the immutable plan; returns its id."""
+    trials = ctx.store.get_table("trials_raw", measured.trials_table)
+    work = workload_for(ctx, hw, space)
+    plan = persist(ctx.store, key=plan_key(ctx.model_hash, hw, ctx.backend_build, ctx.req, ctx.settings_view()),
+                   model_path=ctx.req.model, model_name=ctx.info.name, hw=hw, req=ctx.req, finalists=fin,
+                   summaries=measured.summaries, trials=trials, validation=report,
+                   roofline_decode_tps=wl.roofline_decode(ctx.info, hw, next(c for c in fin.finalists if c.id == report.winner_id)),
+                   memory_limits=space.memory_limits, prefill_share=work.prefill_share)
+    from flows.show import plan_markdown
+
+    create_markdown_artifact(key="plan", markdown=plan_markdown(plan), description="The chosen plan")
+    logging.getLogger(__name__).debug("persisted %s", plan.id)
+    return plan.id

@@ -1,0 +1,72 @@
+"""The planning workload: which prompts are timed and validated, sized to the budget and context.
+
+Tokenizing needs the model's tokenizer, which only the worker has: texts go to a short-lived worker.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from artifacts.model_info import ModelInfo
+from engine_bridge.client import WorkerClient
+from engine_bridge.params import EngineParams
+from tasks.corpus import conversation_text, load_conversations, sized_prompts
+from tasks.costmodel import cpu_bandwidth, layer_bytes
+from tasks.models import Candidate, HardwareReport, PlanRequest
+
+LENGTHS = (64, 256, 1024, 2048, 4096)
+N_GEN = 32
+VALIDATION_CAP = 512  # longest validation prompt (tokens): agent chats are cut to their last part
+
+
+def prompt_lengths(hw: HardwareReport, info: ModelInfo, n_ctx: int, req: PlanRequest) -> tuple[list[int], int]:
+    """Prompt lengths whose visits fit the budget (from the probe's CPU kernel timing), and tokens to decode."""
+    k = next((k for k in hw.kernels if k.device == "CPU"), None)
+    pre_ms = k.prefill_ms_per_token if k else 1.0
+    dec_ms = k.decode_ms_per_token if k else 10.0
+    visit_budget_s = req.budget_s / (1.5 * req.finalists * req.repeats)
+    lengths: list[int] = []
+    for n in LENGTHS:
+        if n + N_GEN >= n_ctx:
+            break
+        cost_s = (sum(lengths) + n) * pre_ms / 1e3 + (len(lengths) + 1) * N_GEN * dec_ms / 1e3
+        if lengths and cost_s > visit_budget_s:
+            break
+        lengths.append(n)
+    return lengths or [min(32, n_ctx // 2)], N_GEN
+
+
+def _tokenizer_params(n_ctx: int = 256) -> EngineParams:
+    return EngineParams(n_ctx=n_ctx, n_batch=64, n_ubatch=64)
+
+
+def tune_prompts(model: Path, lengths: list[int], seed: int, log_path: Path) -> list[list[int]]:
+    """Corpus prompts ('tune' split) cut to exactly ``lengths`` tokens of this model's tokenizer."""
+    with WorkerClient(log_path=log_path) as w:
+        w.call("load", {"model": str(model), "params": _tokenizer_params().model_dump()})
+        return sized_prompts(lambda t: w.call("tokenize", {"text": t})["tokens"], lengths, split="tune", seed=seed)
+
+
+def validation_prompts(model: Path, n_ctx: int, n_tokens: int, seed: int,
+                       log_path: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """(validation prompts: agent conversations + held-out prompts, held-out prompts to time)."""
+    cap = max(16, min(VALIDATION_CAP, n_ctx - n_tokens - 8))
+    with WorkerClient(log_path=log_path) as w:
+        w.call("load", {"model": str(model), "params": _tokenizer_params().model_dump()})
+
+        def tok(text: str) -> list[int]:
+            return list(w.call("tokenize", {"text": text})["tokens"])
+
+        convs = [tok(conversation_text(c))[-cap:] for c in load_conversations()]
+        held = sized_prompts(tok, [min(cap, n) for n in (128, 512)], split="held_out", seed=seed)
+    return convs + held, held
+
+
+def roofline_decode(info: ModelInfo, hw: HardwareReport, cand: Candidate) -> float | None:
+    """Decode tokens/s if every device only had to read its bytes at its measured bandwidth."""
+    per_dev = layer_bytes(info, cand.placement)
+    cpu_read = per_dev.get("CPU", (0.0, 0.0))[0]
+    seconds = cpu_read / cpu_bandwidth(hw, cand.params.n_threads) if cpu_read else 0.0
+    gpu_read = sum(r for d, (r, _) in per_dev.items() if d != "CPU")
+    seconds += gpu_read / 3000e9
+    return 1 / seconds if seconds > 0 else None

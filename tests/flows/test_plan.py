@@ -1,0 +1,92 @@
+"""`flux plan` end to end: the real Prefect flow, real workers, real llama.cpp on a tiny twin."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from artifacts.store import Store
+from tasks.models import Plan
+
+REPO = Path(__file__).resolve().parents[2]
+BUDGET = 25
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory: pytest.TempPathFactory, tiny_moe: Path) -> dict[str, object]:
+    """One real plan of the tiny MoE twin, shared by the tests of this module."""
+    import os
+
+    home = tmp_path_factory.mktemp("planhome")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLUX_", "XDG_DATA", "XDG_CONFIG"))}
+    env.update({"XDG_DATA_HOME": str(home / "data"), "XDG_CONFIG_HOME": str(home / "config"),
+                "PREFECT_HOME": str(home / "prefect"), "PYTHONPATH": str(REPO)})
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "flows", "plan", str(tiny_moe), "--budget-s", str(BUDGET), "--ctx", "512"],
+                         env=env, cwd=REPO, capture_output=True, text=True, timeout=BUDGET + 240)
+    took = time.monotonic() - t0
+    assert out.returncode == 0, out.stderr[-4000:]
+    plan_id = out.stdout.strip().splitlines()[-1]
+    return {"env": env, "id": plan_id, "took": took, "log": out.stderr, "data": home / "data" / "flux"}
+
+
+def flux(env: dict[str, str], *args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "flows", *args], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_plan_finishes_within_budget_and_prints_an_id(planned: dict[str, object]) -> None:
+    assert re.fullmatch(r"[0-9a-f]{64}", str(planned["id"]))
+    assert float(planned["took"]) < BUDGET + 60 + 15  # + the ephemeral Prefect server's start-up
+    log = str(planned["log"])
+    for stage in ("probe", "enumerate", "prune", "measure", "validate", "persist"):
+        assert f"Task run '{stage}" in log, stage
+    assert re.search(r"measure: candidate \d+/\d+ .* s left in the budget", log)
+
+
+def test_plan_is_immutable_and_keyed(planned: dict[str, object]) -> None:
+    store = Store(Path(str(planned["data"])))
+    plan = Plan.model_validate(store.get_json("plan", str(planned["id"])))
+    assert set(plan.key) >= {"model_hash", "hardware", "backend_build", "driver", "flags", "settings"}
+    assert plan.validation.passed and plan.measured.n_trials > 0
+    assert plan.candidate.id in {s.candidate_id for s in plan.finalists}
+    trials = store.get_table("trials", plan.trials_table)
+    assert trials.num_rows >= len([s for s in plan.finalists if s.n_trials])
+
+
+def test_show_prints_the_plan(planned: dict[str, object]) -> None:
+    out = flux(planned["env"], "show", str(planned["id"])[:10])  # type: ignore[arg-type]
+    assert out.returncode == 0, out.stderr
+    for needle in ("llama.cpp flags", "measured: prefill", "spread", "predicted vs measured", "roofline",
+                   "cost model median error", "memory budget", "key: model"):
+        assert needle in out.stdout, needle
+    listing = flux(planned["env"], "plans")  # type: ignore[arg-type]
+    assert str(planned["id"])[:12] in listing.stdout
+
+
+def test_second_plan_is_reused_quickly(planned: dict[str, object], tiny_moe: Path) -> None:
+    t0 = time.monotonic()
+    out = flux(planned["env"], "plan", str(tiny_moe), "--budget-s", str(BUDGET), "--ctx", "512")  # type: ignore[arg-type]
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == planned["id"] and "reusing saved plan" in out.stderr
+    assert time.monotonic() - t0 < 15
+
+
+def test_replan_measures_again_with_upstream_from_the_store(planned: dict[str, object], tiny_moe: Path) -> None:
+    out = flux(planned["env"], "plan", str(tiny_moe), "--budget-s", "10", "--ctx", "512", "--replan")  # type: ignore[arg-type]
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() != planned["id"]
+    for kind in ("probe", "space", "finalists"):
+        assert re.search(rf"{kind} [0-9a-f]{{12}} reused from the store", out.stderr), kind
+    assert re.search(r"measured [0-9a-f]{12} computed and stored", out.stderr)
+
+
+def test_context_beyond_training_is_a_clear_error(planned: dict[str, object], tiny_moe: Path) -> None:
+    out = flux(planned["env"], "plan", str(tiny_moe), "--ctx", "99999999")  # type: ignore[arg-type]
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "trained context" in out.stderr and "--ctx" in out.stderr
