@@ -3,14 +3,23 @@
 It answers protocol requests on stdin/stdout (see :mod:`engine_bridge.protocol`). The protocol keeps
 the original stdout; file descriptor 1 is pointed at stderr so that nothing native can corrupt it.
 A native crash kills only this process: its client reports a typed error.
+
+Requests are read by a reader thread into a queue, so the worker keeps accepting requests while it
+generates. The main thread drains the queue (cheap ops are answered at once, ``generate`` is admitted
+into the serving engine, :mod:`engine_bridge.batch`), then runs one batched decode step, and blocks on
+the queue only when nothing is generating. Blocking ops (load, timed_run, ...) run on the main thread
+and pause generation while they run.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import queue
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -21,19 +30,58 @@ from engine_bridge.params import EngineParams
 from engine_bridge.protocol import PROTOCOL_VERSION, decode, encode
 
 Op = Callable[["Worker", dict[str, Any]], dict[str, Any]]
+StreamOp = Callable[["Worker", int, dict[str, Any]], None]
+log = logging.getLogger(__name__)
+_EOF = object()
 
 
 class Worker:
-    """State of one worker process: at most one loaded model."""
+    """State of one worker process: at most one loaded model (``load``) or serving engine (``serve_load``).
 
-    def __init__(self, out: BinaryIO) -> None:
+    It is also the serving engine's :class:`~engine_bridge.batch.Sink`: events and results go to the protocol.
+    """
+
+    def __init__(self, out: BinaryIO, fault: str | None = None) -> None:
         self.out = out
+        self.fault = fault  # FLUX_WORKER_FAULT: "abort-on-load" crashes like a native fault would
         self.model: Any = None
+        self.engine: Any = None
+        self._lock = threading.Lock()
 
     def send(self, msg: dict[str, Any]) -> None:
-        """Write one protocol line."""
-        self.out.write(encode(msg))
-        self.out.flush()
+        """Write one protocol line (serialized: the reader thread reports bad lines itself)."""
+        data = encode(msg)
+        with self._lock:
+            self.out.write(data)
+            self.out.flush()
+
+    def event(self, key: int, event: dict[str, Any]) -> None:
+        """One streamed event of request ``key``."""
+        self.send({"id": key, "event": event})
+
+    def done(self, key: int, result: dict[str, Any]) -> None:
+        """The final result of request ``key``."""
+        self.send({"id": key, "ok": True, "result": result})
+
+    def fail(self, key: int, code: str, message: str) -> None:
+        """The final error of request ``key``."""
+        self.send({"id": key, "ok": False, "error": {"code": code, "message": message}})
+
+    def unload(self) -> None:
+        """Free the loaded model and the serving engine."""
+        if self.model is not None:
+            self.model.close()
+            self.model = None
+        if self.engine is not None:
+            self.engine.cancel_all()
+            self.engine.close()
+            self.engine = None
+
+    def need_engine(self) -> Any:
+        """The serving engine, or a typed error."""
+        if self.engine is None:
+            raise EngineError("not_loaded", "no serving engine: send 'serve_load' first")
+        return self.engine
 
     def need_model(self) -> Any:
         """The loaded model, or a typed error."""
@@ -58,18 +106,54 @@ def op_load(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
     """Load a model with EngineParams; replaces a loaded one."""
     from engine_bridge.native import NativeModel
 
-    if w.model is not None:
-        w.model.close()
-        w.model = None
+    w.unload()
     params = EngineParams.model_validate(args["params"])
+    if w.fault == "abort-on-load":
+        os.abort()
     t0 = time.perf_counter()
     w.model = NativeModel(Path(args["model"]), params, logits_all=bool(args.get("logits_all", False)))
     return {"load_ms": (time.perf_counter() - t0) * 1e3, "n_ctx": w.model.n_ctx, "n_vocab": w.model.n_vocab}
 
 
 def op_tokenize(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    """Tokens of a text (special tokens parsed)."""
-    return {"tokens": w.need_model().tokenize(args["text"], special=bool(args.get("special", True)))}
+    """Tokens of a text (special tokens parsed unless ``special`` is false; BOS only with ``add_special``)."""
+    special = bool(args.get("special", True))
+    if w.engine is not None:
+        return {"tokens": w.engine.vocab.tokenize(args["text"], special, bool(args.get("add_special", False)))}
+    return {"tokens": w.need_model().tokenize(args["text"], special=special)}
+
+
+def op_detokenize(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
+    """Text of tokens (invalid UTF-8 replaced; control tokens rendered only with ``special``)."""
+    tokens = [int(t) for t in args["tokens"]]
+    if w.engine is not None:
+        return {"text": w.engine.vocab.detokenize(tokens, bool(args.get("special", False)))}
+    return {"text": w.need_model().detokenize(tokens)}
+
+
+def op_serve_load(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
+    """Load a model for serving: one context with n_seq_max sequences of n_ctx tokens each."""
+    from engine_bridge.batch import ServeEngine
+
+    w.unload()
+    params = EngineParams.model_validate(args["params"])
+    w.engine = ServeEngine(Path(args["model"]), params, int(args.get("park_bytes", 0)), w)
+    return w.engine.info()
+
+
+def op_generate(w: Worker, key: int, args: dict[str, Any]) -> None:
+    """Admit a generation; its events and result are sent by the engine as it runs."""
+    w.need_engine().submit(key, args)
+
+
+def op_cancel(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
+    """Finish a running generation now (finish_reason "cancelled")."""
+    return {"cancelled": w.need_engine().cancel(str(args["rid"]))}
+
+
+def op_serve_stats(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
+    """Counters and memory of the serving engine."""
+    return dict(w.need_engine().stats())
 
 
 def op_timed_run(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
@@ -108,17 +192,24 @@ def op_abort(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
 
 OPS: dict[str, Op] = {"hello": op_hello, "devices": op_devices, "load": op_load, "tokenize": op_tokenize,
                       "timed_run": op_timed_run, "greedy": op_greedy, "logprobs": op_logprobs,
-                      "chat": op_chat, "abort": op_abort}
+                      "chat": op_chat, "abort": op_abort, "detokenize": op_detokenize,
+                      "serve_load": op_serve_load, "cancel": op_cancel, "serve_stats": op_serve_stats}
+STREAM_OPS: dict[str, StreamOp] = {"generate": op_generate}
 
 
 def handle(w: Worker, msg: dict[str, Any]) -> bool:
     """Answer one request; False when the client asked to shut down."""
     rid, op = msg["id"], msg.get("op", "")
     if op == "shutdown":
+        if w.engine is not None:
+            w.engine.cancel_all()
         w.send({"id": rid, "ok": True, "result": {}})
         return False
     fn = OPS.get(op)
     try:
+        if op in STREAM_OPS:
+            STREAM_OPS[op](w, rid, msg.get("args") or {})
+            return True
         if fn is None:
             raise EngineError("unknown_op", f"unknown op {op!r}")
         w.send({"id": rid, "ok": True, "result": fn(w, msg.get("args") or {})})
@@ -129,23 +220,73 @@ def handle(w: Worker, msg: dict[str, Any]) -> bool:
     return True
 
 
+def _lines(fd: int) -> Iterator[bytes]:
+    """Lines read from a raw descriptor.
+
+    Not ``sys.stdin.buffer``: a daemon thread blocked inside a buffered reader holds its lock, and the
+    interpreter aborts at exit when it cannot take that lock ("could not acquire lock ... at interpreter
+    shutdown"); a thread blocked in ``os.read`` holds nothing.
+    """
+    buf = bytearray()
+    while chunk := os.read(fd, 1 << 16):
+        buf += chunk
+        while (nl := buf.find(b"\n")) >= 0:
+            yield bytes(buf[:nl + 1])
+            del buf[:nl + 1]
+    if buf:
+        yield bytes(buf)
+
+
+def _read(fd: int, inbox: queue.Queue[Any], w: Worker) -> None:
+    """Reader thread: parse request lines into ``inbox``; EOF ends the worker."""
+    for line in _lines(fd):
+        if not line.strip():
+            continue
+        try:
+            inbox.put(decode(line))
+        except ValueError as exc:
+            w.send({"id": -1, "ok": False, "error": {"code": "bad_request", "message": str(exc)}})
+    inbox.put(_EOF)
+
+
+def _step(w: Worker) -> None:
+    """One engine step; an unexpected error fails the running requests, not the worker."""
+    try:
+        w.engine.step()
+    except Exception as exc:  # noqa: BLE001 - a bug in one step must not take every client down
+        log.exception("engine step failed")
+        w.engine.fail_all("internal", f"engine step failed: {type(exc).__name__}: {exc}")
+
+
+def serve(w: Worker, inbox: queue.Queue[Any]) -> int:
+    """The main loop: answer every queued request, then one engine step; block only when idle."""
+    while True:
+        busy = w.engine is not None and w.engine.has_work()
+        try:
+            msg = inbox.get(block=not busy)
+        except queue.Empty:
+            msg = None
+        while msg is not None:
+            if msg is _EOF or not handle(w, msg):
+                return 0
+            try:
+                msg = inbox.get_nowait()
+            except queue.Empty:
+                msg = None
+        if w.engine is not None and w.engine.has_work():
+            _step(w)
+
+
 def main() -> int:
     """Serve requests from stdin until EOF or shutdown."""
     proto = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # native code printing to stdout now lands in the log, not in the protocol
     sys.stdout = sys.stderr
-    w = Worker(proto)
-    for line in sys.stdin.buffer:
-        if not line.strip():
-            continue
-        try:
-            msg = decode(line)
-        except ValueError as exc:
-            w.send({"id": -1, "ok": False, "error": {"code": "bad_request", "message": str(exc)}})
-            continue
-        if not handle(w, msg):
-            break
-    return 0
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    w = Worker(proto, fault=os.environ.get("FLUX_WORKER_FAULT"))
+    inbox: queue.Queue[Any] = queue.Queue()
+    threading.Thread(target=_read, args=(sys.stdin.fileno(), inbox, w), daemon=True, name="stdin-reader").start()
+    return serve(w, inbox)
 
 
 if __name__ == "__main__":

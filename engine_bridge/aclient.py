@@ -1,0 +1,237 @@
+"""asyncio client of the worker protocol: many calls and streams in flight over one worker process.
+
+The Litestar server owns one :class:`AsyncWorker` in its lifespan. Every request gets a protocol id; a
+reader task routes each worker line to the queue of its id, so calls and ``generate`` streams run
+concurrently. A worker that exits fails every pending call with :class:`WorkerDied` at once; a call that
+misses its timeout raises :class:`WorkerTimeout` and kills the worker (like :mod:`engine_bridge.client`).
+
+Streams and cancellation: ``stream("generate", {"rid": ..., ...})`` yields token events, then
+``{"result": {...}}``. If its consumer goes away first (the task is cancelled, e.g. the HTTP client
+disconnected, or the generator is closed early), the stream sends ``cancel {"rid": args["rid"]}`` so
+the worker frees the sequence at once. Close early streams promptly with ``contextlib.aclosing``; a
+generator left to the garbage collector cancels only when it is collected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import signal
+import sys
+from collections.abc import AsyncGenerator, Mapping
+from pathlib import Path
+from typing import Any
+
+from engine_bridge.errors import EngineError, ProtocolMismatch, WorkerDied, WorkerTimeout
+from engine_bridge.protocol import PROTOCOL_VERSION, decode, encode
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# ops whose streams are cancelled by a follow-up op naming the stream's args["rid"]
+CANCEL_OPS = {"generate": "cancel"}
+_LINE_LIMIT = 1 << 26  # a tokenize result of a long text is one long line
+_DIED = object()
+
+
+class AsyncWorker:
+    """One engine worker subprocess driven from asyncio."""
+
+    def __init__(self, log_path: Path | None, env: Mapping[str, str] | None = None,
+                 hello_timeout_s: float = 30.0, python: str = sys.executable) -> None:
+        self.log_path = log_path
+        self.extra_env = dict(env or {})
+        self.hello_timeout_s = hello_timeout_s
+        self.python = python
+        self.proc: asyncio.subprocess.Process | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Queue[Any]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._eof = False
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> dict[str, Any]:
+        """Spawn the worker and check its protocol version; returns its hello.
+
+        Raises:
+            ProtocolMismatch: the worker speaks another protocol version (it is killed).
+            WorkerDied, WorkerTimeout: it exited or did not answer within ``hello_timeout_s``.
+        """
+        env = {**os.environ, **self.extra_env}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
+        log = None
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = self.log_path.open("ab")
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                self.python, "-m", "engine_bridge.worker", stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=log if log is not None else asyncio.subprocess.DEVNULL,
+                env=env, cwd=str(REPO_ROOT), start_new_session=True, limit=_LINE_LIMIT)
+        finally:
+            if log is not None:
+                log.close()  # the child holds its own descriptor
+        self._eof = False
+        self._reader = asyncio.create_task(self._read(self.proc), name=f"worker-{self.proc.pid}-reader")
+        hello = await self.call("hello", timeout=self.hello_timeout_s)
+        if hello.get("protocol") != PROTOCOL_VERSION:
+            self.kill()
+            raise ProtocolMismatch(PROTOCOL_VERSION, hello.get("protocol"))
+        return hello
+
+    async def _read(self, proc: asyncio.subprocess.Process) -> None:
+        """Route every worker line to its caller; on EOF wake every pending caller with _DIED."""
+        stdout = proc.stdout
+        try:
+            while stdout is not None:
+                line = await stdout.readline()
+                if not line:
+                    break
+                try:
+                    msg = decode(line)
+                except ValueError:
+                    continue
+                q = self._pending.get(msg["id"])
+                if q is not None:
+                    q.put_nowait(msg)
+        except (ValueError, asyncio.LimitOverrunError, ConnectionError):
+            self.kill()  # an unreadable stream: the worker is unusable
+        finally:
+            self._eof = True  # from now on new requests fail at once
+            try:
+                await asyncio.wait_for(proc.wait(), 2.0)
+            except TimeoutError:  # it closed its stdout but lives on: it cannot answer anyway
+                self.kill()
+                await proc.wait()
+            for q in self._pending.values():
+                q.put_nowait(_DIED)
+
+    @property
+    def alive(self) -> bool:
+        """True while the worker process runs."""
+        return self.proc is not None and self.proc.returncode is None
+
+    @property
+    def pid(self) -> int | None:
+        """The worker's process id."""
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        """The worker's exit status once it has exited (negative: killed by that signal)."""
+        return self.proc.returncode if self.proc is not None else None
+
+    def kill(self) -> None:
+        """SIGKILL the worker's process group now (pending calls then raise WorkerDied)."""
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    async def wait_exit(self) -> int:
+        """Wait until the worker process exits; its return code."""
+        if self.proc is None:
+            raise WorkerDied(None, "not started")
+        return await self.proc.wait()
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Ask the worker to shut down; kill it if it does not exit within ``timeout``."""
+        if self.alive:
+            with contextlib.suppress(EngineError):
+                await self.call("shutdown", timeout=timeout)
+            if self.proc is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.proc.wait(), timeout)
+        self.kill()
+        if self._reader is not None:
+            with contextlib.suppress(Exception):
+                await self._reader
+
+    async def __aenter__(self) -> AsyncWorker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- calls ------------------------------------------------------------------------------------
+    def _died(self) -> WorkerDied:
+        detail = ""
+        if self.log_path is not None and self.log_path.exists():
+            with self.log_path.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 2000))
+                lines = f.read().decode("utf-8", errors="replace").strip().splitlines()
+            detail = lines[-1] if lines else ""
+        return WorkerDied(self.returncode, detail)
+
+    def _send(self, rid: int, op: str, args: Mapping[str, Any] | None) -> None:
+        """Write one request (no await: small writes go to the transport's buffer at once)."""
+        if self.proc is None or self.proc.stdin is None:
+            raise WorkerDied(None, "not started")
+        if self._eof or not self.alive or self.proc.stdin.is_closing():
+            raise self._died()
+        try:
+            self.proc.stdin.write(encode({"id": rid, "op": op, "args": dict(args or {})}))
+        except (BrokenPipeError, ConnectionError, RuntimeError) as exc:
+            raise self._died() from exc
+
+    async def stream(self, op: str, args: Mapping[str, Any] | None = None,
+                     timeout: float = 120.0) -> AsyncGenerator[dict[str, Any], None]:
+        """Send a request; yield its events, then its result as ``{"result": ...}``.
+
+        ``timeout`` bounds the wait for each message, not the whole call. A ``generate`` stream whose
+        consumer stops early sends ``cancel {"rid": args["rid"]}`` (see the module docstring).
+
+        Raises:
+            EngineError: the worker refused the request (its ``code`` and ``message``).
+            WorkerDied: the worker exited before the answer.
+            WorkerTimeout: no message within ``timeout``; the worker has been killed.
+        """
+        rid = next(self._ids)
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        self._pending[rid] = q
+        finished = False
+        try:
+            self._send(rid, op, args)
+            while True:
+                try:
+                    msg = await asyncio.wait_for(q.get(), timeout)
+                except TimeoutError:
+                    self.kill()
+                    raise WorkerTimeout(op, timeout) from None
+                if msg is _DIED:
+                    finished = True
+                    raise self._died()
+                if "event" in msg:
+                    yield msg["event"]
+                    continue
+                finished = True
+                if not msg.get("ok"):
+                    err = msg.get("error") or {}
+                    raise EngineError(str(err.get("code", "error")), str(err.get("message", "")))
+                yield {"result": msg.get("result") or {}}
+                return
+        finally:
+            self._pending.pop(rid, None)
+            if not finished:
+                self._cancel_remote(op, args)
+
+    def _cancel_remote(self, op: str, args: Mapping[str, Any] | None) -> None:
+        """Tell the worker to stop an abandoned stream (fire and forget: its answer is dropped)."""
+        cancel_op = CANCEL_OPS.get(op)
+        if cancel_op is None or not args or "rid" not in args or not self.alive:
+            return
+        with contextlib.suppress(EngineError):
+            self._send(next(self._ids), cancel_op, {"rid": args["rid"]})
+
+    async def call(self, op: str, args: Mapping[str, Any] | None = None, timeout: float = 120.0) -> dict[str, Any]:
+        """Send a request and return its result (events, if any, are dropped).
+
+        Raises:
+            EngineError, WorkerDied, WorkerTimeout: as :meth:`stream`.
+        """
+        result: dict[str, Any] = {}
+        async with contextlib.aclosing(self.stream(op, args, timeout)) as events:
+            async for msg in events:
+                if "result" in msg:
+                    result = msg["result"]
+        return result

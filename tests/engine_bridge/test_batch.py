@@ -1,0 +1,260 @@
+"""The serving engine in-process: real llama.cpp batching several sequences in one context.
+
+The model is tiny-dense with a larger attention-output scale (``attn_out_std``), so that its greedy
+continuations depend on the context, not only on the last token: a wrong KV restore shows up as
+different tokens. One thread: this 2-core box is shared and ggml's spinning thread pool stalls when a
+core is taken away.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from artifacts.synth import synthesize
+from engine_bridge.batch import MIN_PARK_TOKENS, ServeEngine
+from engine_bridge.errors import EngineError
+from engine_bridge.native import NativeModel
+from engine_bridge.params import EngineParams, TensorOverride
+from engine_bridge.sampling import new_text_decoder
+
+PARAMS = EngineParams(n_ctx=512, n_seq_max=4, n_batch=128, n_ubatch=128, n_threads=1, n_threads_batch=1)
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly zebras".split()
+
+
+@pytest.fixture(scope="module")
+def ctx_model(models_dir: Path) -> Path:
+    """tiny-dense whose attention matters (its continuations depend on the whole prompt)."""
+    path = models_dir / "tiny-dense-attn.gguf"
+    if not path.exists():
+        synthesize("tiny-dense", path, quant="Q4_0", overrides={"attn_out_std": "0.1"})
+    return path
+
+
+class Recorder:
+    """A Sink that keeps everything."""
+
+    def __init__(self) -> None:
+        self.events: dict[int, list[dict[str, Any]]] = {}
+        self.results: dict[int, dict[str, Any]] = {}
+
+    def event(self, key: int, event: dict[str, Any]) -> None:
+        self.events.setdefault(key, []).append(event)
+
+    def done(self, key: int, result: dict[str, Any]) -> None:
+        self.results[key] = result
+
+    def fail(self, key: int, code: str, message: str) -> None:
+        self.results[key] = {"error": code, "message": message}
+
+    def tokens(self, key: int) -> list[int]:
+        return [e["token"] for e in self.events.get(key, []) if e["type"] == "token"]
+
+
+def make(model: Path, **kw: Any) -> tuple[ServeEngine, Recorder]:
+    rec = Recorder()
+    park = kw.pop("park_bytes", 64 << 20)
+    return ServeEngine(model, PARAMS.model_copy(update=kw), park, rec), rec
+
+
+def text(i: int, n_words: int) -> str:
+    rng = np.random.default_rng(i)
+    return f"Story {i}: " + " ".join(rng.choice(WORDS, n_words)) + "."
+
+
+def run(engine: ServeEngine, key: int, prompt: list[int], n: int = 24, **kw: Any) -> None:
+    engine.submit(key, {"rid": f"r{key}", "prompt": prompt, "max_tokens": n, "temperature": 0.0, **kw})
+    while engine.has_work():
+        engine.step()
+
+
+def test_batched_greedy_matches_each_alone(ctx_model: Path) -> None:
+    engine, rec = make(ctx_model)
+    prompts = [engine.vocab.tokenize(text(i, 10 + 7 * i)) for i in range(4)]
+    alone = []
+    for i, p in enumerate(prompts):
+        solo, srec = make(ctx_model, n_seq_max=1)
+        run(solo, i, p)
+        alone.append(srec.tokens(i))
+        solo.close()
+    assert len({tuple(a) for a in alone}) > 1, "the model must be context-sensitive for this test to mean anything"
+    for i, p in enumerate(prompts):
+        engine.submit(i, {"rid": f"b{i}", "prompt": p, "max_tokens": 24, "temperature": 0.0})
+    while engine.has_work():
+        engine.step()
+    assert [rec.tokens(i) for i in range(4)] == alone, "batched greedy decoding is exact on CPU"
+    assert all(rec.results[i]["finish_reason"] == "length" for i in range(4))
+    stats = engine.stats()
+    assert stats["max_batch_seqs"] == 4 and stats["tokens_generated"] == 96 and stats["active"] == 0
+    engine.close()
+
+
+def test_long_prefill_is_chunked_while_others_keep_decoding(ctx_model: Path) -> None:
+    engine, rec = make(ctx_model, n_seq_max=2, n_batch=64, n_ubatch=64)
+    engine.submit(1, {"rid": "a", "prompt": engine.vocab.tokenize(text(8, 5)), "max_tokens": 40, "temperature": 0.0})
+    engine.step()
+    assert len(rec.events[1]) == 1
+    long_prompt = engine.vocab.tokenize(text(9, 100))
+    assert len(long_prompt) > 5 * 64
+    engine.submit(2, {"rid": "b", "prompt": long_prompt, "max_tokens": 4, "progress": True})
+    steps = 0
+    while not any(e["type"] == "token" for e in rec.events.get(2, [])):
+        engine.step()
+        steps += 1
+        assert len(rec.events[1]) == 1 + steps, "the running request gets a token every step"
+    assert steps == -(-len(long_prompt) // 63), "the prompt took the rest of n_batch each step"
+    progress = [e for e in rec.events[2] if e["type"] == "prefill"]
+    assert [e["done"] for e in progress] == [63 * (i + 1) for i in range(steps - 1)]
+    assert all(e["total"] == len(long_prompt) for e in progress)
+    engine.close()
+
+
+def test_cancel_busy_and_refusals(ctx_model: Path) -> None:
+    engine, rec = make(ctx_model, n_seq_max=2)
+    p = engine.vocab.tokenize(text(1, 20))
+    for k in (1, 2):
+        engine.submit(k, {"rid": f"r{k}", "prompt": p, "max_tokens": 100})
+    for _ in range(3):
+        engine.step()
+    with pytest.raises(EngineError) as busy:
+        engine.submit(3, {"rid": "r3", "prompt": p, "max_tokens": 4})
+    assert busy.value.code == "busy"
+    assert engine.cancel("r1") and not engine.cancel("r1") and not engine.cancel("nope")
+    assert rec.results[1]["finish_reason"] == "cancelled" and 1 <= rec.results[1]["completion_tokens"] < 100
+    assert engine.stats()["active"] == 1
+    engine.submit(3, {"rid": "r3", "prompt": p, "max_tokens": 4})  # the freed sequence is usable at once
+    for code, bad in [("context_overflow", {"prompt": p, "max_tokens": 512}),
+                      ("bad_request", {"prompt": [10**6], "max_tokens": 1}),
+                      ("bad_request", {"prompt": p, "max_tokens": 1, "temprature": 0}),
+                      ("bad_request", {"rid": "r2", "prompt": p, "max_tokens": 1})]:
+        engine.cancel("r3")
+        with pytest.raises(EngineError) as exc:
+            engine.submit(9, {"rid": "x", **bad})
+        assert exc.value.code == code, bad
+    engine.close()
+
+
+def test_text_pieces_are_valid_utf8_and_eog_stops(ctx_model: Path) -> None:
+    engine, rec = make(ctx_model, n_seq_max=1)
+    prompt = engine.vocab.tokenize(text(2, 12))
+    for seed in range(6):  # hot sampling over a byte-level vocabulary: stray UTF-8 lead bytes, EOG tokens
+        run(engine, seed, prompt, n=120, temperature=1.5, seed=seed)
+        events, result = rec.events.get(seed, []), rec.results[seed]
+        pieces = b"".join(engine.vocab.piece(e["token"]) for e in events)
+        streamed = "".join(e["text"] for e in events) + result["text_tail"]
+        assert streamed.encode("utf-8").decode("utf-8") == pieces.decode("utf-8", errors="replace") == streamed
+        assert result["completion_tokens"] == len(events) and not any(engine.vocab.is_eog(e["token"]) for e in events)
+    everything = [e for k in rec.events for e in rec.events[k]]
+    assert any(e["text"] == "" and engine.vocab.piece(e["token"]) for e in everything), "some bytes were held back"
+    assert {r["finish_reason"] for r in rec.results.values()} == {"stop", "length"}
+    # a multi-byte character split over byte tokens comes out whole, once its last byte arrives
+    toks = engine.vocab.tokenize("héllo, 你好")
+    dec = new_text_decoder()
+    outs = [dec.decode(engine.vocab.piece(t)) for t in toks]
+    assert "".join(outs) == "héllo, 你好" and "" in outs and all("\ufffd" not in o for o in outs)
+    engine.close()
+
+
+def test_seeded_sampling_is_reproducible(ctx_model: Path) -> None:
+    engine, rec = make(ctx_model, n_seq_max=1)
+    p = engine.vocab.tokenize(text(3, 15))
+    for key, seed in [(1, 11), (2, 11), (3, 12)]:
+        run(engine, key, p, n=16, temperature=1.0, top_k=40, top_p=0.95, min_p=0.01, seed=seed,
+            presence_penalty=0.5, frequency_penalty=0.5)
+    assert rec.tokens(1) == rec.tokens(2) != rec.tokens(3)
+    engine.close()
+
+
+def test_logprobs_match_log_softmax_of_logits(ctx_model: Path) -> None:
+    engine, rec = make(ctx_model, n_seq_max=2)
+    p = engine.vocab.tokenize(text(4, 20))
+    run(engine, 1, p, n=6, logprobs=True, top_logprobs=5)
+    events = rec.events[1]
+    for e in events:
+        top = e["top_logprobs"]
+        assert len(top) == 5 and [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        assert top[0]["token"] == e["token"] and top[0]["logprob"] == e["logprob"] <= 0.0
+        assert sum(np.exp(t["logprob"]) for t in top) <= 1.0 + 1e-9 and isinstance(top[0]["text"], str)
+    native = NativeModel(ctx_model, EngineParams(n_ctx=512, n_batch=128, n_ubatch=128, n_threads=1, n_threads_batch=1))
+    rows = native.logprobs(p, [e["token"] for e in events])
+    native.close()
+    want = rows[np.arange(len(events)), [e["token"] for e in events]]
+    np.testing.assert_allclose([e["logprob"] for e in events], want, atol=1e-4)
+    np.testing.assert_allclose(np.exp(rows).sum(axis=1), 1.0, rtol=1e-6)
+    engine.close()
+
+
+def test_prefix_reuse(ctx_model: Path) -> None:
+    engine, rec = make(ctx_model, n_seq_max=2)
+    a = engine.vocab.tokenize(text(5, 40))
+    run(engine, 1, a, n=8)
+    assert rec.results[1]["cached_tokens"] == 0
+    turn = a + rec.tokens(1) + engine.vocab.tokenize(" And then? ")
+    run(engine, 2, turn, n=8)
+    assert rec.results[2]["cached_tokens"] == len(a) + 8 - 1, "the reply's KV is reused too (all but its last token)"
+    run(engine, 3, a + engine.vocab.tokenize(" A different ending."), n=8)
+    assert rec.results[3]["cached_tokens"] >= len(a)
+    assert engine.stats()["prefix_hits"] == 2
+    engine.close()
+
+
+def test_parked_conversation_restores_exactly(ctx_model: Path) -> None:
+    engine, rec = make(ctx_model, n_ctx=2048, n_seq_max=1)
+    a = engine.vocab.tokenize(text(6, 280))
+    assert len(a) > 900
+    b = engine.vocab.tokenize(text(7, 30))
+    suffix = engine.vocab.tokenize(" What happened next?")
+    run(engine, 1, a, n=4)
+    run(engine, 2, b, n=4)  # B takes the only sequence: A is parked
+    parked = engine.stats()["parked"]
+    assert parked["count"] == 1 and 0 < parked["bytes"] <= parked["limit"]
+    run(engine, 3, a + suffix, n=24, logprobs=True)
+    assert rec.results[3]["cached_tokens"] >= len(a)
+    assert engine.stats()["parked"]["hits"] == 1
+    cold, crec = make(ctx_model, n_ctx=2048, n_seq_max=1)
+    run(cold, 1, a + suffix, n=24, logprobs=True)
+    assert crec.results[1]["cached_tokens"] == 0
+    assert rec.tokens(3) == crec.tokens(1)
+    np.testing.assert_allclose([e["logprob"] for e in rec.events[3]], [e["logprob"] for e in crec.events[1]],
+                               atol=1e-5)
+    run(cold, 2, b + suffix, n=24)
+    assert rec.tokens(3) != crec.tokens(2), "another context gives other tokens: the comparison above has power"
+    cold.close()
+    engine.close()
+
+
+def test_parking_is_bounded_and_restores_into_another_sequence(ctx_model: Path) -> None:
+    probe, _ = make(ctx_model, n_ctx=1024, n_seq_max=1)
+    convs = [probe.vocab.tokenize(text(10 + i, 100)) for i in range(4)]
+    run(probe, 1, convs[0], n=2)
+    one_state = probe.stats()["kv_bytes"]
+    probe.close()
+    engine, rec = make(ctx_model, n_ctx=1024, n_seq_max=2, park_bytes=int(1.5 * one_state))
+    for key, conv in enumerate(convs[:3]):  # 0 and 1 fill the sequences, 2 parks 0 (the LRU one)
+        run(engine, key, conv, n=2)
+    assert engine.stats()["parked"]["count"] == 1
+    run(engine, 3, convs[3], n=2)  # parks 1: over the limit, 0 is evicted
+    parked = engine.stats()["parked"]
+    assert parked["count"] == 1 and parked["evictions"] == 1 and parked["bytes"] <= parked["limit"]
+    run(engine, 4, convs[1] + [5, 6, 7], n=2)  # restored into sequence 0; it was parked from sequence 1
+    assert rec.results[4]["cached_tokens"] >= len(convs[1])
+    assert engine.stats()["parked"]["hits"] == 1
+    run(engine, 5, convs[0] + [5, 6, 7], n=2)
+    assert rec.results[5]["cached_tokens"] < MIN_PARK_TOKENS, "evicted: prefilled again"
+    engine.close()
+
+
+def test_moe_with_tensor_overrides_serves_the_same_tokens(tiny_moe: Path) -> None:
+    outs = []
+    for overrides in [(), (TensorOverride(pattern=r"^blk\.(0|2)\.ffn_(gate|up)_exps\.", device="CPU"),)]:
+        engine, rec = make(tiny_moe, n_seq_max=2, tensor_overrides=overrides)
+        run(engine, 1, engine.vocab.tokenize(text(12, 20)), n=12)
+        outs.append(rec.tokens(1))
+        engine.close()
+    assert outs[0] == outs[1] and len(outs[0]) > 0
+    with pytest.raises(EngineError) as exc:
+        make(tiny_moe, tensor_overrides=(TensorOverride(pattern="exps", device="CUDA7"),))
+    assert exc.value.code == "bad_override"
