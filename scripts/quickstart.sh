@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # Install everything (scripts/install.sh), then run Flux's main job on an embedded default:
-# synthesize a tiny MoE twin, inspect it, and generate text with it through the native backend.
-# Pass a model path to use your own GGUF instead of the synthetic one.
+# plan a model (a synthesized tiny MoE twin when none is given: no model hub needed), show the plan,
+# then serve it on 127.0.0.1:8090 with a curl line to try. Ctrl-C stops the server.
+#   scripts/quickstart.sh [model.gguf] [flux plan flags...]
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 bash scripts/install.sh
-MODEL="${1:-}"
-if [ -z "$MODEL" ]; then
-  MODEL="${XDG_CACHE_HOME:-$HOME/.cache}/flux/models/tiny-moe.gguf"
-  [ -f "$MODEL" ] || flux synth --like tiny-moe -o "$MODEL"
-fi
-flux inspect "$MODEL"
-flux generate "$MODEL" --prompt "Flux plans where every layer runs." -n 24
+export DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
+if [ $# -eq 0 ]; then set -- --budget-s 120; fi
+PLAN=$(flux plan "$@")
+flux show "$PLAN"
+cat <<EOM
+
+Serving plan ${PLAN:0:12} on http://127.0.0.1:8090 (Ctrl-C stops). Try, in another terminal:
+
+  curl http://127.0.0.1:8090/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 64}'
+
+EOM
+exec flux serve "$PLAN"
