@@ -15,8 +15,9 @@
 # A second run with nothing changed finds the key in the cache and only checks the install.
 #
 # Environment: PYTHON (interpreter to install into), JOBS (parallel compile jobs), CMAKE_ARGS (extra cmake
-# flags, part of the key), FLUX_OFFLINE=1 (no index: --no-index --no-build-isolation --no-deps),
-# FLUX_SKIP_SERVER=1 (skip llama-server).
+# flags, part of the key), FLUX_OFFLINE=1 (no package index), FLUX_SRC_DIR (a source tree made by
+# scripts/trim-sdist.sh, instead of downloading), FLUX_SKIP_SERVER=1 (skip llama-server and llama-bench),
+# FLUX_PARALLEL=1 (build the wheel and llama-server at the same time: for many-core machines).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -130,11 +131,13 @@ build_server() {
   log "building llama-server (several minutes)"
   # shellcheck disable=SC2086
   cmake -S "$src/vendor/llama.cpp" -B "$bdir" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_APP=OFF \
     $FLAGS >&2
-  cmake --build "$bdir" --target llama-server -j "$JOBS" >&2
+  cmake --build "$bdir" --target llama-server llama-bench -j "$JOBS" >&2
   mkdir -p "$OUT/bin"
-  cp "$bdir/bin/llama-server" "$OUT/bin/llama-server.tmp" && mv "$OUT/bin/llama-server.tmp" "$OUT/bin/llama-server"
+  for exe in llama-bench llama-server; do
+    cp "$bdir/bin/$exe" "$OUT/bin/$exe.tmp" && mv "$OUT/bin/$exe.tmp" "$OUT/bin/$exe"
+  done
   rm -rf "$bdir"
 }
 
@@ -158,12 +161,27 @@ if [ -f "$OUT/build.json" ] && [ -f "$WHEEL_DIR"/llama_cpp_python-*.whl ] 2>/dev
   if [ "$(installed_key)" != "$KEY" ]; then install_wheel; fi
   cp "$OUT/architectures.txt" "$ROOT/third_party/architectures.txt"
 else
-  SDIST=$(fetch_sdist)
-  SRC=$(prepare_source "$SDIST")
+  if [ -n "${FLUX_SRC_DIR:-}" ]; then
+    # A tree made by scripts/trim-sdist.sh from the checked sdist (offline GPU machines).
+    grep -q "^$SHA256 " "$FLUX_SRC_DIR/FLUX_SDIST_SHA256" 2>/dev/null \
+      || die "$FLUX_SRC_DIR was not trimmed from the pinned sdist ($SHA256): run scripts/trim-sdist.sh"
+    rm -rf "$OUT/src.tmp" "$OUT/src"; mkdir -p "$OUT/src.tmp"
+    cp -r "$FLUX_SRC_DIR/." "$OUT/src.tmp/"
+    "$ROOT/scripts/apply-patches.sh" "$OUT/src.tmp/vendor/llama.cpp" "${PATCHES[@]}"
+    mv "$OUT/src.tmp" "$OUT/src"; SRC="$OUT/src"
+  else
+    SDIST=$(fetch_sdist)
+    SRC=$(prepare_source "$SDIST")
+  fi
   write_architectures "$SRC"
+  need_server=0
+  if [ "${FLUX_SKIP_SERVER:-0}" != 1 ] && [ ! -x "$OUT/bin/llama-server" ]; then need_server=1; fi
+  server_pid=""
+  if [ "$need_server" = 1 ] && [ "${FLUX_PARALLEL:-0}" = 1 ]; then build_server "$SRC" & server_pid=$!; need_server=0; fi
   if ! ls "$WHEEL_DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then build_wheel "$SRC"; fi
   install_wheel
-  if [ "${FLUX_SKIP_SERVER:-0}" != 1 ] && [ ! -x "$OUT/bin/llama-server" ]; then build_server "$SRC"; fi
+  if [ -n "$server_pid" ]; then wait "$server_pid" || die "llama-server build failed"; fi
+  if [ "$need_server" = 1 ]; then build_server "$SRC"; fi
   rm -rf "$SRC"
   cat > "$OUT/build.json" <<EOF
 {"key": "$KEY", "llama_cpp_python": "$VERSION", "llama_cpp_commit": "$COMMIT", "cmake_flags": "$FLAGS",

@@ -1,0 +1,364 @@
+#!/usr/bin/env python3
+"""GPU benchmark record: Flux's plan vs llama-server --fit, the best --n-cpu-moe, and llama-cpp-python.
+
+For each synthetic twin and GPU memory budget (GiB; 0 = the whole card):
+1. plan: probe → enumerate (under the budget) → prune → measure the finalists (Flux's own stages,
+   without Prefect so that it runs on a bare GPU machine) → the fastest on the workload;
+2. baselines: (a) llama-server with its automatic fit given the same budget (--fit-target = free
+   memory minus the budget, so only the budget is usable), (b) the best --n-cpu-moe from a sweep of
+   every value whose measured VRAM fits the budget, (c) llama-cpp-python with the most layers that fit;
+3. a final race: plan, (b) and (c) in paired randomized rounds through the same worker; (a) in the same
+   rounds through llama-server's own timings;
+and reports pp512, tg128 and the validation-workload time (an agent conversation: long prompt, short
+reply) as ratios, with the plan's measured peak VRAM and planning time. Results: Parquet in --out.
+
+    python3 scripts/bench_gpu.py --out DIR [--models qwen3-30b-a3b,llama3-8b] [--budgets 8,12,16,24,0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from artifacts.config import load_settings  # noqa: E402
+from artifacts.model_info import ModelInfo, model_info  # noqa: E402
+from artifacts.synth import synthesize  # noqa: E402
+from engine_bridge.backend import llama_server_path  # noqa: E402
+from engine_bridge.client import WorkerClient  # noqa: E402
+from engine_bridge.errors import EngineError  # noqa: E402
+from engine_bridge.params import EngineParams, TensorOverride  # noqa: E402
+from flows.workload import tune_prompts  # noqa: E402
+from tasks.costmodel import Workload  # noqa: E402
+from tasks.enumerate import enumerate_placements  # noqa: E402
+from tasks.measure import measure  # noqa: E402
+from tasks.models import Candidate, HardwareReport, Placement, PlanRequest  # noqa: E402
+from tasks.probe import probe  # noqa: E402
+from tasks.prune import prune  # noqa: E402
+
+GIB = 2**30
+PROMPTS: dict[str, list[int]] = {}  # 'pp' and 'agent': corpus text in the model's own tokens
+CTX = 4096
+PP, TG = 512, 128
+AGENT_PROMPT, AGENT_GEN = 2048, 32
+
+
+def gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / GIB:.2f}"
+
+
+def log(msg: str) -> None:
+    print(f"[bench-gpu {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+_BASELINE: dict[int, int] = {}
+
+
+def _nvml() -> Any:
+    import pynvml
+
+    pynvml.nvmlInit()
+    return pynvml
+
+
+def gpu_baseline() -> None:
+    """Remember each GPU's used memory before any worker runs (fallback accounting)."""
+    try:
+        nv = _nvml()
+        for i in range(nv.nvmlDeviceGetCount()):
+            _BASELINE[i] = nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(i)).used
+    except Exception:  # noqa: BLE001 - no NVML
+        pass
+
+
+def gpu_used_by(pid: int | None) -> int | None:
+    """GPU memory a process holds (NVML per-process; else the device's use above the baseline), bytes."""
+    try:
+        nv = _nvml()
+        per_proc, device = 0, 0
+        for i in range(nv.nvmlDeviceGetCount()):
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            for p in nv.nvmlDeviceGetComputeRunningProcesses(h):
+                if p.pid == pid and p.usedGpuMemory:
+                    per_proc += p.usedGpuMemory
+            device += nv.nvmlDeviceGetMemoryInfo(h).used - _BASELINE.get(i, 0)
+        return per_proc or max(device, 0)
+    except Exception:  # noqa: BLE001 - no NVML: unknown
+        return None
+
+
+def cand(cid: str, params: EngineParams, placement: Placement | None = None) -> Candidate:
+    return Candidate(id=cid, family=cid, placement=placement or Placement(layer_device=["CPU"]), params=params,
+                     weights_bytes={}, kv_bytes={}, compute_bytes={})
+
+
+def ncmoe_params(n: int, n_layer: int, threads: int) -> EngineParams:
+    """llama.cpp's --n-cpu-moe N: every layer on the GPU, the first N layers' experts on the CPU."""
+    ov = (TensorOverride(pattern=rf"^blk\.({'|'.join(str(i) for i in range(n))})\.ffn_(up|down|gate)_exps", device="CPU"),) if n else ()
+    return EngineParams(n_ctx=CTX, n_batch=2048, n_ubatch=512, n_threads=threads, n_threads_batch=threads, n_gpu_layers=999,
+                        flash_attn=True, tensor_overrides=ov)
+
+
+def probe_vram(model: Path, params: EngineParams, log_path: Path) -> tuple[int | None, dict[str, Any] | None]:
+    """Load a configuration, run pp512+tg128 once, return (GPU bytes held, timing)."""
+    w = WorkerClient(log_path=log_path, env=params.environment())
+    try:
+        w.start()
+        w.call("load", {"model": str(model), "params": params.model_dump()}, timeout=600)
+        t = w.call("timed_run", {"prompt": PROMPTS["pp"], "n_gen": 16}, timeout=600)
+        return gpu_used_by(w.pid), t
+    except EngineError as exc:
+        log(f"  {exc}")
+        return None, None
+    finally:
+        w.close()
+
+
+def predicted_gpu_bytes(info: ModelInfo, cpu_expert_layers: set[int], gpu_layers: set[int]) -> int:
+    """Weights a configuration puts on the GPU (before KV and compute buffers)."""
+    total = 0
+    for layer in info.layers:
+        if layer.index not in gpu_layers:
+            continue
+        for role, b in layer.bytes_by_role.items():
+            if not (role.startswith("experts_") and layer.index in cpu_expert_layers):
+                total += b
+    return total + info.bytes_by_role.get("output", 0)
+
+
+def sweep_ncmoe(model: Path, info: ModelInfo, budget: int, threads: int, log_path: Path) -> tuple[int, EngineParams] | None:
+    """Best --n-cpu-moe (by decode) among values whose MEASURED VRAM fits the budget.
+
+    Decode only gets slower as more expert layers move to the CPU, so the sweep starts at the smallest N
+    the memory model says could fit, moves up until a value fits when measured, and measures the next
+    two values too, to confirm.
+    """
+    every = set(range(info.n_layer))
+    start = 0
+    if budget > 0:
+        start = next((n for n in range(info.n_layer + 1)
+                      if predicted_gpu_bytes(info, set(range(n)), every) <= budget * 0.97), info.n_layer)
+    fitting: list[tuple[float, int, EngineParams]] = []
+    for n in range(max(0, start - 1), info.n_layer + 1):
+        p = ncmoe_params(n, info.n_layer, threads)
+        used, t = probe_vram(model, p, log_path)
+        if used is None or t is None:
+            continue
+        tps = t["gen_tokens"] / t["gen_ms"] * 1e3 if t["gen_ms"] else 0.0
+        fits = budget <= 0 or used <= budget
+        log(f"  --n-cpu-moe {n}: VRAM {used / GIB:.2f} GiB, tg {tps:.1f} tok/s{'' if fits else ' (over budget)'}")
+        if fits:
+            fitting.append((tps, n, p))
+        if len(fitting) >= (1 if budget <= 0 else 3):
+            break
+    if not fitting:
+        return None
+    best = max(fitting, key=lambda x: x[0])
+    return best[1], best[2]
+
+
+def most_layers(model: Path, info: ModelInfo, budget: int, threads: int, log_path: Path) -> EngineParams | None:
+    """llama-cpp-python with the most layers (-ngl, last layers first) whose measured VRAM fits."""
+    k = info.n_layer
+    if budget > 0:
+        k = max((n for n in range(info.n_layer + 1)
+                 if predicted_gpu_bytes(info, set(), set(range(info.n_layer - n, info.n_layer))) <= budget * 0.97), default=0)
+    while k >= 0:
+        p = EngineParams(n_ctx=CTX, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads, n_gpu_layers=k)
+        used, _ = probe_vram(model, p, log_path)
+        log(f"  -ngl {k}: VRAM {gib(used)} GiB")
+        if used is not None and (budget <= 0 or used <= budget):
+            return p
+        k -= 1
+    return None
+
+
+class LlamaServerFit:
+    """llama-server with --fit (its default), a margin that leaves only the budget usable."""
+
+    def __init__(self, model: Path, budget: int, free: int, threads: int, log_path: Path) -> None:
+        exe = llama_server_path(load_settings().cache_dir)
+        if exe is None:
+            raise SystemExit("llama-server not built: run scripts/build-backend.sh")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        args = [str(exe), "-m", str(model), "-c", str(CTX), "--port", str(self.port), "--host", "127.0.0.1",
+                "-t", str(threads), "-np", "1", "--fit", "on"]
+        if budget > 0:
+            args += ["--fit-target", str(max(0, (free - budget) // 2**20))]
+        self.log = log_path.open("ab")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        import httpx
+
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=600)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if self.http.get("/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise SystemExit(f"llama-server exited: see {log_path}")
+            time.sleep(0.5)
+        raise SystemExit("llama-server did not become healthy")
+
+    def run(self, prompt: list[int], n_gen: int) -> dict[str, Any]:
+        r = self.http.post("/completion", json={"prompt": prompt, "n_predict": n_gen, "cache_prompt": False,
+                                                "temperature": 0, "ignore_eos": True})
+        t = r.json()["timings"]
+        return {"prompt_tokens": t["prompt_n"], "prompt_ms": t["prompt_ms"], "gen_tokens": t["predicted_n"],
+                "gen_ms": t["predicted_ms"]}
+
+    def vram(self) -> int | None:
+        return gpu_used_by(self.proc.pid)
+
+    def close(self) -> None:
+        os.killpg(self.proc.pid, 9)
+        self.proc.wait()
+        self.log.close()
+
+
+def plan(model: Path, info: ModelInfo, hw: HardwareReport, budget_gib: float, args: argparse.Namespace,
+         log_path: Path) -> tuple[Candidate, float, list[dict[str, Any]]]:
+    """Flux's stages for one budget: the measured-fastest finalist, planning seconds, finalist rows."""
+    t0 = time.monotonic()
+    req = PlanRequest(model=str(model), ctx=CTX, gpu_mem_budget_gib=[budget_gib] if budget_gib > 0 else None,
+                      finalists=args.finalists, repeats=args.repeats, budget_s=args.plan_budget_s)
+    space = enumerate_placements(info, hw, req, 10)
+    work = Workload(prefill_tokens=PP + AGENT_PROMPT, decode_tokens=TG + AGENT_GEN, mean_prompt_tokens=(PP + AGENT_PROMPT) / 2)
+    fin = prune(space, info, hw, work, args.finalists)
+    prompts = [PROMPTS["pp"], PROMPTS["agent"]]
+    sums, _, _, _ = measure(fin.finalists, model, prompts, TG, budget_s=args.plan_budget_s, repeats=args.repeats,
+                            timeout_s=600, log_path=log_path, seed=1)
+    ok = [s for s in sums if s.workload_s]
+    best = min(ok, key=lambda s: s.workload_s or 1e9)
+    chosen = next(c for c in fin.finalists if c.id == best.candidate_id)
+    rows = [{"candidate": c.id, "family": c.family, "pred_decode": p.decode_tps, "pred_prefill": p.prefill_tps,
+             "meas_decode": s.decode_tps, "meas_prefill": s.prefill_tps, "error": s.error}
+            for c, p, s in zip(fin.finalists, fin.predictions, sums, strict=True)]
+    return chosen, time.monotonic() - t0, rows
+
+
+def race(model: Path, entries: dict[str, Candidate], server: LlamaServerFit | None, rounds: int,
+         log_path: Path) -> dict[str, dict[str, list[float]]]:
+    """Paired randomized rounds: every entry runs pp512+tg128 and the agent prompt once per round.
+
+    Every configuration stays loaded in its own worker for the whole race (each fits its budget alone,
+    and the card holds them all), so rounds measure steady state, not loads.
+    """
+    names = [*entries, *(["fit"] if server else [])]
+    out: dict[str, dict[str, list[float]]] = {k: {"pp": [], "tg": [], "agent_s": []} for k in names}
+    workers: dict[str, WorkerClient] = {}
+    rng = random.Random(3)
+    pp_prompt, agent = PROMPTS["pp"], PROMPTS["agent"]
+    try:
+        for name, c in entries.items():
+            w = WorkerClient(log_path=log_path, env=c.params.environment())
+            w.start()
+            w.call("load", {"model": str(model), "params": c.params.model_dump()}, timeout=600)
+            w.call("timed_run", {"prompt": pp_prompt[:64], "n_gen": 4}, timeout=600)
+            workers[name] = w
+        for _ in range(rounds):
+            rng.shuffle(names)
+            for name in names:
+                if name == "fit" and server is not None:
+                    a, b = server.run(pp_prompt, TG), server.run(agent, AGENT_GEN)
+                else:
+                    w = workers[name]
+                    a = w.call("timed_run", {"prompt": pp_prompt, "n_gen": TG}, timeout=600)
+                    b = w.call("timed_run", {"prompt": agent, "n_gen": AGENT_GEN}, timeout=600)
+                out[name]["pp"].append(a["prompt_tokens"] / a["prompt_ms"] * 1e3)
+                out[name]["tg"].append(a["gen_tokens"] / a["gen_ms"] * 1e3)
+                out[name]["agent_s"].append((b["prompt_ms"] + b["gen_ms"]) / 1e3)
+    finally:
+        for w in workers.values():
+            w.close()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--models", default="qwen3-30b-a3b")
+    ap.add_argument("--budgets", default="8,12,16,24,0")
+    ap.add_argument("--model-dir", type=Path, default=Path("/dev/shm/flux-models"))
+    ap.add_argument("--finalists", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--plan-budget-s", type=float, default=120)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    settings = load_settings()
+    gpu_baseline()
+    log_path = args.out / "workers.log"
+    threads = os.cpu_count() or 1
+    results, finalists = [], []
+    for preset in args.models.split(","):
+        model = args.model_dir / f"{preset}-Q4_0.gguf"
+        if not model.exists():
+            r = synthesize(preset, model, quant="Q4_0")
+            log(f"synthesized {preset}: {r.file_bytes / 1e9:.2f} GB in {r.seconds:.1f} s")
+        info = model_info(model)
+        PROMPTS["pp"], PROMPTS["agent"] = tune_prompts(model, [PP, AGENT_PROMPT], 0, log_path)
+        hw = probe(model, "bench", settings, "bench")
+        log(f"probe: {[g.name for g in hw.gpus]}, RAM {hw.ram_read_gbs:.0f} GB/s, kernels {[k.device for k in hw.kernels]}")
+        free = hw.gpus[0].memory_free if hw.gpus else 0
+        for b in (float(x) for x in args.budgets.split(",")):
+            budget = int(b * GIB)
+            log(f"{preset} budget {b:g} GiB: planning")
+            chosen, plan_s, rows = plan(model, info, hw, b, args, log_path)
+            finalists += [{"model": preset, "budget_gib": b, **r} for r in rows]
+            used, _ = probe_vram(model, chosen.params, log_path)
+            log(f"  plan {chosen.family} in {plan_s:.0f} s; peak VRAM {gib(used)} GiB; flags {' '.join(chosen.params.cli_args())}")
+            entries = {"plan": chosen}
+            sw = sweep_ncmoe(model, info, budget, threads, log_path) if info.is_moe and hw.gpus else None
+            if sw:
+                entries["ncmoe"] = cand(f"ncmoe-{sw[0]}", sw[1])
+            lcp = most_layers(model, info, budget, threads, log_path) if hw.gpus else None
+            if lcp:
+                entries["lcp"] = cand(f"lcp-ngl{lcp.n_gpu_layers}", lcp)
+            server = LlamaServerFit(model, budget, free, threads, log_path) if hw.gpus else None
+            fit_vram = server.vram() if server else None
+            try:
+                res = race(model, entries, server, args.rounds, log_path)
+            finally:
+                if server:
+                    server.close()
+            med = {k: {m: statistics.median(v) if v else None for m, v in d.items()} for k, d in res.items()}
+            row: dict[str, Any] = {"model": preset, "budget_gib": b, "plan_s": plan_s, "plan_family": chosen.family,
+                                   "plan_flags": " ".join(chosen.params.cli_args()), "plan_vram_gib": used and used / GIB,
+                                   "fit_vram_gib": fit_vram and fit_vram / GIB, "ncmoe": sw[0] if sw else None,
+                                   "lcp_ngl": lcp.n_gpu_layers if lcp else None, "raw": json.dumps(res)}
+            for k, d in med.items():
+                for m, v in d.items():
+                    row[f"{k}_{m}"] = v
+            for base in ("fit", "ncmoe", "lcp"):
+                if base in med and med["plan"]["tg"] and med[base]["tg"]:
+                    row[f"tg_vs_{base}"] = med["plan"]["tg"] / med[base]["tg"]
+                    row[f"pp_vs_{base}"] = med["plan"]["pp"] / med[base]["pp"]
+                    row[f"agent_vs_{base}"] = med[base]["agent_s"] / med["plan"]["agent_s"]
+            results.append(row)
+            log("  " + ", ".join(f"{k}={v:.3f}" for k, v in row.items() if k.startswith(("tg_vs", "pp_vs", "agent_vs")) and v))
+            pq.write_table(pa.Table.from_pylist(results), args.out / "h200_results.parquet")
+            pq.write_table(pa.Table.from_pylist(finalists), args.out / "h200_finalists.parquet")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
