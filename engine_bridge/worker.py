@@ -13,6 +13,10 @@ and pause generation while they run.
 
 from __future__ import annotations
 
+# llama_cpp must be loaded before numpy: on the H200 image (numpy 2.5, CUDA 13 build) importing numpy
+# first makes the first model load segfault (measured: numpy-first crashes, llama_cpp-first loads).
+import llama_cpp  # noqa: F401, I001
+
 import logging
 import os
 import queue

@@ -63,17 +63,22 @@ def resolve_context(info: ModelInfo, hw: HardwareReport, req: PlanRequest, reser
 
 
 def _overrides(p: Placement) -> list[TensorOverride]:
-    """tensor_buft_overrides that realise a placement when llama.cpp offloads every layer (-ngl 999)."""
+    """tensor_buft_overrides that realise a placement when llama.cpp offloads every layer (-ngl 999).
+
+    With one GPU, only what leaves it needs naming (to the CPU); with several, every GPU-resident tensor
+    is pinned to its device too, since -ngl alone would spread layers by llama.cpp's own split.
+    """
+    multi = len({d for d in p.layer_device if d != "CPU"}) > 1
     by_dev: dict[tuple[str, str], list[int]] = {}
     for i, dev in enumerate(p.layer_device):
         parts = {q: p.expert_device[i][q] for q in EXPERT_PARTS} if p.expert_device else {}
         for q, qdev in parts.items():
-            if qdev != dev or dev == "CPU":
+            if qdev != dev or dev == "CPU" or multi:
                 by_dev.setdefault((qdev, f"ffn_{q}_exps"), []).append(i)
-        if dev == "CPU":
-            by_dev.setdefault(("CPU", "block"), []).append(i)
+        if dev == "CPU" or multi:
+            by_dev.setdefault((dev, "block"), []).append(i)
     out = []
-    for (dev, what), layers in sorted(by_dev.items()):
+    for (dev, what), layers in sorted(by_dev.items(), key=lambda kv: (kv[0][1] == "block", kv[0])):
         ids = "|".join(str(i) for i in layers)
         pat = rf"^blk\.({ids})\." if what == "block" else rf"^blk\.({ids})\.{what}\."
         out.append(TensorOverride(pattern=pat, device=dev))
@@ -150,12 +155,29 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest,
                           n_seq=req.concurrency, ctx_capped_by_ram=capped)
 
 
+def gpu_devices(hw: HardwareReport) -> list[tuple[str, int]]:
+    """(ggml device name, free bytes) of each GPU llama.cpp can use, in its own CUDA order.
+
+    NVML lists every GPU of the host; llama.cpp sees only those CUDA_VISIBLE_DEVICES leaves, numbered
+    from CUDA0. Placements name ggml devices, so the ggml list decides (on the H200 machine NVML saw two
+    GPUs while llama.cpp had one: budgeting the NVML list put a second GPU's share on the first).
+    """
+    out = []
+    for d in hw.ggml_devices:
+        if d.get("kind") == "gpu":
+            free = d.get("memory_free")
+            out.append((str(d["name"]), int(free) if isinstance(free, int) else 0))
+    if any(free == 0 for _, free in out):  # a probe without ggml memory figures: fall back to NVML's
+        out = [(name, hw.gpus[i].memory_free if i < len(hw.gpus) else 0) for i, (name, _) in enumerate(out)]
+    return out
+
+
 def _gpu_limits(hw: HardwareReport, req: PlanRequest) -> list[int]:
     budgets = req.gpu_mem_budget_gib or []
     out = []
-    for i, g in enumerate(hw.gpus):
+    for i, (_, free) in enumerate(gpu_devices(hw)):
         b = budgets[i] if i < len(budgets) else (budgets[-1] if budgets else None)
-        out.append(int(min(g.memory_free, b * GIB)) if b is not None else g.memory_free)
+        out.append(int(min(free, b * GIB)) if b is not None else free)
     return out
 
 

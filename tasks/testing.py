@@ -23,7 +23,8 @@ def h200_report(n_gpus: int = 1, model_hash: str = "test", free_gib: float | Non
                                                      logical_cores=16, isa=["avx2", "avx512f", "amx_tile"]),
         ram_total=126 * 2**30, ram_available=120 * 2**30, ram_read_gbs=94.0, ram_read_gbs_1thread=12.0,
         storage_read_gbs=2.0, storage_method="fake", gpus=gpus, driver="580.159.04",
-        ggml_devices=[{"name": "CPU", "kind": "cpu"}] + [{"name": f"CUDA{i}", "kind": "gpu"} for i in range(n_gpus)],
+        ggml_devices=[{"name": "CPU", "kind": "cpu"}] + [{"name": f"CUDA{i}", "kind": "gpu", "memory_free": free,
+                                                         "memory_total": H200_MEMORY} for i in range(n_gpus)],
         kernels=[KernelTiming(device="CPU", n_threads=16, decode_ms_per_token=32.8, prefill_ms_per_token=12.1,
                               prefill_batch=512, decode_ms_per_layer=0.68, prefill_ms_per_layer=0.25)],
         model_hash=model_hash, backend_build="fake")

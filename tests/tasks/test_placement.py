@@ -129,3 +129,28 @@ def test_gpu_predicted_faster_than_cpu(moe: ModelInfo) -> None:
     cpu = predict(moe, hw, _cand(moe, all_on(moe, "CPU"), n_threads=16, n_threads_batch=16), WORK)
     gpu = predict(moe, hw, _cand(moe, all_on(moe, "CUDA0"), n_threads=16, n_threads_batch=16, n_gpu_layers=999), WORK)
     assert gpu.prefill_tps > cpu.prefill_tps
+
+
+def test_budgets_follow_the_devices_llama_cpp_sees(moe: ModelInfo) -> None:
+    hw = h200_report(2)
+    one_visible = hw.model_copy(update={"ggml_devices": hw.ggml_devices[:2]})  # CUDA_VISIBLE_DEVICES=0
+    budget_gib = (moe.weight_bytes * 0.5 + GPU_MARGIN) / 2**30
+    space = enumerate_placements(moe, one_visible, PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=[budget_gib]), 10)
+    assert set(space.memory_limits) == {"CPU", "CUDA0"}
+    for c in space.candidates:
+        assert all(o.device in ("CPU", "CUDA0") for o in c.params.tensor_overrides)
+
+
+def test_two_gpu_placements_pin_every_gpu_tensor(moe: ModelInfo, tiny_moe: Path) -> None:
+    half = moe.weight_bytes // 2
+    p = expert_select.select(moe, [half, half])
+    rules = [(re.compile(o.pattern), o.device) for o in _overrides(p)]
+    assert {"CUDA0", "CUDA1"} <= {d for _, d in rules}
+    for t in read_tensors(tiny_moe):
+        m = re.match(r"blk\.(\d+)\.(.*)", t.name)
+        if not m:
+            continue
+        layer, rest = int(m.group(1)), m.group(2)
+        part = next((q for q in ("gate", "up", "down") if rest.startswith(f"ffn_{q}_exps")), None)
+        want = p.expert_device[layer][part] if part else p.layer_device[layer]
+        assert next(dev for rx, dev in rules if rx.search(t.name)) == want, t.name
