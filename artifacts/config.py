@@ -37,7 +37,9 @@ class PlanSettings(_Section):
     repeats: int = Field(3, ge=1, le=20, description="timed repetitions per finalist and prompt")
     validate_tokens: int = Field(32, ge=4, le=512, description="tokens compared against the reference")
     max_kl: float = Field(0.01, ge=0, description="largest mean KL divergence a plan may show vs reference")
-    min_top1: float = Field(0.95, ge=0, le=1, description="smallest top-1 agreement vs reference")
+    # 0.90: random-weight twins have many near-tied top logits, which any change of summation order flips;
+    # KL (max_kl) is the gate that catches real quality changes such as a q4_0 KV cache.
+    min_top1: float = Field(0.90, ge=0, le=1, description="smallest top-1 agreement vs reference")
     measure_timeout_s: float = Field(300.0, gt=0, description="kill a finalist's worker after this long")
 
 
