@@ -11,11 +11,12 @@ the queue only when nothing is generating. Blocking ops (load, timed_run, ...) r
 and pause generation while they run.
 """
 
+# ruff: noqa: I001  (llama_cpp is imported first on purpose: see below)
 from __future__ import annotations
 
 # llama_cpp must be loaded before numpy: on the H200 image (numpy 2.5, CUDA 13 build) importing numpy
 # first makes the first model load segfault (measured: numpy-first crashes, llama_cpp-first loads).
-import llama_cpp  # noqa: F401, I001
+import llama_cpp  # noqa: F401
 
 import logging
 import os

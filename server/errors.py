@@ -1,0 +1,200 @@
+"""Typed errors of the server and the ONE place that turns any failure into an OpenAI error body.
+
+Every 4xx/5xx the server sends has the body ``{"error": {"message", "type", "param", "code"}}``: the
+server's own :class:`ApiError` family, engine errors (``WorkerDied`` and friends), Litestar's
+``ValidationException``/``HTTPException`` (unknown route, wrong method, body too large) and anything
+unexpected (500, logged with its traceback). Decisions use types and fields, never exception text.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+
+from engine_bridge.errors import EngineError, WorkerDied, WorkerTimeout
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An error with an HTTP status and OpenAI's error fields."""
+
+    status = 500
+    type = "server_error"
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = dict(headers or {})
+        super().__init__(message)
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error body."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(ApiError):
+    """A request the server will not run as sent (HTTP 400)."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt plus the reply room it must leave does not fit the context (HTTP 400, before generating)."""
+
+    def __init__(self, prompt_tokens: int, reply_tokens: int, n_ctx: int, *, at_least: bool = False) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.reply_tokens = reply_tokens
+        self.n_ctx = n_ctx
+        n = f"at least {prompt_tokens}" if at_least else str(prompt_tokens)
+        super().__init__(
+            f"This model's maximum context length is {n_ctx} tokens. However, your messages resulted in {n} "
+            f"tokens and the reply needs room for {reply_tokens} more ({n} + {reply_tokens} > {n_ctx}). "
+            "Please reduce the length of the messages or max_tokens.",
+            code="context_length_exceeded", param="messages")
+
+
+class Unauthorized(ApiError):
+    """A missing or wrong API key (HTTP 401)."""
+
+    status = 401
+    type = "invalid_request_error"
+
+    def __init__(self) -> None:
+        super().__init__("Incorrect or missing API key: send 'Authorization: Bearer <key>' with the key the "
+                         "server was started with (--api-key).", code="invalid_api_key")
+
+
+class NotFound(ApiError):
+    """An unknown model, route or request id (HTTP 404)."""
+
+    status = 404
+    type = "invalid_request_error"
+
+
+class Conflict(ApiError):
+    """A request id that a running request already uses (HTTP 409)."""
+
+    status = 409
+    type = "invalid_request_error"
+
+
+class QueueFull(ApiError):
+    """Every sequence is busy and the wait queue is full (HTTP 429)."""
+
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, queued: int, retry_after_s: int) -> None:
+        super().__init__(f"the server is at capacity ({queued} requests already wait for a sequence): "
+                         f"retry after {retry_after_s} s", code="queue_full",
+                         headers={"Retry-After": str(retry_after_s)})
+
+
+class Unavailable(ApiError):
+    """The server cannot take the request now: queue wait timed out, worker restarting, host memory low (503)."""
+
+    status = 503
+    type = "server_error"
+
+    def __init__(self, message: str, *, code: str, retry_after_s: int) -> None:
+        super().__init__(f"{message}: retry after {retry_after_s} s", code=code,
+                         headers={"Retry-After": str(retry_after_s)})
+
+
+class EngineFailed(ApiError):
+    """The engine failed while running the request (HTTP 502/504/500)."""
+
+    type = "server_error"
+
+    def __init__(self, message: str, *, code: str, status: int) -> None:
+        super().__init__(message, code=code)
+        self.status = status
+
+
+def from_engine(exc: EngineError) -> ApiError:
+    """The API error for an engine error (refusals by code, deaths and timeouts by type)."""
+    if isinstance(exc, WorkerDied):
+        return EngineFailed(f"{exc.message}; the request was not completed: send it again (the server restarts "
+                            "the worker)", code="worker_died", status=502)
+    if isinstance(exc, WorkerTimeout):
+        return EngineFailed(f"{exc.message}; the worker was restarted: send the request again",
+                            code="worker_timeout", status=504)
+    if exc.code == "bad_request":
+        return InvalidRequest(f"the engine refused the request: {exc.message}", code="invalid_value")
+    if exc.code == "context_overflow":
+        return InvalidRequest(exc.message, code="context_length_exceeded", param="messages")
+    if exc.code in ("busy", "not_loaded"):
+        return Unavailable(f"the engine is not ready ({exc.message})", code=exc.code, retry_after_s=1)
+    return EngineFailed(f"the engine failed: {exc.message}", code=exc.code or "engine_error", status=500)
+
+
+def _param(loc: Any) -> str | None:
+    """'messages[0].role' from a pydantic/Litestar error location."""
+    if not loc:
+        return None
+    parts = [str(p) for p in (loc if isinstance(loc, list | tuple) else [loc])]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or None
+
+
+def _validation(exc: ValidationException) -> ApiError:
+    """The first problem Litestar found (query/path parameters)."""
+    extra = exc.extra if isinstance(exc.extra, list) else []
+    first = extra[0] if extra and isinstance(extra[0], dict) else {}
+    param = _param(first.get("key"))
+    message = str(first.get("message") or exc.detail)
+    return InvalidRequest(f"{param}: {message}" if param else message, param=param)
+
+
+_HTTP: dict[int, tuple[str, str]] = {
+    404: ("invalid_request_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+}
+
+
+def to_api_error(exc: Exception) -> ApiError:
+    """Map any exception to the API error it is reported as."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, EngineError):
+        return from_engine(exc)
+    if isinstance(exc, ValidationException):
+        return _validation(exc)
+    if isinstance(exc, HTTPException):
+        err_type, code = _HTTP.get(exc.status_code, ("invalid_request_error" if exc.status_code < 500
+                                                      else "server_error", "http_error"))
+        out = ApiError(str(exc.detail), code=code, headers=exc.headers)
+        out.status, out.type = exc.status_code, err_type
+        return out
+    log.exception("unexpected error while serving a request", exc_info=exc)
+    return ApiError(f"internal server error ({type(exc).__name__}); see the server log", code="internal_error")
+
+
+def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
+    """Litestar exception handler: every error as OpenAI's error body."""
+    err = to_api_error(exc)
+    headers = dict(err.headers)
+    rid = request.scope.get("state", {}).get("request_id")
+    if rid:
+        headers["x-request-id"] = rid
+    return Response(content=err.body(), status_code=err.status, headers=headers, media_type="application/json")
+
+
+EXCEPTION_HANDLERS: dict[type[Exception] | int, Any] = {Exception: error_response, HTTPException: error_response,
+                                                        ApiError: error_response, EngineError: error_response}
+
+
+def error_event(exc: Exception) -> dict[str, Any]:
+    """The SSE ``data:`` payload for an error that ends a stream."""
+    return to_api_error(exc).body()

@@ -1,0 +1,150 @@
+"""OpenAI response shapes: streamed chunks and whole responses, for chat and text completions.
+
+One builder per kind (a registry keyed by the kind, not an if-chain). Builders are pure: the generation
+feeds them text pieces and the worker's token events (for logprobs).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+Kind = Literal["chat", "text"]
+TokenEvent = dict[str, Any]  # {"token", "text", "logprob", "top_logprobs": [{"token", "text", "logprob"}]}
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+class Builder:
+    """Chunks and responses of one request."""
+
+    kind: Kind = "chat"
+    chunk_object = "chat.completion.chunk"
+    object = "chat.completion"
+
+    def __init__(self, rid: str, model: str, fingerprint: str, logprobs: bool, top_logprobs: int) -> None:
+        """Build for request ``rid`` answering as ``model``."""
+        self.rid = rid
+        self.model = model
+        self.fingerprint = fingerprint
+        self.logprobs = logprobs
+        self.top_logprobs = top_logprobs
+        self.created = int(time.time())
+        self.echo_chars = 0  # text completions: the echoed prompt comes before the first token
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint}
+
+    def first(self) -> dict[str, Any] | None:
+        """The chunk that opens a stream, if the kind has one."""
+        return None
+
+    def piece(self, text: str, tokens: list[TokenEvent]) -> dict[str, Any]:
+        """A chunk carrying generated text (and its tokens' logprobs)."""
+        raise NotImplementedError
+
+    def finish(self, reason: str) -> dict[str, Any]:
+        """The chunk carrying the finish reason."""
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The last chunk, with usage and no choices (``stream_options.include_usage``)."""
+        return {**self._head(self.chunk_object), "choices": [], "usage": usage}
+
+    def response(self, text: str, tokens: list[TokenEvent], reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+        """The whole (non-streamed) response."""
+        raise NotImplementedError
+
+
+class ChatBuilder(Builder):
+    """``chat.completion`` / ``chat.completion.chunk``."""
+
+    def _lp(self, tokens: list[TokenEvent]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        return {"content": [{
+            "token": t.get("text", ""), "logprob": t.get("logprob", 0.0),
+            "bytes": t.get("bytes") or _bytes(t.get("text", "")),
+            "top_logprobs": [{"token": a.get("text", ""), "logprob": a.get("logprob", 0.0),
+                              "bytes": a.get("bytes") or _bytes(a.get("text", ""))}
+                             for a in (t.get("top_logprobs") or [])[: self.top_logprobs]],
+        } for t in tokens], "refusal": None}
+
+    def _chunk(self, delta: dict[str, Any], lp: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
+        return {**self._head(self.chunk_object),
+                "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}]}
+
+    def first(self) -> dict[str, Any] | None:
+        """``delta: {role: assistant, content: ""}``."""
+        return self._chunk({"role": "assistant", "content": ""}, None, None)
+
+    def piece(self, text: str, tokens: list[TokenEvent]) -> dict[str, Any]:
+        """``delta: {content}``."""
+        return self._chunk({"content": text}, self._lp(tokens), None)
+
+    def finish(self, reason: str) -> dict[str, Any]:
+        """Empty delta with the finish reason."""
+        return self._chunk({}, None, reason)
+
+    def response(self, text: str, tokens: list[TokenEvent], reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+        """``chat.completion``."""
+        message = {"role": "assistant", "content": text, "refusal": None}
+        return {**self._head(self.object), "usage": usage,
+                "choices": [{"index": 0, "message": message, "logprobs": self._lp(tokens), "finish_reason": reason}]}
+
+
+class TextBuilder(Builder):
+    """``text_completion`` (streamed chunks have the same object name)."""
+
+    kind: Kind = "text"
+    chunk_object = "text_completion"
+    object = "text_completion"
+
+    def __init__(self, rid: str, model: str, fingerprint: str, logprobs: bool, top_logprobs: int) -> None:
+        """As :class:`Builder`; tracks the text offset of each token for logprobs."""
+        super().__init__(rid, model, fingerprint, logprobs, top_logprobs)
+        self._offset = 0
+
+    def _lp(self, tokens: list[TokenEvent], offset: int) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t.get("text", ""))
+        return {"tokens": [t.get("text", "") for t in tokens], "token_logprobs": [t.get("logprob") for t in tokens],
+                "top_logprobs": [{a.get("text", ""): a.get("logprob") for a in (t.get("top_logprobs") or [])
+                                  [: self.top_logprobs]} for t in tokens], "text_offset": offsets}
+
+    def _chunk(self, text: str, lp: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
+        return {**self._head(self.chunk_object),
+                "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}]}
+
+    def piece(self, text: str, tokens: list[TokenEvent]) -> dict[str, Any]:
+        """``choices[0].text``."""
+        lp = self._lp(tokens, self._offset)
+        self._offset += len(text)
+        return self._chunk(text, lp, None)
+
+    def finish(self, reason: str) -> dict[str, Any]:
+        """Empty text with the finish reason."""
+        return self._chunk("", None, reason)
+
+    def response(self, text: str, tokens: list[TokenEvent], reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+        """``text_completion``."""
+        return {**self._head(self.object), "usage": usage,
+                "choices": [{"index": 0, "text": text, "logprobs": self._lp(tokens, self.echo_chars),
+                             "finish_reason": reason}]}
+
+
+BUILDERS: dict[Kind, type[Builder]] = {"chat": ChatBuilder, "text": TextBuilder}

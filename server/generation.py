@@ -1,0 +1,198 @@
+"""One generation: a task that drives the worker's ``generate`` stream and writes the request's journal.
+
+The task is decoupled from the HTTP connection: a streaming response follows the journal (as a resuming
+client does), a plain response awaits the task. The task owns an admission slot and gives it back only
+when the worker has answered the generation's end, so the sequence is free in the worker by then.
+Stop sequences are matched on the text here; on a match the worker is told to cancel and its remaining
+output is dropped. A client that disconnects cancels the same way. A worker failure ends the request
+with an error event (streamed) or an error response (plain).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_bridge.errors import EngineError
+from server.engine import Admission, Engine
+from server.errors import ApiError, error_event
+from server.formats import Builder, TokenEvent, usage_body
+from server.journal import Entry, Journal
+from server.stats import Outcome
+from server.stops import StopMatcher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenSpec:
+    """What to generate, as admitted."""
+
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: dict[str, Any]
+    stops: list[str]
+    logprobs: bool
+    top_logprobs: int
+    include_usage: bool
+    echo: str = ""
+    stream: bool = False
+
+
+@dataclass(frozen=True)
+class GenContext:
+    """The server parts a generation uses."""
+
+    engine: Engine
+    admission: Admission
+    journal: Journal
+    wait_s: float
+    timeout_s: float
+    on_tokens: Callable[[int], None]
+    on_outcome: Callable[[Outcome], None]
+
+
+@dataclass
+class _Acc:
+    text: list[str] = field(default_factory=list)
+    tokens: list[TokenEvent] = field(default_factory=list)
+    pending: list[TokenEvent] = field(default_factory=list)
+    n_tokens: int = 0
+
+
+class Generation:
+    """A running request; the journal entry holds its events."""
+
+    def __init__(self, spec: GenSpec, builder: Builder, entry: Entry, ctx: GenContext) -> None:
+        """Prepare; the caller already holds an admission slot for it."""
+        self.spec = spec
+        self.builder = builder
+        self.entry = entry
+        self.ctx = ctx
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] = usage_body(len(spec.prompt), 0, 0)
+        self.error: EngineError | ApiError | None = None
+        self._acc = _Acc()
+        self._matcher = StopMatcher(spec.stops)
+        self._cancel_requested = False
+        self._cancel_sent = False
+        self._started = time.monotonic()
+        self._task: asyncio.Task[None] | None = None
+        self._side: set[asyncio.Task[None]] = set()  # cancel calls in flight (a reference keeps them alive)
+
+    def start(self) -> None:
+        """Run in the background."""
+        self._task = asyncio.create_task(self._run(), name=f"generate-{self.spec.rid}")
+
+    async def wait(self) -> None:
+        """Until the generation has ended (its journal is complete)."""
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
+    @property
+    def done(self) -> bool:
+        """True once ended."""
+        return self._task is not None and self._task.done()
+
+    def cancel(self) -> None:
+        """Stop generating (client disconnected): the worker frees the sequence at once."""
+        if self.done or self._cancel_requested:
+            return
+        self._cancel_requested = True
+        self._send_cancel()
+
+    def response(self) -> dict[str, Any]:
+        """The whole response (after :meth:`wait`)."""
+        return self.builder.response("".join(self._acc.text), self._acc.tokens, self.finish_reason or "stop",
+                                     self.usage)
+
+    # -- the task -----------------------------------------------------------------------------------------
+    def _emit(self, chunk: dict[str, Any] | None) -> None:
+        if chunk is not None:
+            self.ctx.journal.append(self.entry, json.dumps(chunk, ensure_ascii=False, separators=(",", ":")))
+
+    def _send_cancel(self) -> None:
+        if not self._cancel_sent:
+            self._cancel_sent = True
+            task = asyncio.get_running_loop().create_task(self.ctx.engine.cancel(self.spec.rid))
+            self._side.add(task)
+            task.add_done_callback(self._side.discard)
+
+    async def _run(self) -> None:
+        outcome: Outcome = "errored"
+        try:
+            self._emit(self.builder.first())
+            if self.spec.echo:
+                self.builder.echo_chars = len(self.spec.echo)
+                self._text(self.spec.echo, [])
+            result = await self._pump()
+            # bytes of an incomplete UTF-8 character held by the worker's decoder come with the result
+            self._text(self._matcher.feed(str(result.get("text_tail") or "")) + self._matcher.flush(),
+                       self._acc.pending)
+            reason = "stop" if self._matcher.stopped else str(result.get("finish_reason", "stop"))
+            self.finish_reason = reason
+            outcome = "cancelled" if self.finish_reason == "cancelled" else "completed"
+            self.usage = usage_body(int(result.get("prompt_tokens", len(self.spec.prompt))), self._acc.n_tokens,
+                                    int(result.get("cached_tokens", 0)))
+            self._emit(self.builder.finish(self.finish_reason))
+            if self.spec.include_usage:
+                self._emit(self.builder.usage_chunk(self.usage))
+        except (EngineError, ApiError) as exc:
+            self.error = exc
+            log.warning("request %s failed: %s", self.spec.rid, exc)
+            self._emit(error_event(exc))
+        except asyncio.CancelledError:  # the server is shutting down
+            self._emit({"error": {"message": "the server is shutting down", "type": "server_error",
+                                  "param": None, "code": "shutdown"}})
+            raise
+        finally:
+            self.ctx.journal.finish(self.entry)
+            self.ctx.admission.release(time.monotonic() - self._started)
+            self.ctx.on_outcome(outcome)
+
+    def _args(self) -> dict[str, Any]:
+        s = self.spec
+        return {"rid": s.rid, "prompt": s.prompt, "max_tokens": s.max_tokens, **s.sampling,
+                "logprobs": s.logprobs, "top_logprobs": s.top_logprobs}
+
+    async def _pump(self) -> dict[str, Any]:
+        """Consume the worker's events until its result; returns the result."""
+        if self._cancel_requested:
+            return {"finish_reason": "cancelled"}
+        result: dict[str, Any] = {}
+        events = self.ctx.engine.generate(self._args(), self.ctx.wait_s, self.ctx.timeout_s)
+        async with contextlib.aclosing(events):
+            async for msg in events:
+                if "result" in msg:
+                    result = dict(msg["result"])
+                    break
+                if msg.get("type") != "token" or self._matcher.stopped:
+                    continue  # tokens after a stop sequence, before the cancel lands: dropped
+                self._token(msg)
+                if self._matcher.stopped or self._cancel_requested:
+                    self._send_cancel()
+        return result
+
+    def _token(self, ev: TokenEvent) -> None:
+        self._acc.n_tokens += 1
+        self.ctx.on_tokens(1)
+        if self.spec.logprobs:
+            self._acc.pending.append(ev)
+        out = self._matcher.feed(str(ev.get("text", "")))
+        if out or (self._matcher.stopped and self._acc.pending):
+            self._text(out, self._acc.pending)
+
+    def _text(self, text: str, tokens: list[TokenEvent]) -> None:
+        if not text and not tokens:
+            return
+        self._acc.text.append(text)
+        self._acc.tokens.extend(tokens)
+        self._emit(self.builder.piece(text, list(tokens)))
+        self._acc.pending = []

@@ -1,0 +1,167 @@
+"""HTTP routes: the OpenAI API under /v1, resume of journaled streams, and Flux's own /flux and /health.
+
+Streams are Server-Sent Events: ``id: N`` + ``data: {chunk}`` per event, ``data: [DONE]`` at the end. A
+streaming reply is the request's journal followed live from event 0; ``GET /v1/requests/{id}/events``
+follows the same journal from ``after`` (or ``Last-Event-ID``). Only the request's own stream cancels the
+generation when its client goes away; a resuming reader does not.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from litestar import Request, Response, get, post
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
+from litestar.params import FromPath, QueryParameter
+from litestar.response import Stream
+from litestar.router import Router
+
+from server.errors import InvalidRequest, NotFound, Unauthorized
+from server.generation import Generation
+from server.journal import Entry
+from server.schemas import AdmissionRequest, parse_body
+from server.service import FluxService
+
+AnyRequest = Request[Any, Any, Any]
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _svc(request: AnyRequest) -> FluxService:
+    svc: FluxService = request.app.state.flux
+    return svc
+
+
+def _sse_event(index: int, data: str) -> str:
+    return f"id: {index}\ndata: {data}\n\n"
+
+
+async def _follow(svc: FluxService, entry: Entry, after: int, gen: Generation | None) -> AsyncIterator[str]:
+    """SSE text of the journal after ``after``; a generation's own stream cancels it if the client leaves."""
+    finished = False
+    try:
+        async for index, data in svc.journal.follow(entry, after):
+            yield _sse_event(index, data)
+        finished = True
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished and gen is not None:
+            gen.cancel()
+
+
+async def _reply(request: AnyRequest, gen: Generation) -> Response[Any]:
+    """A stream that follows the journal, or the whole response once the generation ended."""
+    headers = {"x-request-id": gen.spec.rid}
+    if gen.spec.stream:
+        return Stream(_follow(_svc(request), gen.entry, 0, gen), media_type="text/event-stream",
+                      headers={**SSE_HEADERS, **headers})
+    await gen.wait()
+    if gen.error is not None:
+        raise gen.error
+    return Response(gen.response(), headers=headers)
+
+
+@post("/chat/completions", status_code=200)
+async def chat_completions(request: AnyRequest) -> Response[Any]:
+    """OpenAI chat completions (streamed or not)."""
+    svc = _svc(request)
+    rid = svc.request_id(request.headers.get("x-request-id"), "chat")
+    request.state.request_id = rid
+    return await _reply(request, await svc.chat(rid, await request.body()))
+
+
+@post("/completions", status_code=200)
+async def completions(request: AnyRequest) -> Response[Any]:
+    """OpenAI (legacy) text completions (streamed or not)."""
+    svc = _svc(request)
+    rid = svc.request_id(request.headers.get("x-request-id"), "text")
+    request.state.request_id = rid
+    return await _reply(request, await svc.text(rid, await request.body()))
+
+
+@get("/models")
+async def list_models(request: AnyRequest) -> dict[str, Any]:
+    """The served model, with its context limit."""
+    return _svc(request).models()
+
+
+@get("/models/{model_id:str}")
+async def get_model(request: AnyRequest, model_id: FromPath[str]) -> dict[str, Any]:
+    """One model card (404 model_not_found for another id)."""
+    svc = _svc(request)
+    svc.check_model(model_id)
+    card: dict[str, Any] = svc.models()["data"][0]
+    return card
+
+
+@get("/requests/{rid:str}/events")
+async def request_events(request: AnyRequest, rid: FromPath[str],
+                         after: Annotated[int | None, QueryParameter(ge=0)] = None) -> Stream:
+    """Resume a request's events: every event with index > ``after`` (or ``Last-Event-ID``), live if running."""
+    svc = _svc(request)
+    start = after if after is not None else _last_event_id(request.headers.get("last-event-id"))
+    entry = svc.journal.get(rid)
+    if entry is None:
+        raise NotFound(f"request '{rid}' is unknown or its journal expired (kept {svc.journal.ttl_s:g} s after "
+                       "completion): send the request again", code="request_not_found", param="rid")
+    return Stream(_follow(svc, entry, start, None), media_type="text/event-stream",
+                  headers={**SSE_HEADERS, "x-request-id": rid})
+
+
+def _last_event_id(value: str | None) -> int:
+    if value is None or value.strip() == "":
+        return 0
+    try:
+        n = int(value.strip())
+    except ValueError:
+        raise InvalidRequest("Last-Event-ID must be an event index (an integer)", param="Last-Event-ID") from None
+    if n < 0:
+        raise InvalidRequest("Last-Event-ID must not be negative", param="Last-Event-ID")
+    return n
+
+
+@get("/stats")
+async def flux_stats(request: AnyRequest) -> dict[str, Any]:
+    """Memory by use, requests by outcome, tokens/s, queue, host reserve."""
+    return await _svc(request).stats()
+
+
+@post("/admission", status_code=200)
+async def flux_admission(request: AnyRequest) -> dict[str, Any]:
+    """Override the host memory reserve until the server restarts."""
+    svc = _svc(request)
+    req = parse_body(await request.body(), AdmissionRequest)
+    svc.host_reserve_percent = req.host_reserve_percent
+    return {"host_reserve_percent": svc.host_reserve_percent}
+
+
+@get("/health")
+async def health(request: AnyRequest) -> Response[dict[str, Any]]:
+    """Liveness: 200 with the worker's state and plan id; 503 while the worker is down."""
+    body = _svc(request).health()
+    return Response(body, status_code=200 if body["worker"]["alive"] else 503)
+
+
+def api_key_guard(key: str | None) -> Any:
+    """A guard that wants ``Authorization: Bearer <key>`` (none when ``key`` is None)."""
+
+    def guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+        if key is None:
+            return
+        auth = connection.headers.get("authorization", "")
+        scheme, _sep, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise Unauthorized()
+
+    return guard
+
+
+def routers(api_key: str | None) -> list[Any]:
+    """The app's route handlers; /v1 and /flux want the API key when one is set."""
+    guard = api_key_guard(api_key)
+    v1 = Router(path="/v1", route_handlers=[chat_completions, completions, list_models, get_model, request_events],
+                guards=[guard])
+    flux = Router(path="/flux", route_handlers=[flux_stats, flux_admission], guards=[guard])
+    return [v1, flux, health]

@@ -1,0 +1,231 @@
+"""Request models of the OpenAI-compatible API, and the one body parser every POST route uses.
+
+Unknown fields are ignored (clients send vendor extensions); known fields are checked strictly: a wrong
+type or an out-of-range value is a 400 naming the field (``param``), never a coerced guess. ``null`` means
+"not given" everywhere, as OpenAI's own clients send it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from server.errors import InvalidRequest
+
+MAX_STOPS = 4
+MAX_STOP_CHARS = 512
+MAX_TOKENS_LIMIT = 2**31 - 1
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+class _Req(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Req):
+    """``stream_options``."""
+
+    include_usage: bool | None = None
+
+
+class TextPart(_Req):
+    """A text part of a message's content (the only kind this server runs)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Req):
+    """One chat message."""
+
+    role: Role
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> Message:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a '{self.role}' message needs 'content'")
+        return self
+
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
+
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class Sampling(_Req):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stop: str | list[str] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    n: int | None = Field(None, ge=1, le=128)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences are allowed, got {len(stops)}")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop sequences must be 1 to {MAX_STOP_CHARS} characters")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    def stops(self) -> list[str]:
+        """The stop sequences as a list."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        """Whether a streamed reply ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def reply_limit(self) -> int | None:
+        """``max_completion_tokens`` (the newer name) or ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(Sampling):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: str | list[int] | list[str]) -> str | list[int] | list[str]:
+        if isinstance(v, list) and v and isinstance(v[0], str) and len(v) != 1:
+            raise ValueError("only one prompt per request is supported")
+        if isinstance(v, list) and not v:
+            raise ValueError("the prompt is empty")
+        if isinstance(v, list) and isinstance(v[0], int) and any(t < 0 for t in v):
+            raise ValueError("token ids must not be negative")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix (fill-in-the-middle) is not supported")
+        return v
+
+    def reply_limit(self) -> int | None:
+        """``max_tokens``."""
+        return self.max_tokens
+
+
+class AdmissionRequest(BaseModel):
+    """``POST /flux/admission``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+    host_reserve_percent: float = Field(ge=0, le=99)
+
+
+M = TypeVar("M", bound=BaseModel)
+_BRANCHES = frozenset({"str", "int", "float", "bool", "function-after", "function-before"})
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or None
+
+
+def _first_error(exc: ValidationError) -> InvalidRequest:
+    """A 400 naming the first invalid field; union branches are folded into one message."""
+    errors = exc.errors(include_url=False)
+    # Union branches add the branch type to the location ("stop.str", "stop.list[str]"): drop them; the
+    # deepest error names the field best (an image part: messages[0].content[0].type, not "not a string").
+    locs = [tuple(p for p in e["loc"] if isinstance(p, int) or ("[" not in p and p not in _BRANCHES))
+            for e in errors]
+    k = max(range(len(errors)), key=lambda i: len(locs[i]))
+    first = errors[k]
+    param = _param(locs[k])
+    msg = first["msg"]
+    if first["type"] == "missing":
+        msg = "required field is missing"
+    text = f"{param}: {msg}" if param else msg
+    return InvalidRequest(f"Invalid request: {text}" + (f" (and {len(errors) - 1} more problems)"
+                                                        if len(errors) > 1 else ""), param=param,
+                          code="invalid_value" if first["type"] != "missing" else "missing_required_parameter")
+
+
+def parse_body(raw: bytes, model: type[M]) -> M:
+    """Parse a JSON request body into ``model``.
+
+    Raises:
+        InvalidRequest: empty body, invalid UTF-8, malformed JSON, not an object, or an invalid field.
+    """
+    if not raw.strip():
+        raise InvalidRequest("the request body is empty: send a JSON object", code="invalid_json")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid UTF-8 (byte {exc.start})", code="invalid_json") from exc
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        detail = f"{exc.msg} at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) \
+            else "nested too deeply"
+        raise InvalidRequest(f"the request body is not valid JSON: {detail}", code="invalid_json") from exc
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"the request body must be a JSON object, got {type(value).__name__}",
+                             code="invalid_json")
+    try:
+        return model.model_validate_json(text, strict=True)
+    except ValidationError as exc:
+        raise _first_error(exc) from exc
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequest(f"invalid request: {exc}", code="invalid_json") from exc

@@ -1,0 +1,311 @@
+"""The serving service: one plan, one engine, admission, the journal and the counters.
+
+Routes stay thin: they parse a request and call :meth:`FluxService.chat` / :meth:`FluxService.text`,
+which render and tokenize the prompt, check that it fits the context with room for the reply (400
+``context_length_exceeded`` before anything runs), take an admission slot (429/503) and start a
+:class:`~server.generation.Generation`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from artifacts.config import Settings
+from engine_bridge.errors import EngineError
+from server.chat import ChatTemplate, TemplateInfo
+from server.engine import Admission, Engine, EngineInfo, LoadSpec
+from server.errors import ApiError, Conflict, ContextLengthExceeded, InvalidRequest, NotFound, Unavailable
+from server.formats import BUILDERS, Kind
+from server.generation import GenContext, Generation, GenSpec
+from server.journal import Journal, RequestIdInUse
+from server.schemas import ChatRequest, CompletionRequest, Sampling, parse_body
+from server.stats import Counters, memory_by_use
+from tasks.models import Plan
+
+log = logging.getLogger(__name__)
+
+GIB = 2**30
+PARK_MAX_BYTES = 1 * GIB
+DIRECT_TOKENIZE_CHARS_PER_TOKEN = 8  # prompts up to n_ctx x this many characters are tokenized whole
+PIECE_SLACK_TOKENS = 4
+MIN_TOP_P = 1e-6  # a cut between two pieces can change the tokens near it by this many
+# llama-server's defaults for what a request leaves out.
+SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05,
+                                     "presence_penalty": 0.0, "frequency_penalty": 0.0}
+_RID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+_SPACE = re.compile(r"\s")
+
+
+def park_budget(reserve_percent: float) -> int:
+    """RAM for parked conversation states: available RAM above the host reserve, at most 1 GiB."""
+    vm = psutil.virtual_memory()
+    return int(max(0, min(PARK_MAX_BYTES, vm.available - vm.total * reserve_percent / 100)))
+
+
+def load_spec(settings: Settings, plan: Plan) -> LoadSpec:
+    """How the plan's worker is started and loaded (n_seq_max = the concurrency the plan was made for)."""
+    params = plan.candidate.params.model_copy(update={"n_seq_max": plan.request.concurrency})
+    t = settings.serve.worker_timeouts
+    return LoadSpec(model=plan.model_path, params=params, park_bytes=park_budget(settings.host_reserve_percent),
+                    log_path=settings.logs_dir / "serve-worker.log", env=params.environment(),
+                    hello_s=t.hello_s, load_s=t.load_s, rpc_s=t.rpc_s)
+
+
+def reply_tokens(n_prompt: int, requested: int | None, n_ctx: int, min_reply: int) -> int:
+    """The reply limit for a prompt, or ContextLengthExceeded when it cannot leave the room it must.
+
+    A request must leave room for ``min(max_tokens, min_reply)`` reply tokens (``min_reply`` when it
+    sets no limit); its reply is then capped by the context that is left.
+    """
+    need = max(1, min(requested if requested is not None else min_reply, min_reply))
+    if n_prompt + need > n_ctx:
+        raise ContextLengthExceeded(n_prompt, need, n_ctx)
+    left = n_ctx - n_prompt
+    return min(requested, left) if requested is not None else left
+
+
+def _cut(text: str, at: int) -> int:
+    """A cut point at or after ``at`` just before whitespace (tokens rarely span it), or the end."""
+    m = _SPACE.search(text, at)
+    return m.start() if m and m.start() > 0 else len(text)
+
+
+class FluxService:
+    """Everything the routes need, owned by the app's lifespan."""
+
+    def __init__(self, settings: Settings, plan: Plan) -> None:
+        """Prepare (the worker starts in :meth:`start`)."""
+        self.settings = settings
+        self.plan = plan
+        serve = settings.serve
+        self.journal = Journal(serve.journal_max_bytes, serve.journal_ttl_s)
+        self.counters = Counters()
+        self.host_reserve_percent = settings.host_reserve_percent
+        self.template = TemplateInfo(Path(plan.model_path))
+        self.chat_template = ChatTemplate(self.template.source, self.template.bos_text or "",
+                                          self.template.eos_text or "")
+        self.engine = Engine(load_spec(settings, plan))
+        self.admission = Admission(plan.request.concurrency, serve.queue_max, serve.queue_wait_s)
+        self.started = time.time()
+        self.model_id = plan.model_name
+        self.fingerprint = f"flux-{plan.id[:12]}"
+
+    async def start(self) -> EngineInfo:
+        """Start the worker and load the model."""
+        info = await self.engine.start()
+        self.admission = Admission(info.n_seq_max, self.settings.serve.queue_max, self.settings.serve.queue_wait_s)
+        if self.template.bos_text is None or self.template.eos_text is None:  # vocabulary too long for the header
+            bos = await self._token_text(info.raw.get("bos", self.template.bos_id))
+            eos = await self._token_text(info.raw.get("eos", self.template.eos_id))
+            self.chat_template = ChatTemplate(self.template.source, bos, eos)
+        return info
+
+    async def _token_text(self, tid: object) -> str:
+        if not isinstance(tid, int) or tid < 0:
+            return ""
+        return await self.engine.detokenize([tid], self.settings.serve.queue_wait_s, special=True)
+
+    async def close(self) -> None:
+        """Stop the worker."""
+        await self.engine.close()
+
+    # -- limits ---------------------------------------------------------------------------------------
+    @property
+    def n_ctx(self) -> int:
+        """Tokens per sequence, prompt plus reply."""
+        return self.engine.info.n_ctx
+
+    @property
+    def min_reply(self) -> int:
+        """``serve.min_reply``, at most half the context (else no request without max_tokens could run)."""
+        return max(1, min(self.settings.serve.min_reply, self.n_ctx // 2))
+
+    def check_model(self, model: str | None) -> None:
+        """Accept no model, this model's name, file name, or plan id (prefix of 8+); else 404."""
+        if not model:
+            return
+        path = Path(self.plan.model_path)
+        names = {self.model_id, path.name, path.stem, self.plan.id}
+        if model in names or (len(model) >= 8 and self.plan.id.startswith(model)):
+            return
+        raise NotFound(f"The model '{model}' does not exist: this server serves '{self.model_id}' "
+                       "(GET /v1/models)", code="model_not_found", param="model")
+
+    def request_id(self, header: str | None, kind: Kind) -> str:
+        """The client's x-request-id, or a new ``chatcmpl-...`` / ``cmpl-...`` id."""
+        if header is None or header == "":
+            return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}"
+        if not _RID.fullmatch(header):
+            raise InvalidRequest("x-request-id must be 1-128 characters of letters, digits and ._:- "
+                                 "(starting with a letter or digit)", param="x-request-id")
+        return header
+
+    # -- admission --------------------------------------------------------------------------------------
+    async def _tokens(self, text: str, add_special: bool = False) -> list[int]:
+        """Tokens of a prompt; a prompt far over the context is refused after tokenizing about one context."""
+        wait = self.settings.serve.queue_wait_s
+        limit = self.n_ctx
+        if len(text) <= limit * DIRECT_TOKENIZE_CHARS_PER_TOKEN:
+            return await self.engine.tokenize(text, wait, add_special)
+        count, pos, pieces = 0, 0, 0
+        while pos < len(text):
+            end = _cut(text, pos + limit * 4)
+            count += len(await self.engine.tokenize(text[pos:end], wait))
+            pieces, pos = pieces + 1, end
+            if count - pieces * PIECE_SLACK_TOKENS > limit:
+                raise ContextLengthExceeded(count - pieces * PIECE_SLACK_TOKENS, 1, limit, at_least=True)
+        return await self.engine.tokenize(text, wait, add_special)
+
+    def _check_host_memory(self) -> None:
+        """Refuse new work while available RAM is below the host reserve (503); shrink the journal too."""
+        vm = psutil.virtual_memory()
+        low = vm.available < vm.total * self.host_reserve_percent / 100
+        self.journal.sweep(pressure=low)
+        if low:
+            raise Unavailable(f"host memory is below the reserve ({self.host_reserve_percent:g}% of RAM)",
+                              code="host_memory_low", retry_after_s=5)
+
+    @contextlib.contextmanager
+    def _counting(self) -> Iterator[None]:
+        """Count a request refused before it runs (by status), or failed by the engine while admitted."""
+        try:
+            yield
+        except ApiError as exc:
+            self.counters.rejected(exc.status)
+            raise
+        except EngineError:
+            self.counters.outcome("errored")
+            raise
+
+    async def chat(self, rid: str, body: bytes) -> Generation:
+        """Parse, admit and start a chat completion.
+
+        Raises:
+            ApiError: invalid (400), unknown model (404), context exceeded (400), queue full (429) or timed
+                out (503), host memory low (503).
+            EngineError: the worker failed while tokenizing.
+        """
+        with self._counting():
+            req = parse_body(body, ChatRequest)
+            self.check_model(req.model)
+            prompt = self.chat_template.render([m.for_template() for m in req.messages])
+            tokens = await self._tokens(prompt)
+            top = req.top_logprobs or 0
+            return await self._submit(rid, "chat", req, tokens, req.reply_limit(), bool(req.logprobs) or top > 0,
+                                      top)
+
+    async def text(self, rid: str, body: bytes) -> Generation:
+        """Parse, admit and start a text completion (raises as :meth:`chat`)."""
+        with self._counting():
+            req = parse_body(body, CompletionRequest)
+            self.check_model(req.model)
+            try:
+                tokens, echo = await self._text_prompt(req)
+            except ContextLengthExceeded as exc:
+                exc.param = "prompt"
+                raise
+            lp = req.logprobs
+            return await self._submit(rid, "text", req, tokens, req.reply_limit(), lp is not None, lp or 0, echo)
+
+    async def _text_prompt(self, req: CompletionRequest) -> tuple[list[int], str]:
+        """Tokens of a completion prompt (text, or token ids checked against the vocabulary), and its echo."""
+        p = req.prompt
+        if isinstance(p, list) and p and isinstance(p[0], int):
+            ids = [int(t) for t in p]
+            n_vocab = self.engine.info.n_vocab
+            if n_vocab and any(t >= n_vocab for t in ids):
+                raise InvalidRequest(f"prompt: token ids must be below the vocabulary size {n_vocab}", param="prompt")
+            echo = await self.engine.detokenize(ids, self.settings.serve.queue_wait_s) if req.echo else ""
+            return ids, echo
+        text = p if isinstance(p, str) else str(p[0])
+        tokens = await self._tokens(text, add_special=True)  # a plain prompt gets the BOS the model wants
+        if not tokens:
+            raise InvalidRequest("prompt: the prompt is empty", param="prompt")
+        return tokens, text if req.echo else ""
+
+    async def _submit(self, rid: str, kind: Kind, req: Sampling, prompt: list[int], requested: int | None,
+                      logprobs: bool, top_logprobs: int, echo: str = "") -> Generation:
+        try:
+            max_tokens = reply_tokens(len(prompt), requested, self.n_ctx, self.min_reply)
+        except ContextLengthExceeded as exc:
+            exc.param = "messages" if kind == "chat" else "prompt"
+            raise
+        self._check_host_memory()
+        await self.admission.acquire()
+        try:
+            entry = self.journal.open(rid)
+        except RequestIdInUse as exc:
+            self.admission.release(None)
+            raise Conflict(str(exc), code="request_id_in_use", param="x-request-id") from exc
+        spec = GenSpec(rid=rid, prompt=prompt, max_tokens=max_tokens, sampling=self._sampling(req), stops=req.stops(),
+                       logprobs=logprobs, top_logprobs=top_logprobs, include_usage=req.include_usage() or not req.stream,
+                       echo=echo, stream=bool(req.stream))
+        builder = BUILDERS[kind](rid, self.model_id, self.fingerprint, logprobs, top_logprobs)
+        serve = self.settings.serve
+        ctx = GenContext(engine=self.engine, admission=self.admission, journal=self.journal, wait_s=serve.queue_wait_s,
+                         timeout_s=max(serve.prefill_timeout_s, serve.decode_timeout_s),
+                         on_tokens=self.counters.tokens, on_outcome=self.counters.outcome)
+        gen = Generation(spec, builder, entry, ctx)
+        gen.start()
+        return gen
+
+    @staticmethod
+    def _sampling(req: Sampling) -> dict[str, Any]:
+        given = {k: getattr(req, k) for k in SAMPLING_DEFAULTS if getattr(req, k) is not None}
+        seed = req.seed if req.seed is not None else secrets.randbits(32)
+        out = {**SAMPLING_DEFAULTS, **given, "seed": seed % 2**32}
+        out["top_p"] = max(out["top_p"], MIN_TOP_P)  # OpenAI allows 0 (= only the top token); llama.cpp wants > 0
+        return out
+
+    # -- reports --------------------------------------------------------------------------------------
+    def models(self) -> dict[str, Any]:
+        """``GET /v1/models``."""
+        p = self.plan
+        meta = {"n_ctx": self.n_ctx, "n_seq_max": self.engine.info.n_seq_max, "n_vocab": self.engine.info.n_vocab,
+                "min_reply": self.min_reply, "plan_id": p.id, "model_path": p.model_path, "model_hash": p.model_hash,
+                "backend_build": p.backend_build, "quality_profile": p.quality_profile, "kv": p.request.kv}
+        card = {"id": self.model_id, "object": "model", "created": int(self.started), "owned_by": "flux",
+                "context_length": self.n_ctx, "max_model_len": self.n_ctx, "meta": meta}
+        return {"object": "list", "data": [card]}
+
+    def health(self) -> dict[str, Any]:
+        """``/health``."""
+        return {"status": "ok" if self.engine.alive else "unavailable", "plan_id": self.plan.id,
+                "worker": {"alive": self.engine.alive, "pid": self.engine.pid, "restarts": self.engine.restarts}}
+
+    async def stats(self) -> dict[str, Any]:
+        """``/flux/stats``."""
+        worker = await self.engine.stats()
+        vm = psutil.virtual_memory()
+        reserve = int(vm.total * self.host_reserve_percent / 100)
+        self.journal.sweep(pressure=vm.available < reserve)
+        c = self.candidate_bytes()
+        serve = self.settings.serve
+        return {
+            "plan_id": self.plan.id, "model": self.model_id, "uptime_s": round(time.time() - self.started, 1),
+            "memory": memory_by_use(c["weights"], c["kv"], worker, self.journal.nbytes),
+            "requests": dict(self.counters.requests), "tokens_total": self.counters.tokens_total,
+            "tokens_per_s": round(self.counters.tokens_per_s(), 2),
+            "active": self.admission.active,
+            "queue": {"length": self.admission.waiting, "max": serve.queue_max, "wait_s": serve.queue_wait_s},
+            "host_reserve_percent": self.host_reserve_percent,
+            "host": {"ram_total": vm.total, "ram_available": vm.available, "reserve_bytes": reserve},
+            "journal": {"requests": len(self.journal), "bytes": self.journal.nbytes, "max_bytes": self.journal.max_bytes,
+                        "ttl_s": self.journal.ttl_s, "evicted": self.journal.evicted},
+            "worker": {"alive": self.engine.alive, "pid": self.engine.pid, "restarts": self.engine.restarts,
+                       "last_exit": self.engine.last_exit, "serve_stats": worker},
+            "n_ctx": self.n_ctx, "min_reply": self.min_reply,
+        }
+
+    def candidate_bytes(self) -> dict[str, dict[str, int]]:
+        """Weights and KV per device as the plan measured them."""
+        return {"weights": dict(self.plan.candidate.weights_bytes), "kv": dict(self.plan.candidate.kv_bytes)}

@@ -1,0 +1,141 @@
+"""Streaming against a real uvicorn server: disconnect frees the sequence, resume gets each later event once."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import httpx
+from support import Server, sse_events
+
+LONG = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 900, "stream": True,
+        "temperature": 0}
+
+
+def _read_events(srv: Server, body: dict[str, Any], rid: str, n: int) -> list[tuple[int | None, str]]:
+    """Open a stream, read ``n`` events, then drop the connection."""
+    lines: list[str] = []
+    with httpx.Client(timeout=60) as c, c.stream("POST", f"{srv.base}/v1/chat/completions", json=body,
+                                                  headers={"x-request-id": rid}) as r:
+        assert r.status_code == 200 and r.headers["x-request-id"] == rid
+        for line in r.iter_lines():
+            lines.append(line)
+            if len(sse_events(lines)) >= n:
+                break
+    return sse_events(lines)
+
+
+def _resume(srv: Server, rid: str, after: int | None = None, last_event_id: int | None = None,
+            ) -> tuple[int, list[tuple[int | None, str]]]:
+    params = {"after": after} if after is not None else {}
+    headers = {"Last-Event-ID": str(last_event_id)} if last_event_id is not None else {}
+    r = httpx.get(f"{srv.base}/v1/requests/{rid}/events", params=params, headers=headers, timeout=60)
+    return r.status_code, sse_events(r.text.splitlines())
+
+
+def _wait_idle(srv: Server, timeout: float = 10) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = srv.stats()
+        if s["active"] == 0 and s["worker"]["serve_stats"]["active"] == 0:
+            return s
+        if time.monotonic() > deadline:
+            raise AssertionError(f"sequence not freed: {s}")
+        time.sleep(0.05)
+
+
+def test_disconnect_frees_the_sequence_and_resume_gets_each_later_event_once(slow_server: Server) -> None:
+    cancelled_before = slow_server.stats()["requests"]["cancelled"]
+    seen = _read_events(slow_server, LONG, "drop-1", 6)
+    assert [i for i, _ in seen] == [1, 2, 3, 4, 5, 6]
+    t0 = time.monotonic()
+    stats = _wait_idle(slow_server)
+    assert time.monotonic() - t0 < 3, "the disconnect freed the sequence at once"
+    assert stats["requests"]["cancelled"] == cancelled_before + 1
+    status, rest = _resume(slow_server, "drop-1", after=6)
+    assert status == 200
+    ids = [i for i, _ in rest if i is not None]
+    assert ids == list(range(7, 7 + len(ids))), "every later event once, in order"
+    assert rest[-1] == (None, "[DONE]")
+    last = json.loads(rest[-2][1])
+    assert last["choices"][0]["finish_reason"] == "cancelled"
+    tokens = sum(1 for _, d in rest[:-1] if json.loads(d)["choices"][0]["delta"].get("content"))
+    assert tokens < 900 - 5, "generation stopped when the client left"
+    status, everything = _resume(slow_server, "drop-1", last_event_id=0)
+    assert everything[:6] == seen, "the journal holds what the client saw"
+    assert everything[6:] == rest
+
+
+def test_resume_follows_a_running_request_live(slow_server: Server) -> None:
+    body = {**LONG, "max_tokens": 30}
+    got: dict[str, list[tuple[int | None, str]]] = {}
+
+    def original() -> None:
+        with httpx.Client(timeout=60) as c:
+            r = c.post(f"{slow_server.base}/v1/chat/completions", json=body, headers={"x-request-id": "live-1"})
+            got["original"] = sse_events(r.text.splitlines())
+
+    t = threading.Thread(target=original)
+    t.start()
+    deadline = time.monotonic() + 10
+    status = 404
+    while status == 404 and time.monotonic() < deadline:  # until the request is admitted
+        status, events = _resume(slow_server, "live-1", after=0)
+    t.join()
+    assert status == 200
+    assert events == got["original"], "a reader joining mid-way gets every event exactly once, live"
+    assert events[-1] == (None, "[DONE]")
+
+
+def test_unknown_request_id_is_404(slow_server: Server) -> None:
+    status, _ = _resume(slow_server, "no-such-request")
+    assert status == 404
+    r = httpx.get(f"{slow_server.base}/v1/requests/no-such-request/events")
+    assert r.json()["error"]["code"] == "request_not_found"
+
+
+def test_running_request_id_cannot_be_reused(slow_server: Server) -> None:
+    with httpx.Client(timeout=60) as c, c.stream("POST", f"{slow_server.base}/v1/chat/completions", json=LONG,
+                                                  headers={"x-request-id": "dup-1"}) as r:
+        assert r.status_code == 200, r.read()
+        lines = r.iter_lines()  # kept: a dropped iterator closes the response (and so cancels it)
+        assert next(lines) == "id: 1"
+        clash = c.post(f"{slow_server.base}/v1/chat/completions", json={**LONG, "stream": False},
+                       headers={"x-request-id": "dup-1"})
+        assert clash.status_code == 409 and clash.json()["error"]["code"] == "request_id_in_use"
+    _wait_idle(slow_server)
+    assert httpx.post(f"{slow_server.base}/v1/chat/completions", json={**LONG, "max_tokens": 2},
+                      headers={"x-request-id": "bad id!"}).status_code == 400
+
+
+def test_non_streamed_request_is_journaled_too(slow_server: Server) -> None:
+    r = httpx.post(f"{slow_server.base}/v1/completions", json={"prompt": "abc", "max_tokens": 5},
+                   headers={"x-request-id": "plain-1"}, timeout=60)
+    assert r.status_code == 200 and r.json()["id"] == "plain-1"
+    status, events = _resume(slow_server, "plain-1", after=0)
+    assert status == 200
+    text = "".join(json.loads(d)["choices"][0]["text"] for _, d in events[:-1] if json.loads(d)["choices"])
+    assert text == r.json()["choices"][0]["text"]
+    assert json.loads(events[-2][1])["usage"] == r.json()["usage"]
+
+
+def test_all_sequences_busy_then_the_wait_times_out_with_503(slow_server: Server) -> None:
+    with httpx.Client(timeout=60) as c:
+        streams = [c.stream("POST", f"{slow_server.base}/v1/chat/completions", json=LONG) for _ in range(4)]
+        opened = [s.__enter__() for s in streams]
+        try:
+            assert all(r.status_code == 200 for r in opened)
+            t0 = time.monotonic()
+            r = c.post(f"{slow_server.base}/v1/chat/completions", json={**LONG, "stream": False, "max_tokens": 2})
+            waited = time.monotonic() - t0
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout"
+            assert int(r.headers["Retry-After"]) >= 1
+            assert 2.5 < waited < 15, "it waited queue_wait_s (3 s) for a sequence"
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    stats = _wait_idle(slow_server)
+    assert stats["requests"]["rejected_503"] >= 1
+
