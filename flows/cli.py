@@ -7,7 +7,6 @@ and the problem; no traceback.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -33,15 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Prefect telemetry is off unless a user turns it on; runner pickup fast for `flux deploy`.
-PREFECT_DEFAULTS = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                    "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PREFECT_LOGGING_LEVEL": "INFO"}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``flux`` console script."""
-    for k, v in PREFECT_DEFAULTS.items():
-        os.environ.setdefault(k, v)
     err = console(stderr=True)
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -42,7 +42,7 @@ def flux(env: dict[str, str], *args: str, timeout: float = 400) -> subprocess.Co
 
 def test_plan_finishes_within_budget_and_prints_an_id(planned: dict[str, object]) -> None:
     assert re.fullmatch(r"[0-9a-f]{64}", str(planned["id"]))
-    assert float(planned["took"]) < BUDGET + 60 + 15  # + the ephemeral Prefect server's start-up
+    assert float(planned["took"]) < BUDGET + 60 + 30  # + the ephemeral Prefect server's start-up (8-25 s)
     log = str(planned["log"])
     for stage in ("probe", "enumerate", "prune", "measure", "validate", "persist"):
         assert f"Task run '{stage}" in log, stage
