@@ -196,6 +196,7 @@ def measure_stage(ctx: PlanContext, hw: HardwareReport, fin: Finalists) -> Measu
     """Time the finalists in fresh workers within the budget."""
     log = get_run_logger()
     lengths, n_gen = wl.prompt_lengths(hw, ctx.info, fin.finalists[0].params.n_ctx, ctx.req)
+    wl.check_budget(hw, lengths, n_gen, ctx.req.budget_s)
     key = {"stage": "measure", "finalists": content_id(fin), "run": _flow_run_id(), "budget": ctx.req.budget_s}
 
     def run() -> MeasureResults:

@@ -12,6 +12,7 @@ from engine_bridge.client import WorkerClient
 from engine_bridge.params import EngineParams
 from tasks.corpus import conversation_text, load_conversations, sized_prompts
 from tasks.costmodel import cpu_bandwidth, layer_bytes
+from tasks.errors import ImpossiblePlan
 from tasks.models import Candidate, HardwareReport, PlanRequest
 
 LENGTHS = (64, 256, 1024, 2048, 4096)
@@ -34,6 +35,24 @@ def prompt_lengths(hw: HardwareReport, info: ModelInfo, n_ctx: int, req: PlanReq
             break
         lengths.append(n)
     return lengths or [min(32, n_ctx // 2)], N_GEN
+
+
+def visit_seconds(hw: HardwareReport, lengths: list[int], n_gen: int) -> float:
+    """Estimated seconds to measure one finalist once (load + warm-up + every prompt), from the probe."""
+    k = next((k for k in hw.kernels if k.device == "CPU"), None)
+    pre_ms = k.prefill_ms_per_token if k else 1.0
+    dec_ms = k.decode_ms_per_token if k else 10.0
+    return 1.0 + (sum(lengths) * pre_ms + (len(lengths) + 1) * n_gen * dec_ms) / 1e3
+
+
+def check_budget(hw: HardwareReport, lengths: list[int], n_gen: int, budget_s: float) -> None:
+    """Refuse a budget that cannot measure even one finalist once."""
+    need = visit_seconds(hw, lengths, n_gen)
+    if budget_s < need:
+        raise ImpossiblePlan(
+            f"--budget-s {budget_s:g} is below one finalist's measurement (~{need:.1f} s for "
+            f"{len(lengths)} prompt(s) of {sum(lengths)} tokens + {n_gen} generated each)",
+            f"use --budget-s {max(10, int(need * 3 + 1))} or more")
 
 
 def _tokenizer_params(n_ctx: int = 256) -> EngineParams:

@@ -90,3 +90,9 @@ def test_context_beyond_training_is_a_clear_error(planned: dict[str, object], ti
     out = flux(planned["env"], "plan", str(tiny_moe), "--ctx", "99999999")  # type: ignore[arg-type]
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "trained context" in out.stderr and "--ctx" in out.stderr
+
+
+def test_budget_too_small_for_one_finalist(planned: dict[str, object], tiny_moe: Path) -> None:
+    out = flux(planned["env"], "plan", str(tiny_moe), "--ctx", "512", "--budget-s", "0.01", "--replan")  # type: ignore[arg-type]
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "below one finalist's measurement" in out.stderr and "use --budget-s" in out.stderr
