@@ -19,7 +19,7 @@ from tasks.bench_common import BenchContext, BenchRun, Progress, open_bench, sav
 
 ArgAdder = Callable[[argparse.ArgumentParser], None]
 Handler = Callable[[argparse.Namespace], int]
-SUITE_MODULES: tuple[str, ...] = ("flows.cmd_bench", "flows.bench_report")
+SUITE_MODULES: tuple[str, ...] = ("flows.cmd_bench", "flows.bench_report", "tasks.bench_soak", "tasks.bench_arrivals")
 
 
 @dataclass(frozen=True)

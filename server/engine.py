@@ -164,6 +164,8 @@ class Engine:
         Raises:
             Unavailable: it did not come back in time.
         """
+        if self._ready.is_set() and self._worker is not None and _exited(self._worker.pid):
+            self._ready.clear()  # killed, not yet reaped: wait for the watcher's restart, don't hand it out
         if not self._ready.is_set():
             try:
                 await asyncio.wait_for(self._ready.wait(), timeout)
@@ -281,3 +283,14 @@ class Admission:
                 fut.set_result(None)
                 return
         self._free = min(self.slots, self._free + 1)
+
+
+def _exited(pid: int | None) -> bool:
+    """True when the process is gone or a zombie (killed, but asyncio has not reaped it yet)."""
+    if pid is None:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")

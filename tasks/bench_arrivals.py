@@ -1,0 +1,470 @@
+"""``flux bench arrivals``: Poisson arrivals and a long-running chat, on Flux and on llama.cpp's llama-server.
+
+The plan's single-stream capacity (requests per second: one over the median latency of requests sent one
+at a time to ``flux serve``) sets the rates: ``--rates 0.5,1,2`` replays seeded Poisson arrivals at
+0.5x, 1x and 2x that capacity. Each arrival is a ``/v1/completions`` stream of a corpus prompt given as
+token ids (the same tokens on both engines, no template in between) decoding ``n_gen`` greedy tokens.
+Alongside each replay one client holds a long chat (a bundled coding-agent conversation, a different
+one per rate): turn after turn, each sending the whole history so far, its context growing.
+
+Both engines get the same prompts, arrival times and seeds: ``flux serve`` (the plan) and llama-server
+with its automatic fit (only ``-c`` = ctx x concurrency and ``-np`` = concurrency). Every round starts
+each engine fresh, in a new random order. Per request the client records the time to the first token
+and the gaps between streamed pieces of text (inter-token latency; an engine that holds back the bytes
+of an incomplete character sends fewer, larger pieces, so ``tpot`` = decode time per token of the
+request is recorded too). Per engine and rate: p50/p95/p99 TTFT and ITL and throughput (completion
+tokens per second of the replay), and Flux/llama-server ratios of each.
+
+Verdict per rate (and for the chat): fail when a Flux request failed or when Flux is slower on both
+TTFT and decode (paired per request, the whole 95% interval below 1); info without llama-server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import httpx
+import numpy as np
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine_bridge.client import WorkerClient
+from engine_bridge.errors import EngineError
+from engine_bridge.llama_server import HOST, LlamaServer
+from engine_bridge.params import EngineParams
+from tasks.bench_common import (
+    BenchContext,
+    BenchError,
+    BenchRun,
+    Progress,
+    RatioCI,
+    SummaryRow,
+    fit_server_args,
+    load_avg,
+    paired_ratio,
+)
+from tasks.bench_http import Exchange, FluxServe, error_body, exchange, json_object
+from tasks.corpus import load_conversations, sized_prompts
+
+if TYPE_CHECKING:
+    import argparse
+
+    from flows.cmd_bench import BenchSuite
+
+log = logging.getLogger(__name__)
+LADDER = (32, 64, 128, 256, 512)  # prompt lengths of the arrivals (those that fit the plan's context)
+CHAT_MARGIN = 32  # tokens kept free in a chat turn for template differences between the engines
+PCTS = (50, 95, 99)
+RAW_SCHEMA = pa.schema([
+    ("engine", pa.string()), ("round", pa.int32()), ("rate_factor", pa.float64()), ("rate_rps", pa.float64()),
+    ("kind", pa.string()), ("index", pa.int32()), ("prompt_tokens", pa.int32()), ("scheduled_s", pa.float64()),
+    ("sent_s", pa.float64()), ("ttft_ms", pa.float64()), ("itl_ms", pa.list_(pa.float64())),
+    ("tpot_ms", pa.float64()), ("e2e_ms", pa.float64()), ("end_s", pa.float64()),
+    ("completion_tokens", pa.int32()), ("cached_tokens", pa.int32()), ("error", pa.string()),
+])
+
+
+class ArrivalsOptions(BaseModel):
+    """How ``flux bench arrivals`` replays."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    rates: tuple[float, ...] = Field((0.5, 1.0, 2.0), min_length=1, description="x single-stream capacity")
+    requests: int = Field(12, ge=1, le=10_000, description="arrivals per rate")
+    n_gen: int = Field(32, ge=2, le=4096, description="tokens decoded per arrival and chat turn")
+    rounds: int = Field(2, ge=1, le=20)
+    chat_turns: int = Field(6, ge=0, le=64, description="turns of the long chat per rate (0: no chat)")
+    chat_chars: int = Field(1500, ge=16, description="characters kept of each chat message")
+    capacity: float | None = Field(None, gt=0, description="requests/s; None: measure it on flux serve")
+    calibration: int = Field(3, ge=1, le=50, description="requests timed one at a time for the capacity")
+    hang_s: float = Field(120.0, gt=0, description="a request with no byte for this long is an error")
+    seed: int = 0
+    n_boot: int = Field(2000, ge=100)
+
+
+# -- the workload ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    """Prompts (token ids) and unit-rate gaps per rate, chat turns per rate, and the calibration prompts."""
+
+    prompts: list[list[list[int]]]
+    gaps: list[list[float]]
+    chats: list[list[list[dict[str, str]]]]
+    calibration: list[list[int]]
+
+    def offsets(self, k: int, rps: float) -> list[float]:
+        """Arrival times (s from the replay's start) of rate ``k`` at ``rps`` requests/s; the first at 0."""
+        out = [0.0]
+        for g in self.gaps[k][:-1]:
+            out.append(out[-1] + g / rps)
+        return out
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return "" if content is None else str(content)
+
+
+def chat_messages(messages: Sequence[dict[str, Any]], max_chars: int) -> list[dict[str, str]]:
+    """A conversation as plain text turns that any chat template takes.
+
+    Tool calls and results are folded into the text, tool results sent as user turns, neighbours of one
+    role merged (some templates insist on alternating roles), each message cut to ``max_chars``.
+    """
+    out: list[dict[str, str]] = []
+    for m in messages:
+        role = "user" if m["role"] == "tool" else str(m["role"])
+        text = ("[tool result] " if m["role"] == "tool" else "") + _text(m.get("content"))
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function", {})
+            text += f"\n[tool call] {fn.get('name')}({fn.get('arguments')})"
+        text = text.strip()[:max_chars] or "."
+        if out and out[-1]["role"] == role:
+            out[-1]["content"] += "\n\n" + text
+        else:
+            out.append({"role": role, "content": text})
+    return out
+
+
+def chat_turns(messages: list[dict[str, str]], tokenize: Callable[[str], list[int]], budget: int,
+               limit: int) -> list[list[dict[str, str]]]:
+    """The growing prefixes that end with a user turn, while their ChatML rendering fits ``budget`` tokens."""
+    turns: list[list[dict[str, str]]] = []
+    for i, m in enumerate(messages):
+        if m["role"] != "user" or len(turns) >= limit:
+            continue
+        text = "".join(f"<|im_start|>{x['role']}\n{x['content']}<|im_end|>\n" for x in messages[:i + 1])
+        if len(tokenize(text + "<|im_start|>assistant\n")) > budget:
+            break
+        turns.append(messages[:i + 1])
+    return turns
+
+
+def make_workload(ctx: BenchContext, opts: ArrivalsOptions) -> Workload:
+    """Tokenize the corpus with the plan's model (in a worker) into the replay's prompts and chat turns."""
+    n_ctx, rng = ctx.params.n_ctx, random.Random(opts.seed)
+    ladder = [n for n in LADDER if n + opts.n_gen + 8 <= n_ctx] or [max(4, (n_ctx - opts.n_gen) // 2)]
+    n_rates = len(opts.rates)
+    lengths = [rng.choice(ladder) for _ in range(n_rates * opts.requests + opts.calibration)]
+    convs = load_conversations()
+    with WorkerClient(log_path=ctx.worker_log) as w:
+        w.call("load", {"model": str(ctx.model), "params": EngineParams(n_ctx=256, n_batch=64, n_ubatch=64).model_dump()},
+               timeout=ctx.timeout_s)
+
+        def tokenize(text: str) -> list[int]:
+            return [int(t) for t in w.call("tokenize", {"text": text}, timeout=ctx.timeout_s)["tokens"]]
+
+        prompts = sized_prompts(tokenize, lengths, split=None, seed=opts.seed)
+        budget = int((n_ctx - opts.n_gen - CHAT_MARGIN) / 1.1)
+        chats = [chat_turns(chat_messages(convs[k % len(convs)].messages, opts.chat_chars), tokenize, budget,
+                            opts.chat_turns) for k in range(n_rates)]
+    per_rate = [prompts[k * opts.requests:(k + 1) * opts.requests] for k in range(n_rates)]
+    gaps = [[rng.expovariate(1.0) for _ in range(opts.requests)] for _ in range(n_rates)]
+    return Workload(prompts=per_rate, gaps=gaps, chats=chats, calibration=prompts[n_rates * opts.requests:])
+
+
+# -- the engines ----------------------------------------------------------------------------------------
+class Target(Protocol):
+    """An OpenAI-compatible server the replay can start, address and stop."""
+
+    @property
+    def base(self) -> str:
+        """``http://host:port``."""
+
+    def start(self) -> float:
+        """Start; seconds taken."""
+
+    def stop(self) -> None:
+        """Stop and free everything."""
+
+
+class LlamaServerTarget:
+    """llama-server with its automatic fit: ``-c`` = ctx x concurrency, ``-np`` = concurrency."""
+
+    def __init__(self, ctx: BenchContext) -> None:
+        """Describe the server (BenchError when llama-server is not built)."""
+        self.args = fit_server_args(ctx.params)
+        self.srv = LlamaServer(ctx.need_llama_server(), ctx.model, self.args, log_path=ctx.server_log,
+                               start_timeout_s=ctx.timeout_s, request_timeout_s=ctx.timeout_s)
+
+    @property
+    def base(self) -> str:
+        """``http://host:port`` of the running server."""
+        return f"http://{HOST}:{self.srv.port}"
+
+    def start(self) -> float:
+        """Start and load; seconds taken."""
+        return self.srv.start()
+
+    def stop(self) -> None:
+        """Stop the server's process group."""
+        self.srv.stop()
+
+
+def _flux(ctx: BenchContext) -> Target:
+    return FluxServe(ctx.settings, ctx.plan.id, log_path=ctx.settings.logs_dir / "bench-serve.log",
+                     start_timeout_s=ctx.timeout_s)
+
+
+TARGETS: dict[str, Callable[[BenchContext], Target]] = {"flux": _flux, "llama-server": LlamaServerTarget}
+
+
+# -- one replay -----------------------------------------------------------------------------------------
+def _has_text(data: str) -> bool:
+    choices = json_object(data).get("choices") or [{}]
+    return bool(choices[0].get("text") or (choices[0].get("delta") or {}).get("content"))
+
+
+def timing(ex: Exchange, t_start: float) -> dict[str, Any]:
+    """A streamed answer's TTFT, text-piece gaps, decode time per token and token counts (ms, s since t_start)."""
+    times = [t for (_, d), t in zip(ex.events, ex.times, strict=True) if _has_text(d)]
+    usage = next((u for _, d in reversed(ex.events) if isinstance(u := json_object(d).get("usage"), dict)), {})
+    n = int(usage.get("completion_tokens") or len(times))
+    err = error_body(ex)
+    error = ("hung" if ex.hung else ex.transport if ex.transport else f"HTTP {ex.status}" if ex.status != 200
+             else f"error {err.get('code')}" if err else None if ex.done else "stream ended without [DONE]")
+    end = ex.times[-1] if ex.times else time.perf_counter()
+    return {"sent_s": ex.t0 - t_start, "end_s": end - t_start, "e2e_ms": (end - ex.t0) * 1e3,
+            "ttft_ms": (times[0] - ex.t0) * 1e3 if times else None,
+            "itl_ms": [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)],
+            "tpot_ms": (times[-1] - times[0]) * 1e3 / (n - 1) if n > 1 and len(times) > 1 else None,
+            "completion_tokens": n, "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"), "error": error}
+
+
+def _stream_body(n_gen: int, seed: int, **what: Any) -> dict[str, Any]:
+    return {**what, "max_tokens": n_gen, "temperature": 0.0, "seed": seed, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
+async def _arrival(client: httpx.AsyncClient, base: str, i: int, at: float, prompt: list[int], t0: float,
+                   opts: ArrivalsOptions) -> dict[str, Any]:
+    await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+    ex = await exchange(client, "POST", f"{base}/v1/completions", body=_stream_body(opts.n_gen, opts.seed + i,
+                                                                                      prompt=prompt))
+    return {**timing(ex, t0), "kind": "arrival", "index": i, "scheduled_s": at, "prompt_tokens": len(prompt)}
+
+
+async def _chat(client: httpx.AsyncClient, base: str, turns: list[list[dict[str, str]]], t0: float,
+                opts: ArrivalsOptions) -> list[dict[str, Any]]:
+    rows = []
+    for i, messages in enumerate(turns):
+        ex = await exchange(client, "POST", f"{base}/v1/chat/completions",
+                            body=_stream_body(opts.n_gen, opts.seed, messages=messages))
+        rows.append({**timing(ex, t0), "kind": "chat", "index": i})
+    return rows
+
+
+async def replay(base: str, schedule: list[tuple[float, list[int]]], turns: list[list[dict[str, str]]],
+                 opts: ArrivalsOptions) -> list[dict[str, Any]]:
+    """Send every arrival at its time, and the chat's turns one after another, all from t=0; their rows."""
+    limits = httpx.Limits(max_connections=len(schedule) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(opts.hang_s, connect=10.0), limits=limits) as client:
+        t0 = time.perf_counter()
+        chat = asyncio.create_task(_chat(client, base, turns, t0, opts))
+        rows = await asyncio.gather(*(_arrival(client, base, i, at, p, t0, opts) for i, (at, p) in enumerate(schedule)))
+        return [*rows, *await chat]
+
+
+async def _one_at_a_time(base: str, prompts: list[list[int]], opts: ArrivalsOptions) -> list[dict[str, Any]]:
+    """Each prompt alone, one after another (capacity and warm-up)."""
+    rows = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(opts.hang_s, connect=10.0)) as client:
+        for i, p in enumerate(prompts):
+            ex = await exchange(client, "POST", f"{base}/v1/completions",
+                                body=_stream_body(opts.n_gen, opts.seed + i, prompt=p))
+            rows.append({**timing(ex, ex.t0), "index": i})
+    return rows
+
+
+# -- the suite ------------------------------------------------------------------------------------------
+def measure_capacity(ctx: BenchContext, work: Workload, opts: ArrivalsOptions) -> tuple[float, list[float]]:
+    """Requests per second ``flux serve`` completes one at a time: 1 / median latency; and the latencies (s).
+
+    Raises:
+        BenchError: flux serve did not start or failed a calibration request.
+    """
+    target = TARGETS["flux"](ctx)
+    target.start()
+    try:  # the first (8-token) request warms the server up and is not counted
+        rows = asyncio.run(_one_at_a_time(target.base, [work.calibration[0][:8], *work.calibration], opts))[1:]
+    finally:
+        target.stop()
+    bad = [r["error"] for r in rows if r["error"]]
+    if bad:
+        raise BenchError(f"flux serve failed a request while measuring its capacity: {bad[0]} "
+                         f"(see {ctx.settings.logs_dir / 'bench-serve.log'})")
+    latencies = [r["e2e_ms"] / 1e3 for r in rows]
+    return 1.0 / statistics.median(latencies), latencies
+
+
+def run_engine(name: str, ctx: BenchContext, work: Workload, rates_rps: Sequence[float], rnd: int,
+               opts: ArrivalsOptions, progress: Progress | None) -> list[dict[str, Any]]:
+    """Start one engine fresh, warm it up, replay every rate on it, stop it; a failed start is one row."""
+    target = TARGETS[name](ctx)
+    rows: list[dict[str, Any]] = []
+    try:
+        target.start()
+        asyncio.run(_one_at_a_time(target.base, [work.calibration[0][:8]], opts))  # warm-up
+        for k, (factor, rps) in enumerate(zip(opts.rates, rates_rps, strict=True)):
+            if progress:
+                progress(f"arrivals: round {rnd + 1}/{opts.rounds}, {name}: {factor:g}x = {rps:.2f} requests/s, "
+                         f"{opts.requests} arrivals + {len(work.chats[k])} chat turns")
+            got = asyncio.run(replay(target.base, list(zip(work.offsets(k, rps), work.prompts[k], strict=True)),
+                                     work.chats[k], opts))
+            rows += [{**r, "engine": name, "round": rnd, "rate_factor": factor, "rate_rps": rps} for r in got]
+    except EngineError as exc:  # llama-server did not start (flux serve raises BenchError)
+        log.warning("arrivals: %s failed: %s", name, exc)
+        rows.append({"engine": name, "round": rnd, "kind": "start", "index": -1, "error": f"{exc.code}: {exc.message}"})
+    finally:
+        target.stop()
+    return rows
+
+
+def _pct(xs: Sequence[float]) -> dict[str, float | None]:
+    return {f"p{p}": float(np.percentile(xs, p)) if len(xs) else None for p in PCTS}
+
+
+def engine_stats(rows: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    """One engine's percentiles over requests of ``kind`` and its throughput (tokens/s of each replay, median)."""
+    mine = [r for r in rows if r["kind"] == kind]
+    ok = [r for r in mine if not r["error"]]
+    replays: dict[tuple[int, float], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["kind"] in ("arrival", "chat") and not r["error"]:
+            replays.setdefault((r["round"], r["rate_factor"]), []).append(r)
+    tps = [sum(r["completion_tokens"] for r in rs) / (max(r["end_s"] for r in rs) - min(r["sent_s"] for r in rs))
+           for rs in replays.values()]
+    return {"requests": len(mine), "errors": len(mine) - len(ok) + sum(r["kind"] == "start" for r in rows),
+            "first_error": next((r["error"] for r in rows if r["error"]), None),
+            "ttft_ms": _pct([r["ttft_ms"] for r in ok if r["ttft_ms"] is not None]),
+            "itl_ms": _pct([x for r in ok for x in r["itl_ms"]]),
+            "tpot_ms": _pct([r["tpot_ms"] for r in ok if r["tpot_ms"] is not None]),
+            "throughput_tps": statistics.median(tps) if tps and kind == "arrival" else None}
+
+
+def _ratios(f: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
+    """Flux / llama-server of each percentile (below 1: Flux faster) and of throughput (above 1: Flux faster)."""
+    out: dict[str, float | None] = {}
+    for m in ("ttft_ms", "itl_ms", "tpot_ms"):
+        for p in PCTS:
+            x, y = f[m][f"p{p}"], b[m][f"p{p}"]
+            out[f"{m[:-3]}_p{p}"] = x / y if x and y else None
+    x, y = f["throughput_tps"], b["throughput_tps"]
+    out["throughput"] = x / y if x and y else None
+    return out
+
+
+def _paired(rows: list[dict[str, Any]], metric: str, kind: str) -> tuple[list[float], list[float]]:
+    """(llama-server, flux) values of ``metric`` for the same request (round, rate, index), both without error."""
+    by: dict[str, dict[tuple[int, float, int], float]] = {"flux": {}, "llama-server": {}}
+    for r in rows:
+        if r["kind"] == kind and not r["error"] and r.get(metric) and r["engine"] in by:
+            by[r["engine"]][(r["round"], r["rate_factor"], r["index"])] = r[metric]
+    keys = sorted(by["flux"].keys() & by["llama-server"].keys())
+    return [by["llama-server"][k] for k in keys], [by["flux"][k] for k in keys]
+
+
+def _f(x: float | None, fmt: str = ".1f") -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def summary_row(name: str, rows: list[dict[str, Any]], kind: str, opts: ArrivalsOptions,
+                common: dict[str, Any]) -> SummaryRow:
+    """Flux vs llama-server on one rate (or the chat): percentiles, ratios, paired speed ratios, verdict."""
+    f = engine_stats([r for r in rows if r["engine"] == "flux"], kind)
+    base_rows = [r for r in rows if r["engine"] == "llama-server"]
+    b = engine_stats(base_rows, kind) if base_rows else None
+    metrics = {**common, "flux": f, "llama-server": b, "flux_over_llama_server": _ratios(f, b) if b else None}
+    failed = f"{f['errors']} Flux requests failed ({f['first_error']})" if f["errors"] else ""
+    text = (f"TTFT p50 {_f(f['ttft_ms']['p50'])}/{_f(b['ttft_ms']['p50'] if b else None)} ms, ITL p50 "
+            f"{_f(f['itl_ms']['p50'])}/{_f(b['itl_ms']['p50'] if b else None)} ms" + (
+                f", {_f(f['throughput_tps'])}/{_f(b['throughput_tps'] if b else None)} tok/s" if kind == "arrival" else ""))
+    if b is None or b["errors"] and not _paired(rows, "ttft_ms", kind)[0]:
+        why = "llama-server is not built (scripts/build-backend.sh)" if b is None else f"llama-server failed: {b['first_error']}"
+        return SummaryRow(baseline=name, verdict="fail" if failed else "info", detail=f"{failed or text}; {why}",
+                          metrics=metrics)
+    ttft: RatioCI = paired_ratio(*_paired(rows, "ttft_ms", kind), n_boot=opts.n_boot, seed=opts.seed)
+    dec: RatioCI = paired_ratio(*_paired(rows, "tpot_ms", kind), n_boot=opts.n_boot, seed=opts.seed + 1)
+    slower = ttft.outcome == "slower" and dec.outcome == "slower"
+    detail = (f"{text} (Flux/llama-server); Flux speed: TTFT {ttft.outcome} {ttft.text()}, decode {dec.outcome} "
+              f"{dec.text()}" + (f"; FAIL: {failed}" if failed else "; FAIL: slower on both" if slower else ""))
+    return SummaryRow(baseline=name, verdict="fail" if failed or slower else "pass", detail=detail,
+                      ratio_prefill=ttft.ratio, ratio_decode=dec.ratio, ci_low=dec.low, ci_high=dec.high,
+                      prefill_ci_low=ttft.low, prefill_ci_high=ttft.high, n_samples=min(ttft.n, dec.n),
+                      metrics={**metrics, "ttft_speed": ttft.model_dump(), "decode_speed": dec.model_dump()})
+
+
+def bench_arrivals(ctx: BenchContext, opts: ArrivalsOptions, progress: Progress | None = None) -> BenchRun:
+    """Replay Poisson arrivals and a long chat on Flux and llama-server; one row per rate and one for the chat.
+
+    Raises:
+        BenchError: flux serve did not start or failed while measuring its capacity.
+    """
+    t0, load0 = time.monotonic(), load_avg()
+    work = make_workload(ctx, opts)
+    capacity, latencies = (opts.capacity, []) if opts.capacity else measure_capacity(ctx, work, opts)
+    rates = [f * capacity for f in opts.rates]
+    engines = ["flux"] + (["llama-server"] if ctx.llama_server is not None else [])
+    rng, rows = random.Random(opts.seed), []
+    for rnd in range(opts.rounds):
+        rng.shuffle(engines)
+        for name in list(engines):
+            rows += run_engine(name, ctx, work, rates, rnd, opts, progress)
+    common = {"options": opts.model_dump(mode="json"), "capacity_rps": capacity, "calibration_s": latencies,
+              "rates_rps": rates, "chat_turns": [len(c) for c in work.chats], "seconds": time.monotonic() - t0,
+              "llama_server_args": list(fit_server_args(ctx.params)), "load_avg_start": load0, "load_avg_end": load_avg()}
+    started = [r for r in rows if r["kind"] == "start"]
+    out = [summary_row(f"rate-{f:g}x", [r for r in rows if r.get("rate_factor") == f] + started, "arrival", opts,
+                       common) for f in opts.rates]
+    if any(work.chats):
+        out.append(summary_row("chat", rows, "chat", opts, common))
+    table = pa.Table.from_pylist([{f.name: r.get(f.name) for f in RAW_SCHEMA} for r in rows], schema=RAW_SCHEMA)
+    return BenchRun(suite="arrivals", ctx=ctx, rows=out, raw=table)
+
+
+# -- flux bench arrivals --------------------------------------------------------------------------------
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _arrivals_args(p: argparse.ArgumentParser) -> None:
+    d = ArrivalsOptions()
+    p.add_argument("plan", help="a unique prefix of a plan id")
+    p.add_argument("--rates", type=_floats, default=d.rates,
+                   help="arrival rates as multiples of the single-stream capacity (default 0.5,1,2)")
+    p.add_argument("--requests", type=int, default=d.requests, help=f"arrivals per rate (default {d.requests})")
+    p.add_argument("--n-gen", type=int, default=d.n_gen, help=f"tokens decoded per request (default {d.n_gen})")
+    p.add_argument("--rounds", type=int, default=d.rounds, help=f"rounds, engines in a new order each (default {d.rounds})")
+    p.add_argument("--chat-turns", type=int, default=d.chat_turns, help=f"turns of the long chat (default {d.chat_turns})")
+    p.add_argument("--capacity", type=float, help="single-stream capacity in requests/s (default: measure it)")
+    p.add_argument("--seed", type=int, default=d.seed)
+
+
+def _arrivals(args: argparse.Namespace) -> int:
+    from flows.cmd_bench import run_plan_suite
+
+    opts = ArrivalsOptions(rates=args.rates, requests=args.requests, n_gen=args.n_gen, rounds=args.rounds,
+                           chat_turns=args.chat_turns, capacity=args.capacity, seed=args.seed)
+    return run_plan_suite(args, bench_arrivals, opts)
+
+
+def bench_suites() -> list[BenchSuite]:
+    """``flux bench arrivals``."""
+    from flows.cmd_bench import BenchSuite
+
+    return [BenchSuite(
+        "arrivals", "replay Poisson arrivals and a long-running chat on Flux and on llama.cpp auto-fit",
+        "Measures the plan's single-stream capacity on flux serve, then replays seeded Poisson arrivals at "
+        "--rates x that capacity (plus one long chat growing its context) on flux serve and on llama-server "
+        "with its automatic fit, same prompts and seeds, engines in a new random order each round. Prints "
+        "p50/p95/p99 TTFT and inter-token latency and throughput per engine and rate, with Flux/llama-server "
+        "ratios. Fail when a Flux request fails or Flux is slower on both TTFT and decode. Exit 1 on fail.",
+        _arrivals_args, _arrivals)]
