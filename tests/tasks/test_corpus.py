@@ -219,10 +219,20 @@ WIKI_SAMPLE = (
 )
 
 
+def closed_port() -> int:
+    """A loopback port with nothing listening (connections are refused at once; no traffic leaves the host)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def test_wikitext2_without_network_returns_none_quickly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(corpus, "WIKITEXT2_URL", "https://wikitext.invalid/test.parquet")
+    monkeypatch.setattr(corpus, "WIKITEXT2_URL", f"http://127.0.0.1:{closed_port()}/test.parquet")  # refused
+    monkeypatch.setattr(logging.getLogger("tasks"), "propagate", True)  # flux's CLI logging may have turned it off
     with caplog.at_level(logging.INFO, logger="tasks.corpus"):
         t0 = time.monotonic()
         assert corpus.wikitext2(tmp_path, timeout_s=5.0) is None
@@ -232,14 +242,19 @@ def test_wikitext2_without_network_returns_none_quickly(
 
 
 def test_wikitext2_gives_up_at_the_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(corpus, "WIKITEXT2_URL", "http://192.0.2.1:9/test.parquet")  # TEST-NET-1: no route
-    t0 = time.monotonic()
-    assert corpus.wikitext2(tmp_path, timeout_s=1.0) is None
-    assert time.monotonic() - t0 < 10
+    import socket
+
+    with socket.socket() as silent:  # a loopback server that accepts and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        monkeypatch.setattr(corpus, "WIKITEXT2_URL", f"http://127.0.0.1:{silent.getsockname()[1]}/test.parquet")
+        t0 = time.monotonic()
+        assert corpus.wikitext2(tmp_path, timeout_s=1.0) is None
+        assert time.monotonic() - t0 < 10
 
 
 def test_wikitext2_reads_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(corpus, "WIKITEXT2_URL", "https://wikitext.invalid/test.parquet")
+    monkeypatch.setattr(corpus, "WIKITEXT2_URL", f"http://127.0.0.1:{closed_port()}/test.parquet")
     cached = tmp_path / "corpora" / "wikitext-2" / "test.txt"
     cached.parent.mkdir(parents=True)
     cached.write_text(WIKI_SAMPLE, encoding="utf-8")
@@ -258,7 +273,7 @@ def test_wikitext2_downloads_parquet_and_caches(tmp_path: Path, monkeypatch: pyt
     assert first is not None and len(first) == 2
     assert (cache / "corpora" / "wikitext-2" / "test.txt").read_text() == WIKI_SAMPLE
     assert not list((cache / "corpora" / "wikitext-2").glob(".*.tmp"))
-    monkeypatch.setattr(corpus, "WIKITEXT2_URL", "https://wikitext.invalid/test.parquet")
+    monkeypatch.setattr(corpus, "WIKITEXT2_URL", f"http://127.0.0.1:{closed_port()}/test.parquet")
     assert corpus.wikitext2(cache) == first  # served from the cache, no network needed
 
 
