@@ -175,8 +175,10 @@ def _cdf_plot(raw: pa.Table, path: Path, title: str) -> Path | None:
             xs = np.sort([r[key] for r in rows if r["engine"] == name and r[key]])
             if xs.size:
                 ax.step(xs, np.arange(1, xs.size + 1) / xs.size, where="post", label=name, lw=2 if name == "plan" else 1)
-        ax.set_xscale("log")
-        ax.set(xlabel=f"{label} per trial (log)", ylabel="fraction of trials", title=label)
+        vals = [r[key] for r in rows if r[key]]
+        wide = bool(vals) and max(vals) > 10 * min(vals)  # log only when the trials span a decade
+        ax.set_xscale("log" if wide else "linear")
+        ax.set(xlabel=f"{label} per trial" + (" (log)" if wide else ""), ylabel="fraction of trials", title=label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)

@@ -161,11 +161,12 @@ def suites() -> dict[str, BenchSuite]:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``flux bench`` and its suites to the ``flux`` parser."""
-    p = sub.add_parser("bench", help="benchmark a plan: run, quality, conformance, ablate, show, matrix",
-                       description="Benchmark suites; results are stored (bench_<suite>_raw, bench_summary) "
-                                   "and queryable with DuckDB. `flux bench SUITE --help` for each.")
+    registered = suites()
+    p = sub.add_parser("bench", help="benchmark a plan: " + ", ".join(registered),
+                       description="Benchmark suites; results are stored (bench_<suite>_raw, bench_summary) and "
+                                   "queryable with DuckDB. `flux bench SUITE --help` for each.")
     bench = p.add_subparsers(dest="suite", metavar="SUITE", required=True)
-    for s in suites().values():
+    for s in registered.values():
         sp = bench.add_parser(s.name, help=s.help, description=s.description)
         s.add_arguments(sp)
         sp.set_defaults(handler=s.handler)

@@ -81,7 +81,7 @@ class ChatTemplate:
         """
         try:
             return self._template.render(
-                messages=list(messages), bos_token=self.bos_token, eos_token=self.eos_token,
+                messages=[_content_or_empty(m) for m in messages], bos_token=self.bos_token, eos_token=self.eos_token,
                 add_generation_prompt=True, raise_exception=_raise,
                 strftime_now=lambda f: datetime.now().strftime(f), tools=None, functions=None)
         except TemplateRefused as exc:
@@ -118,3 +118,10 @@ class TemplateInfo:
             md.get("tokenizer.ggml.eos_token_id"), int) else None
         self.bos_text = _token_text(md, "tokenizer.ggml.bos_token_id")
         self.eos_text = _token_text(md, "tokenizer.ggml.eos_token_id")
+
+
+def _content_or_empty(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant turn with tool calls may carry ``content: null``; templates concatenate it (as llama-server)."""
+    if message.get("content") is None:
+        return {**message, "content": ""}
+    return message

@@ -13,6 +13,7 @@ the verdict is ``pass`` when there is none, or when each is explained by a rule 
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +34,11 @@ from tasks.corpus import load_conversations, load_prompts, sized_prompts
 RAW_SCHEMA = pa.schema([("check", pa.string()), ("case", pa.string()), ("ok", pa.bool_()),
                         ("explained", pa.string()), ("ours", pa.string()), ("theirs", pa.string())])
 SHOWN_CHARS = 400  # of each side of a finding, in the stored rows
+NEAR_TIE = "near-tie"
+TIE_NATS = 5e-3  # two tokens whose log-probabilities differ by less are a tie that rounding may break either way
+NEAR_TIE_REASON = ("the engines agree up to a position where the two best tokens are (nearly) equally likely; "
+                   "rounding or tie-breaking (llama-server's sampler and ours pick differently among exact ties) "
+                   "picks the other one, and the outputs part from there")
 EDGE_STRINGS = (
     "", " ", "  two leading spaces", "trailing spaces   ", "\n\n\t\r\n", "naïve café déjà vu", "日本語のテキスト",
     "emoji 😀👍🏽 family 👨‍👩‍👧", "e\u0301 combining", "שלום עולם", "zero\u200bwidth", "nul\x00byte",
@@ -197,22 +203,47 @@ def _greedy_prompts(s: Session) -> list[tuple[str, list[int]]]:
     return [*((f"held_out-{len(p)}", p) for p in got), ("chat-system-user", chat)]
 
 
+def near_tie(entry: dict[str, Any], ours: Callable[[dict[str, Any]], bool]) -> str | None:
+    """Why llama-server's token at a divergence may legitimately differ from ours: a near-tie.
+
+    ``entry`` is llama-server's record of that token (its id, logprob and ``top_logprobs``); ``ours`` says
+    which alternative is the token our engine chose. When ours is llama-server's runner-up within
+    :data:`TIE_NATS`, float rounding (another accumulation order) decides between them, not a bug.
+    """
+    top = [t for t in entry.get("top_logprobs") or [] if t.get("id") != entry.get("id")]
+    alt = next((t for t in top if ours(t)), None)
+    if alt is None or "logprob" not in entry:
+        return None
+    gap = float(entry["logprob"]) - float(alt["logprob"])
+    why = f"llama-server's token {entry.get('id')} leads ours ({alt.get('id')}) by {gap:.2e} nats"
+    return f"{NEAR_TIE}: {why} (under {TIE_NATS:g}): {NEAR_TIE_REASON}" if gap <= TIE_NATS else None
+
+
+def _token_tie(probs: list[dict[str, Any]], ours: list[int], theirs: list[int]) -> str | None:
+    i = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
+    if i is None or i >= len(probs):
+        return None
+    return near_tie(probs[i], lambda t: int(t.get("id", -1)) == ours[i])
+
+
 def check_greedy(s: Session) -> list[Finding]:
     """Temperature-0 continuations: tokens, text, finish reason and usage of /completion vs ours."""
     out = []
     for case, prompt in _greedy_prompts(s):
         toks, text, res = s.generate(prompt, s.opts.n_gen)
-        got = s.srv.completion(prompt, s.opts.n_gen, return_tokens=True)
+        got = s.srv.completion(prompt, s.opts.n_gen, return_tokens=True, n_probs=2)
         theirs = [int(t) for t in got.get("tokens", [])]
+        tie = _token_tie(got.get("completion_probabilities") or [], toks, theirs)
         f = _cmp("greedy", f"{case} tokens", toks, theirs)
-        out.append(f if f.ok else f.model_copy(update={"ours": f"{_first_diff(toks, theirs)}: {f.ours}"}))
-        out.append(_cmp("greedy", f"{case} text", text, got.get("content", "")))
+        out.append(f if f.ok else f.model_copy(update={"ours": f"{_first_diff(toks, theirs)}: {f.ours}", "explained": tie}))
+        f = _cmp("greedy", f"{case} text", text, got.get("content", ""))
+        out.append(f if f.ok else f.model_copy(update={"explained": tie}))
         reason = {"limit": "length", "eos": "stop", "word": "stop"}.get(str(got.get("stop_type")), str(got.get("stop_type")))
         out.append(_cmp("greedy", f"{case} finish_reason", res.get("finish_reason"), reason))
         out.append(_cmp("usage", f"{case} completion prompt/completion tokens",
                         (res.get("prompt_tokens"), res.get("completion_tokens")),
                         (got.get("tokens_evaluated"), got.get("tokens_predicted"))))
-        out += _stop_findings(s, case, prompt, text)
+        out += _stop_findings(s, case, prompt, os.path.commonprefix([text, str(got.get("content", ""))]))
     return out
 
 
@@ -237,18 +268,36 @@ def _stop_findings(s: Session, case: str, prompt: list[int], text: str) -> list[
             _cmp("stop", f"{case} stop={stop!r} stopping_word", stop, got.get("stopping_word"))]
 
 
+def _continues(want: bytes, done: bytes) -> Callable[[dict[str, Any]], bool]:
+    """Whether a llama-server token record continues ``done`` the way ``want`` does."""
+    return lambda t: want.startswith(done + bytes(t.get("bytes") or []))
+
+
+def _chat_tie(ours: str, logprobs: dict[str, Any] | None) -> str | None:
+    """A near-tie at the first llama-server token whose bytes leave our reply's bytes."""
+    want, done = ours.encode("utf-8"), b""
+    for entry in (logprobs or {}).get("content") or []:
+        piece = bytes(entry.get("bytes") or [])
+        if not want.startswith(done + piece):
+            return near_tie(entry, _continues(want, done))
+        done += piece
+    return None
+
+
 def check_chat(s: Session) -> list[Finding]:
     """llama-cpp-python's chat completion (worker ``chat``) vs llama-server's: usage, finish, content."""
     out = []
     for case, ours in s.chats.items():
         messages = dict(CHAT_CASES)[case]
-        theirs = s.srv.chat(messages, s.opts.n_gen)
+        theirs = s.srv.chat(messages, s.opts.n_gen, logprobs=True, top_logprobs=2)
         ou, tu = ours.get("usage", {}), theirs.get("usage", {})
         out.append(_cmp("usage", f"chat {case} prompt/completion tokens", (ou.get("prompt_tokens"), ou.get("completion_tokens")),
                         (tu.get("prompt_tokens"), tu.get("completion_tokens"))))
         oc, tc = ours["choices"][0], theirs["choices"][0]
         out.append(_cmp("chat", f"{case} finish_reason", oc.get("finish_reason"), tc.get("finish_reason")))
-        out.append(_cmp("chat", f"{case} content", oc["message"].get("content"), tc["message"].get("content")))
+        f = _cmp("chat", f"{case} content", oc["message"].get("content"), tc["message"].get("content"))
+        tie = None if f.ok else _chat_tie(str(oc["message"].get("content") or ""), tc.get("logprobs"))
+        out.append(f.model_copy(update={"explained": tie}) if tie else f)
     return out
 
 
