@@ -9,7 +9,7 @@ cd "$ROOT"
 bash scripts/install.sh
 export DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
 if [ $# -eq 0 ]; then set -- --budget-s 120; fi
-PLAN=$(flux plan "$@")
+PLAN=$(flux plan "$@" | tail -n 1)   # the plan id is the last line on stdout
 flux show "$PLAN"
 cat <<EOM
 
