@@ -7,6 +7,7 @@ feeds them text pieces and the worker's token events (for logprobs).
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from typing import Any, Literal
 
 Kind = Literal["chat", "text"]
@@ -24,7 +25,7 @@ def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-class Builder:
+class Builder(ABC):
     """Chunks and responses of one request."""
 
     kind: Kind = "chat"
@@ -49,21 +50,21 @@ class Builder:
         """The chunk that opens a stream, if the kind has one."""
         return None
 
+    @abstractmethod
     def piece(self, text: str, tokens: list[TokenEvent]) -> dict[str, Any]:
         """A chunk carrying generated text (and its tokens' logprobs)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def finish(self, reason: str) -> dict[str, Any]:
         """The chunk carrying the finish reason."""
-        raise NotImplementedError
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         """The last chunk, with usage and no choices (``stream_options.include_usage``)."""
         return {**self._head(self.chunk_object), "choices": [], "usage": usage}
 
+    @abstractmethod
     def response(self, text: str, tokens: list[TokenEvent], reason: str, usage: dict[str, Any]) -> dict[str, Any]:
         """The whole (non-streamed) response."""
-        raise NotImplementedError
 
 
 class ChatBuilder(Builder):

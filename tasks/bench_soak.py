@@ -29,9 +29,7 @@ import random
 import signal
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
@@ -39,7 +37,18 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.bench_common import BenchContext, BenchError, BenchRun, Progress, SummaryRow, load_avg
-from tasks.bench_http import Exchange, FluxServe, error_body, exchange, finish_reason, json_object, serve_toml  # noqa: F401 - re-exported for tests
+from tasks.bench_http import (  # noqa: F401 - some are re-exported for tests
+    OUTCOMES,
+    Exchange,
+    FluxServe,
+    OnEvent,
+    Outcome,
+    error_body,
+    exchange,
+    finish_reason,
+    json_object,
+    serve_toml,
+)
 from tasks.corpus import load_prompts
 
 if TYPE_CHECKING:
@@ -48,12 +57,6 @@ if TYPE_CHECKING:
     from flows.cmd_bench import BenchSuite
 
 log = logging.getLogger(__name__)
-REPO_ROOT = Path(__file__).resolve().parents[1]
-HOST = "127.0.0.1"
-START_ATTEMPTS = 3
-Outcome = Literal["completed", "errored", "cancelled", "resumed", "hung", "lost"]
-OUTCOMES: tuple[Outcome, ...] = ("completed", "errored", "cancelled", "resumed", "hung", "lost")
-OnEvent = Callable[[int], Awaitable[None]]
 
 
 
