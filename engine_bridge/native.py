@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -118,13 +119,17 @@ def _tensor_overrides(overrides: Sequence[TensorOverride]) -> Iterator[Any]:
 
 
 class Timing(BaseModel):
-    """llama.cpp's perf counters for one prompt + generation."""
+    """Wall-clock timing of one prompt + generation, with llama.cpp's perf counters beside it."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     prompt_tokens: int
     prompt_ms: float
     gen_tokens: int
     gen_ms: float
+    counter_prompt_tokens: int | None = None
+    counter_prompt_ms: float | None = None
+    counter_gen_tokens: int | None = None
+    counter_gen_ms: float | None = None
 
     @property
     def prefill_tps(self) -> float:
@@ -184,17 +189,31 @@ class NativeModel:
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
     def timed_run(self, prompt: Sequence[int], n_gen: int) -> Timing:
-        """Prefill ``prompt`` then decode ``n_gen`` greedy tokens; timings from llama.cpp's counters."""
+        """Prefill ``prompt`` then decode ``n_gen`` greedy tokens, timed by the wall clock.
+
+        Prefill is the prompt's evaluation up to the first token's logits (the device synchronized);
+        decode is the ``n_gen`` single-token steps after it, logits read and argmax taken each time (what a
+        server pays per token). llama.cpp's own perf counters are kept beside them for diagnosis: on a GPU
+        they attribute asynchronous work to whichever call synchronizes, so they are not the timing.
+        """
         if len(prompt) + n_gen > self.n_ctx:
             raise EngineError("context_overflow", f"{len(prompt)} + {n_gen} tokens exceed n_ctx {self.n_ctx}")
         self._clear()
         llama_cpp.llama_perf_context_reset(self.ctx)
+        t0 = time.perf_counter()
         self.llm.eval(list(prompt))
+        llama_cpp.llama_synchronize(self.ctx)
+        tok = int(np.argmax(self._last_logits()))
+        t1 = time.perf_counter()
         for _ in range(n_gen):
-            self.llm.eval([int(np.argmax(self._last_logits()))])
+            self.llm.eval([tok])
+            tok = int(np.argmax(self._last_logits()))
+        t2 = time.perf_counter()
         perf = llama_cpp.llama_perf_context(self.ctx)
-        return Timing(prompt_tokens=perf.n_p_eval, prompt_ms=perf.t_p_eval_ms,
-                      gen_tokens=perf.n_eval, gen_ms=perf.t_eval_ms)
+        return Timing(prompt_tokens=len(prompt), prompt_ms=(t1 - t0) * 1e3, gen_tokens=n_gen,
+                      gen_ms=(t2 - t1) * 1e3, counter_prompt_tokens=perf.n_p_eval,
+                      counter_prompt_ms=perf.t_p_eval_ms, counter_gen_tokens=perf.n_eval,
+                      counter_gen_ms=perf.t_eval_ms)
 
     def greedy(self, prompt: Sequence[int], n_gen: int, stop_eog: bool = True) -> list[int]:
         """Greedy continuation of ``prompt`` (stops at end-of-generation tokens when asked)."""

@@ -30,7 +30,7 @@ from artifacts.store import Store
 from engine_bridge.backend import backend_info
 from flows import workload as wl
 from tasks.costmodel import Workload
-from tasks.enumerate import enumerate_placements
+from tasks.enumerate import enumerate_placements, gpu_limits
 from tasks.measure import measure
 from tasks.models import (
     Finalists,
@@ -204,7 +204,7 @@ def measure_stage(ctx: PlanContext, hw: HardwareReport, fin: Finalists) -> Measu
         summaries, table, spent, stopped = measure(
             fin.finalists, ctx.model, prompts, n_gen, budget_s=ctx.req.budget_s, repeats=ctx.req.repeats,
             timeout_s=ctx.settings.plan.measure_timeout_s, log_path=ctx.worker_log, seed=ctx.req.seed,
-            progress=log.info)
+            progress=log.info, gpu_budgets=gpu_limits(hw, ctx.req) if ctx.req.gpu_mem_budget_gib else None)
         tid = content_id({"measure": content_id(key), "rows": table.num_rows})
         ctx.store.put_table("trials_raw", table, key=tid)
         return MeasureResults(summaries=summaries, trials_table=tid, budget_s=ctx.req.budget_s, spent_s=spent,

@@ -41,10 +41,11 @@ from artifacts.synth import synthesize  # noqa: E402
 from engine_bridge.backend import llama_server_path  # noqa: E402
 from engine_bridge.client import WorkerClient  # noqa: E402
 from engine_bridge.errors import EngineError  # noqa: E402
+from engine_bridge.gpumem import GpuMemoryMeter  # noqa: E402
 from engine_bridge.params import EngineParams, TensorOverride  # noqa: E402
 from flows.workload import tune_prompts  # noqa: E402
 from tasks.costmodel import Workload  # noqa: E402
-from tasks.enumerate import enumerate_placements  # noqa: E402
+from tasks.enumerate import enumerate_placements, gpu_limits  # noqa: E402
 from tasks.measure import measure  # noqa: E402
 from tasks.models import Candidate, HardwareReport, Placement, PlanRequest  # noqa: E402
 from tasks.probe import probe  # noqa: E402
@@ -65,40 +66,26 @@ def log(msg: str) -> None:
     print(f"[bench-gpu {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-_BASELINE: dict[int, int] = {}
-
-
-def _nvml() -> Any:
-    import pynvml
-
-    pynvml.nvmlInit()
-    return pynvml
-
-
-def gpu_baseline() -> None:
-    """Remember each GPU's used memory before any worker runs (fallback accounting)."""
-    try:
-        nv = _nvml()
-        for i in range(nv.nvmlDeviceGetCount()):
-            _BASELINE[i] = nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(i)).used
-    except Exception:  # noqa: BLE001 - no NVML
-        pass
+METER: GpuMemoryMeter | None = None
 
 
 def gpu_used_by(pid: int | None) -> int | None:
-    """GPU memory a process holds (NVML per-process; else the device's use above the baseline), bytes."""
-    try:
-        nv = _nvml()
-        per_proc, device = 0, 0
-        for i in range(nv.nvmlDeviceGetCount()):
-            h = nv.nvmlDeviceGetHandleByIndex(i)
-            for p in nv.nvmlDeviceGetComputeRunningProcesses(h):
-                if p.pid == pid and p.usedGpuMemory:
-                    per_proc += p.usedGpuMemory
-            device += nv.nvmlDeviceGetMemoryInfo(h).used - _BASELINE.get(i, 0)
-        return per_proc or max(device, 0)
-    except Exception:  # noqa: BLE001 - no NVML: unknown
-        return None
+    """GPU bytes a process holds over every GPU (NVML; see engine_bridge.gpumem)."""
+    used = METER.used_by(pid) if METER else None
+    return sum(used) if used else None
+
+
+def gpu_free() -> int:
+    """Free bytes, now, of the first GPU llama.cpp sees (NVML's index = CUDA_VISIBLE_DEVICES' first entry).
+
+    NVML, not ggml: loading llama.cpp here would give this process a CUDA context of its own.
+    """
+    import pynvml
+
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    pynvml.nvmlInit()
+    h = pynvml.nvmlDeviceGetHandleByIndex(int(first) if first.isdigit() else 0)
+    return int(pynvml.nvmlDeviceGetMemoryInfo(h).free)
 
 
 def cand(cid: str, params: EngineParams, placement: Placement | None = None) -> Candidate:
@@ -114,12 +101,19 @@ def ncmoe_params(n: int, n_layer: int, threads: int) -> EngineParams:
 
 
 def probe_vram(model: Path, params: EngineParams, log_path: Path) -> tuple[int | None, dict[str, Any] | None]:
-    """Load a configuration, run pp512+tg128 once, return (GPU bytes held, timing)."""
+    """Load a configuration, warm it up, time pp512 + 32 decode steps; return (GPU bytes held, timing).
+
+    The memory is read after the timed run, when llama.cpp has allocated everything it will hold (weights,
+    KV cache, compute buffers reserved for the worst-case batch): the configuration's peak.
+    """
     w = WorkerClient(log_path=log_path, env=params.environment())
     try:
+        if METER:
+            METER.rebase()
         w.start()
         w.call("load", {"model": str(model), "params": params.model_dump()}, timeout=600)
-        t = w.call("timed_run", {"prompt": PROMPTS["pp"], "n_gen": 16}, timeout=600)
+        w.call("timed_run", {"prompt": PROMPTS["pp"][:64], "n_gen": 4}, timeout=600)
+        t = w.call("timed_run", {"prompt": PROMPTS["pp"], "n_gen": 32}, timeout=600)
         return gpu_used_by(w.pid), t
     except EngineError as exc:
         log(f"  {exc}")
@@ -140,31 +134,49 @@ def predicted_gpu_bytes(info: ModelInfo, cpu_expert_layers: set[int], gpu_layers
     return total + info.bytes_by_role.get("output", 0)
 
 
+def expert_layer_bytes(info: ModelInfo) -> int:
+    """Bytes of one layer's expert tensors (what one more --n-cpu-moe step moves off the GPU)."""
+    sizes = [sum(b for r, b in layer.bytes_by_role.items() if r.startswith("experts_")) for layer in info.layers]
+    return max(1, max(sizes, default=1))
+
+
+def layer_bytes(info: ModelInfo) -> int:
+    """Bytes of the largest layer (what one -ngl step moves off the GPU)."""
+    return max(1, max((sum(layer.bytes_by_role.values()) for layer in info.layers), default=1))
+
+
 def sweep_ncmoe(model: Path, info: ModelInfo, budget: int, threads: int, log_path: Path) -> tuple[int, EngineParams] | None:
     """Best --n-cpu-moe (by decode) among values whose MEASURED VRAM fits the budget.
 
-    Decode only gets slower as more expert layers move to the CPU, so the sweep starts at the smallest N
-    the memory model says could fit, moves up until a value fits when measured, and measures the next
-    two values too, to confirm.
+    Every step of N moves one more layer's experts to the CPU, which only slows decode and prefill
+    (measured: ../shared notes and docs/benchmarks/h200.md), so the best value that fits is the smallest N
+    whose measured VRAM fits. The sweep starts where the weights alone would fit, jumps by the measured
+    excess over the budget divided by one layer's experts until a value fits, then measures N+1 too, so
+    the choice is a measured one, not an assumption.
     """
     every = set(range(info.n_layer))
-    start = 0
+    n = 0
     if budget > 0:
-        start = next((n for n in range(info.n_layer + 1)
-                      if predicted_gpu_bytes(info, set(range(n)), every) <= budget * 0.97), info.n_layer)
+        n = next((k for k in range(info.n_layer + 1)
+                  if predicted_gpu_bytes(info, set(range(k)), every) <= budget), info.n_layer)
+    step = expert_layer_bytes(info)
     fitting: list[tuple[float, int, EngineParams]] = []
-    for n in range(max(0, start - 1), info.n_layer + 1):
+    seen: set[int] = set()
+    while 0 <= n <= info.n_layer and n not in seen and len(fitting) < (1 if budget <= 0 else 2):
+        seen.add(n)
         p = ncmoe_params(n, info.n_layer, threads)
         used, t = probe_vram(model, p, log_path)
         if used is None or t is None:
+            n += 1
             continue
         tps = t["gen_tokens"] / t["gen_ms"] * 1e3 if t["gen_ms"] else 0.0
         fits = budget <= 0 or used <= budget
         log(f"  --n-cpu-moe {n}: VRAM {used / GIB:.2f} GiB, tg {tps:.1f} tok/s{'' if fits else ' (over budget)'}")
         if fits:
             fitting.append((tps, n, p))
-        if len(fitting) >= (1 if budget <= 0 else 3):
-            break
+            n += 1
+        else:
+            n += max(1, -(-(used - budget) // step))
     if not fitting:
         return None
     best = max(fitting, key=lambda x: x[0])
@@ -176,14 +188,15 @@ def most_layers(model: Path, info: ModelInfo, budget: int, threads: int, log_pat
     k = info.n_layer
     if budget > 0:
         k = max((n for n in range(info.n_layer + 1)
-                 if predicted_gpu_bytes(info, set(), set(range(info.n_layer - n, info.n_layer))) <= budget * 0.97), default=0)
+                 if predicted_gpu_bytes(info, set(), set(range(info.n_layer - n, info.n_layer))) <= budget), default=0)
+    step = layer_bytes(info)
     while k >= 0:
         p = EngineParams(n_ctx=CTX, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads, n_gpu_layers=k)
         used, _ = probe_vram(model, p, log_path)
         log(f"  -ngl {k}: VRAM {gib(used)} GiB")
         if used is not None and (budget <= 0 or used <= budget):
             return p
-        k -= 1
+        k -= max(1, -(-((used or 0) - budget) // step)) if used is not None else 1
     return None
 
 
@@ -219,10 +232,12 @@ class LlamaServerFit:
         raise SystemExit("llama-server did not become healthy")
 
     def run(self, prompt: list[int], n_gen: int) -> dict[str, Any]:
-        r = self.http.post("/completion", json={"prompt": prompt, "n_predict": n_gen, "cache_prompt": False,
+        """One completion of ``n_gen + 1`` tokens: llama-server's prompt time, then ``n_gen`` decode steps
+        (its first token comes from the prompt's logits, as in the worker's timing)."""
+        r = self.http.post("/completion", json={"prompt": prompt, "n_predict": n_gen + 1, "cache_prompt": False,
                                                 "temperature": 0, "ignore_eos": True})
         t = r.json()["timings"]
-        return {"prompt_tokens": t["prompt_n"], "prompt_ms": t["prompt_ms"], "gen_tokens": t["predicted_n"],
+        return {"prompt_tokens": t["prompt_n"], "prompt_ms": t["prompt_ms"], "gen_tokens": t["predicted_n"] - 1,
                 "gen_ms": t["predicted_ms"]}
 
     def vram(self) -> int | None:
@@ -245,12 +260,15 @@ def plan(model: Path, info: ModelInfo, hw: HardwareReport, budget_gib: float, ar
     fin = prune(space, info, hw, work, args.finalists)
     prompts = [PROMPTS["pp"], PROMPTS["agent"]]
     sums, _, _, _ = measure(fin.finalists, model, prompts, TG, budget_s=args.plan_budget_s, repeats=args.repeats,
-                            timeout_s=600, log_path=log_path, seed=1)
+                            timeout_s=600, log_path=log_path, seed=1, gpu_budgets=gpu_limits(hw, req) if budget_gib > 0 else None)
     ok = [s for s in sums if s.workload_s]
+    if not ok:
+        raise RuntimeError("no finalist measured: " + "; ".join(f"{s.candidate_id}: {s.error}" for s in sums))
     best = min(ok, key=lambda s: s.workload_s or 1e9)
     chosen = next(c for c in fin.finalists if c.id == best.candidate_id)
-    rows = [{"candidate": c.id, "family": c.family, "pred_decode": p.decode_tps, "pred_prefill": p.prefill_tps,
-             "meas_decode": s.decode_tps, "meas_prefill": s.prefill_tps, "error": s.error}
+    rows = [{"candidate": c.id, "family": c.family, "flags": " ".join(c.params.cli_args()), "pred_decode": p.decode_tps,
+             "pred_prefill": p.prefill_tps, "meas_decode": s.decode_tps, "meas_prefill": s.prefill_tps,
+             "meas_workload_s": s.workload_s, "gpu_gib": s.gpu_bytes and s.gpu_bytes / GIB, "error": s.error}
             for c, p, s in zip(fin.finalists, fin.predictions, sums, strict=True)]
     return chosen, time.monotonic() - t0, rows
 
@@ -292,71 +310,130 @@ def race(model: Path, entries: dict[str, Candidate], server: LlamaServerFit | No
     return out
 
 
+def store_results(out: Path) -> None:
+    """Put a run's Parquet files into the store as tables ``bench_gpu`` and ``bench_gpu_finalists``."""
+    from artifacts.ids import content_id
+
+    try:
+        from artifacts.store import Store
+    except ImportError as exc:  # a bare GPU machine without duckdb: import the files later with --import
+        log(f"not stored ({exc}): copy {out} back and run scripts/bench_gpu.py --import --out {out}")
+        return
+    store = Store(load_settings().data_dir)
+    for name, file in (("bench_gpu", "h200_results.parquet"), ("bench_gpu_finalists", "h200_finalists.parquet")):
+        if (out / file).exists():
+            table = pq.read_table(out / file)
+            key = content_id({"table": name, "rows": table.to_pylist()})
+            store.put_table(name, table, key=key)
+            log(f"stored {out / file} as {name}/{key[:12]} (DuckDB: SELECT * FROM {name})")
+
+
+class ModelSetup:
+    """One twin's file, facts, prompts and probe, made on first use."""
+
+    def __init__(self, preset: str, args: argparse.Namespace, log_path: Path) -> None:
+        self.preset = preset
+        self.model = args.model_dir / f"{preset}-Q4_0.gguf"
+        if not self.model.exists():
+            r = synthesize(preset, self.model, quant="Q4_0")
+            log(f"synthesized {preset}: {r.file_bytes / 1e9:.2f} GB in {r.seconds:.1f} s")
+        self.info = model_info(self.model)
+        self.prompts = tune_prompts(self.model, [PP, AGENT_PROMPT], 0, log_path)
+        self.hw = probe(self.model, "bench", load_settings(), "bench")
+        log(f"probe {preset}: {[g.name for g in self.hw.gpus]}, RAM {self.hw.ram_read_gbs:.0f} GB/s, "
+            f"H2D {[(g.h2d_pinned_gbs, g.h2d_pageable_gbs) for g in self.hw.gpus]}, kernels {[k.device for k in self.hw.kernels]}")
+
+
+def one_budget(ms: ModelSetup, b: float, args: argparse.Namespace, threads: int, log_path: Path,
+               finalists: list[dict[str, Any]]) -> dict[str, Any]:
+    """Plan under one budget, find the baselines, race them; one result row."""
+    model, info, hw, preset = ms.model, ms.info, ms.hw, ms.preset
+    PROMPTS["pp"], PROMPTS["agent"] = ms.prompts
+    budget = int(b * GIB)
+    log(f"{preset} budget {b:g} GiB: planning")
+    chosen, plan_s, rows = plan(model, info, hw, b, args, log_path)
+    finalists += [{"model": preset, "budget_gib": b, **r} for r in rows]
+    used, _ = probe_vram(model, chosen.params, log_path)
+    log(f"  plan {chosen.family} in {plan_s:.0f} s; peak VRAM {gib(used)} GiB; flags {' '.join(chosen.params.cli_args())}")
+    entries = {"plan": chosen}
+    sw = sweep_ncmoe(model, info, budget, threads, log_path) if info.is_moe and hw.gpus else None
+    if sw:
+        entries["ncmoe"] = cand(f"ncmoe-{sw[0]}", sw[1])
+    lcp = most_layers(model, info, budget, threads, log_path) if hw.gpus else None
+    if lcp:
+        entries["lcp"] = cand(f"lcp-ngl{lcp.n_gpu_layers}", lcp)
+    server = LlamaServerFit(model, budget, gpu_free(), threads, log_path) if hw.gpus else None
+    fit_vram = server.vram() if server else None
+    log(f"  llama-server --fit: VRAM {gib(fit_vram)} GiB")
+    try:
+        res = race(model, entries, server, args.rounds, log_path)
+    finally:
+        if server:
+            server.close()
+    med: dict[str, dict[str, float]] = {k: {m: statistics.median(v) for m, v in d.items() if v} for k, d in res.items()}
+    row: dict[str, Any] = {
+        "model": preset, "model_gib": info.weight_bytes / GIB, "budget_gib": b, "plan_s": plan_s,
+        "plan_family": chosen.family, "plan_flags": " ".join(chosen.params.cli_args()),
+        "plan_vram_gib": used and used / GIB, "plan_within_budget": None if used is None else (b <= 0 or used <= budget),
+        "fit_vram_gib": fit_vram and fit_vram / GIB, "ncmoe": sw[0] if sw else None,
+        "lcp_ngl": lcp.n_gpu_layers if lcp else None, "rounds": args.rounds, "raw": json.dumps(res)}
+    for k, d in med.items():
+        for m, v in d.items():
+            row[f"{k}_{m}"] = v
+    for base in ("fit", "ncmoe", "lcp"):
+        if base in med and {"pp", "tg", "agent_s"} <= med["plan"].keys() & med[base].keys():
+            row[f"tg_vs_{base}"] = med["plan"]["tg"] / med[base]["tg"]
+            row[f"pp_vs_{base}"] = med["plan"]["pp"] / med[base]["pp"]
+            row[f"agent_vs_{base}"] = med[base]["agent_s"] / med["plan"]["agent_s"]
+    log("  " + ", ".join(f"{k}={v:.3f}" for k, v in row.items()
+                         if k.startswith(("tg_vs", "pp_vs", "agent_vs", "plan_tg", "plan_pp")) and v))
+    return row
+
+
 def main() -> int:
+    global METER
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--models", default="qwen3-30b-a3b")
     ap.add_argument("--budgets", default="8,12,16,24,0")
+    ap.add_argument("--pairs", default="", help="model:budget,... in this order (instead of models x budgets)")
     ap.add_argument("--model-dir", type=Path, default=Path("/dev/shm/flux-models"))
     ap.add_argument("--finalists", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--plan-budget-s", type=float, default=120)
+    ap.add_argument("--stop-after-s", type=float, default=0, help="start no new budget after this many seconds")
+    ap.add_argument("--import", dest="import_only", action="store_true",
+                    help="only store --out's Parquet files in the store (after copying them from a GPU machine)")
     args = ap.parse_args()
+    if args.import_only:
+        store_results(args.out)
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    settings = load_settings()
-    gpu_baseline()
+    args.model_dir.mkdir(parents=True, exist_ok=True)
+    METER = GpuMemoryMeter()
     log_path = args.out / "workers.log"
     threads = os.cpu_count() or 1
-    results, finalists = [], []
-    for preset in args.models.split(","):
-        model = args.model_dir / f"{preset}-Q4_0.gguf"
-        if not model.exists():
-            r = synthesize(preset, model, quant="Q4_0")
-            log(f"synthesized {preset}: {r.file_bytes / 1e9:.2f} GB in {r.seconds:.1f} s")
-        info = model_info(model)
-        PROMPTS["pp"], PROMPTS["agent"] = tune_prompts(model, [PP, AGENT_PROMPT], 0, log_path)
-        hw = probe(model, "bench", settings, "bench")
-        log(f"probe: {[g.name for g in hw.gpus]}, RAM {hw.ram_read_gbs:.0f} GB/s, kernels {[k.device for k in hw.kernels]}")
-        free = hw.gpus[0].memory_free if hw.gpus else 0
-        for b in (float(x) for x in args.budgets.split(",")):
-            budget = int(b * GIB)
-            log(f"{preset} budget {b:g} GiB: planning")
-            chosen, plan_s, rows = plan(model, info, hw, b, args, log_path)
-            finalists += [{"model": preset, "budget_gib": b, **r} for r in rows]
-            used, _ = probe_vram(model, chosen.params, log_path)
-            log(f"  plan {chosen.family} in {plan_s:.0f} s; peak VRAM {gib(used)} GiB; flags {' '.join(chosen.params.cli_args())}")
-            entries = {"plan": chosen}
-            sw = sweep_ncmoe(model, info, budget, threads, log_path) if info.is_moe and hw.gpus else None
-            if sw:
-                entries["ncmoe"] = cand(f"ncmoe-{sw[0]}", sw[1])
-            lcp = most_layers(model, info, budget, threads, log_path) if hw.gpus else None
-            if lcp:
-                entries["lcp"] = cand(f"lcp-ngl{lcp.n_gpu_layers}", lcp)
-            server = LlamaServerFit(model, budget, free, threads, log_path) if hw.gpus else None
-            fit_vram = server.vram() if server else None
-            try:
-                res = race(model, entries, server, args.rounds, log_path)
-            finally:
-                if server:
-                    server.close()
-            med = {k: {m: statistics.median(v) if v else None for m, v in d.items()} for k, d in res.items()}
-            row: dict[str, Any] = {"model": preset, "budget_gib": b, "plan_s": plan_s, "plan_family": chosen.family,
-                                   "plan_flags": " ".join(chosen.params.cli_args()), "plan_vram_gib": used and used / GIB,
-                                   "fit_vram_gib": fit_vram and fit_vram / GIB, "ncmoe": sw[0] if sw else None,
-                                   "lcp_ngl": lcp.n_gpu_layers if lcp else None, "raw": json.dumps(res)}
-            for k, d in med.items():
-                for m, v in d.items():
-                    row[f"{k}_{m}"] = v
-            for base in ("fit", "ncmoe", "lcp"):
-                if base in med and med["plan"]["tg"] and med[base]["tg"]:
-                    row[f"tg_vs_{base}"] = med["plan"]["tg"] / med[base]["tg"]
-                    row[f"pp_vs_{base}"] = med["plan"]["pp"] / med[base]["pp"]
-                    row[f"agent_vs_{base}"] = med[base]["agent_s"] / med["plan"]["agent_s"]
-            results.append(row)
-            log("  " + ", ".join(f"{k}={v:.3f}" for k, v in row.items() if k.startswith(("tg_vs", "pp_vs", "agent_vs")) and v))
-            pq.write_table(pa.Table.from_pylist(results), args.out / "h200_results.parquet")
-            pq.write_table(pa.Table.from_pylist(finalists), args.out / "h200_finalists.parquet")
+    pairs = ([(m, float(b)) for m, b in (x.split(":") for x in args.pairs.split(","))] if args.pairs else
+             [(m, float(b)) for m in args.models.split(",") for b in args.budgets.split(",")])
+    setups: dict[str, ModelSetup] = {}
+    results: list[dict[str, Any]] = []
+    finalists: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    for preset, b in pairs:
+        if args.stop_after_s and time.monotonic() - t0 > args.stop_after_s:
+            log(f"stopping before {preset} at {b:g} GiB: --stop-after-s {args.stop_after_s:g} reached")
+            break
+        if preset not in setups:
+            setups[preset] = ModelSetup(preset, args, log_path)
+        try:
+            results.append(one_budget(setups[preset], b, args, threads, log_path, finalists))
+        except (EngineError, SystemExit, RuntimeError) as exc:
+            log(f"  {preset} at {b:g} GiB failed: {exc}")
+            results.append({"model": preset, "budget_gib": b, "error": str(exc)})
+        pq.write_table(pa.Table.from_pylist(results), args.out / "h200_results.parquet")
+        pq.write_table(pa.Table.from_pylist(finalists), args.out / "h200_finalists.parquet")
+    store_results(args.out)
     return 0
 
 

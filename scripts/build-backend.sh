@@ -17,7 +17,9 @@
 # Environment: PYTHON (interpreter to install into), JOBS (parallel compile jobs), CMAKE_ARGS (extra cmake
 # flags, part of the key), FLUX_OFFLINE=1 (no package index), FLUX_SRC_DIR (a source tree made by
 # scripts/trim-sdist.sh, instead of downloading), FLUX_SKIP_SERVER=1 (skip llama-server and llama-bench),
-# FLUX_PARALLEL=1 (build the wheel and llama-server at the same time: for many-core machines).
+# FLUX_PARALLEL=1 (build the wheel and llama-server at the same time: for many-core machines),
+# FLUX_ONE_BUILD=1 (build llama.cpp once, as shared libraries, and put the same libraries in the wheel and
+# beside llama-server/llama-bench: one compile instead of two, which halves a CUDA build).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -46,7 +48,9 @@ PATCHES=()
 if compgen -G "$PATCH_DIR/*.patch" >/dev/null; then
   mapfile -t PATCHES < <(ls "$PATCH_DIR"/*.patch | LC_ALL=C sort)
 fi
-KEY=$( { cat "$PIN_FILE"; for p in "${PATCHES[@]}"; do basename "$p"; cat "$p"; done; echo "$FLAGS"; } \
+MODE=separate; [ "${FLUX_ONE_BUILD:-0}" = 1 ] && MODE=one-build
+KEY=$( { cat "$PIN_FILE"; for p in "${PATCHES[@]}"; do basename "$p"; cat "$p"; done; echo "$FLAGS"; \
+         [ "$MODE" = separate ] || echo "$MODE"; } \
        | sha256sum | cut -c1-16)
 OUT="$CACHE/backend/$KEY"
 WHEEL_DIR="$OUT/wheel"
@@ -123,6 +127,16 @@ install_wheel() {
     "$PY" -m pip install --quiet --force-reinstall --no-deps "$whl" >&2
     "$PY" -m pip install --quiet "typing-extensions>=4.5.0" "numpy>=1.20.0" "diskcache>=5.6.1" "jinja2>=2.11.3" >&2
   fi
+  install_libs
+}
+
+install_libs() {
+  # FLUX_ONE_BUILD: the shared libraries llama-server and llama-bench use go into the installed package.
+  [ -d "$OUT/lib" ] || return 0
+  local pkg
+  pkg=$("$PY" -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("llama_cpp").origin).parent)')
+  mkdir -p "$pkg/lib"
+  cp -a "$OUT/lib/." "$pkg/lib/"
 }
 
 # -- 4. llama-server -----------------------------------------------------------------------------------
@@ -138,6 +152,30 @@ build_server() {
   for exe in llama-bench llama-server; do
     cp "$bdir/bin/$exe" "$OUT/bin/$exe.tmp" && mv "$OUT/bin/$exe.tmp" "$OUT/bin/$exe"
   done
+  rm -rf "$bdir"
+}
+
+# -- 3+4 in one compile (FLUX_ONE_BUILD=1) ------------------------------------------------------------
+build_shared() {
+  local src=$1 bdir="$OUT/build"
+  log "building llama.cpp once (shared libraries, llama-server, llama-bench), then a wheel around it"
+  # shellcheck disable=SC2086
+  cmake -S "$src/vendor/llama.cpp" -B "$bdir" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+    -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_SERVER=ON \
+    -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_APP=OFF $FLAGS >&2
+  cmake --build "$bdir" --target llama llama-server llama-bench -j "$JOBS" >&2
+  # lib/ holds the shared libraries once; bin/'s executables find them through links (their RPATH is $ORIGIN).
+  rm -rf "$OUT/lib.tmp" "$OUT/bin.tmp"; mkdir -p "$OUT/lib.tmp" "$OUT/bin.tmp"
+  cp -a "$bdir"/bin/lib*.so* "$OUT/lib.tmp/"
+  cp -a "$bdir/bin/llama-server" "$bdir/bin/llama-bench" "$OUT/bin.tmp/"
+  for f in "$OUT"/lib.tmp/lib*.so*; do ln -s "../lib/$(basename "$f")" "$OUT/bin.tmp/$(basename "$f")"; done
+  rm -rf "$OUT/lib" "$OUT/bin"; mv "$OUT/lib.tmp" "$OUT/lib"; mv "$OUT/bin.tmp" "$OUT/bin"
+  # The Python package: its own CMake builds nothing (LLAMA_BUILD=OFF); install_wheel puts $OUT/lib in it.
+  echo "$KEY" > "$src/llama_cpp/FLUX_BACKEND_KEY"
+  rm -rf "$WHEEL_DIR.tmp"; mkdir -p "$WHEEL_DIR.tmp"
+  CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" \
+    "$PY" -m pip wheel --no-deps --no-build-isolation "${PIP_OFFLINE[@]}" -w "$WHEEL_DIR.tmp" "$src" >&2
+  rm -rf "$WHEEL_DIR"; mv "$WHEEL_DIR.tmp" "$WHEEL_DIR"
   rm -rf "$bdir"
 }
 
@@ -158,7 +196,7 @@ write_architectures() {
 if [ -f "$OUT/build.json" ] && [ -f "$WHEEL_DIR"/llama_cpp_python-*.whl ] 2>/dev/null \
    && { [ "${FLUX_SKIP_SERVER:-0}" = 1 ] || [ -x "$OUT/bin/llama-server" ]; }; then
   log "cache hit: $OUT"
-  if [ "$(installed_key)" != "$KEY" ]; then install_wheel; fi
+  if [ "$(installed_key)" != "$KEY" ]; then install_wheel; else install_libs; fi
   cp "$OUT/architectures.txt" "$ROOT/third_party/architectures.txt"
 else
   if [ -n "${FLUX_SRC_DIR:-}" ]; then
@@ -177,6 +215,7 @@ else
   need_server=0
   if [ "${FLUX_SKIP_SERVER:-0}" != 1 ] && [ ! -x "$OUT/bin/llama-server" ]; then need_server=1; fi
   server_pid=""
+  if [ "${FLUX_ONE_BUILD:-0}" = 1 ]; then build_shared "$SRC"; need_server=0; fi
   if [ "$need_server" = 1 ] && [ "${FLUX_PARALLEL:-0}" = 1 ]; then build_server "$SRC" & server_pid=$!; need_server=0; fi
   if ! ls "$WHEEL_DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then build_wheel "$SRC"; fi
   install_wheel

@@ -292,7 +292,7 @@ class EngineSpec(_Model):
 
 
 class TrialTiming(_Model):
-    """One prompt's prefill and decode, timed inside llama.cpp, normalized to one definition for every engine.
+    """One prompt's prefill and decode, normalized to one definition for every engine.
 
     ``prompt_ms`` is the time to process ``prompt_tokens`` prompt tokens; ``gen_ms`` the time of
     ``gen_tokens`` decode steps (the first generated token comes free with the prompt's logits).
@@ -305,19 +305,10 @@ class TrialTiming(_Model):
     source: str
 
 
-def worker_timing(t: dict[str, Any], prompt_len: int) -> TrialTiming:
-    """The worker's perf counters, normalized.
-
-    llama.cpp books the first single-token decode after the prompt into the prompt counters when no
-    synchronization separates them (n_p_eval = prompt + 1): that step's tokens and estimated time (the
-    trial's mean decode step) move back to decode, so a short prompt's prefill is not charged a decode step.
-    """
-    pt, pms, gt, gms = int(t["prompt_tokens"]), float(t["prompt_ms"]), int(t["gen_tokens"]), float(t["gen_ms"])
-    if pt == prompt_len + 1 and gt > 0:
-        step = gms / gt
-        return TrialTiming(prompt_tokens=prompt_len, prompt_ms=max(pms - step, 1e-6), gen_tokens=gt + 1,
-                           gen_ms=gms + step, source="perf-counters (1 decode step moved out of prefill)")
-    return TrialTiming(prompt_tokens=pt, prompt_ms=pms, gen_tokens=gt, gen_ms=gms, source="perf-counters")
+def worker_timing(t: dict[str, Any]) -> TrialTiming:
+    """The worker's wall-clock timing: prefill up to the first token's logits, then ``gen_tokens`` steps."""
+    return TrialTiming(prompt_tokens=int(t["prompt_tokens"]), prompt_ms=float(t["prompt_ms"]),
+                       gen_tokens=int(t["gen_tokens"]), gen_ms=float(t["gen_ms"]), source="worker wall clock")
 
 
 def server_timing(t: ServerTimings) -> TrialTiming:
@@ -355,8 +346,7 @@ class WorkerEngine:
         return float(got["load_ms"]) / 1e3
 
     def run(self, prompt: list[int], n_gen: int) -> TrialTiming:
-        return worker_timing(self.w.call("timed_run", {"prompt": prompt, "n_gen": n_gen}, timeout=self.ctx.timeout_s),
-                             len(prompt))
+        return worker_timing(self.w.call("timed_run", {"prompt": prompt, "n_gen": n_gen}, timeout=self.ctx.timeout_s))
 
     def stop(self) -> None:
         self.w.close(timeout=5)

@@ -131,9 +131,9 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest,
     """
     n_ctx, capped = resolve_context(info, hw, req, reserve_percent)
     host = host_budget(hw, reserve_percent)
-    gpu_limits = _gpu_limits(hw, req)
-    limits = {"CPU": host, **{f"CUDA{i}": b for i, b in enumerate(gpu_limits)}}
-    placements = [("cpu", all_on(info, "CPU"))] + _gpu_placements(info, [max(0, b - GPU_MARGIN) for b in gpu_limits])
+    per_gpu = gpu_limits(hw, req)
+    limits = {"CPU": host, **{f"CUDA{i}": b for i, b in enumerate(per_gpu)}}
+    placements = [("cpu", all_on(info, "CPU"))] + _gpu_placements(info, [max(0, b - GPU_MARGIN) for b in per_gpu])
     rejected: dict[str, int] = {}
     cands: list[Candidate] = []
     for family, placement in placements:
@@ -172,7 +172,8 @@ def gpu_devices(hw: HardwareReport) -> list[tuple[str, int]]:
     return out
 
 
-def _gpu_limits(hw: HardwareReport, req: PlanRequest) -> list[int]:
+def gpu_limits(hw: HardwareReport, req: PlanRequest) -> list[int]:
+    """Bytes each GPU llama.cpp sees may hold: its budget (``--gpu-mem-budget``), at most its free memory."""
     budgets = req.gpu_mem_budget_gib or []
     out = []
     for i, (_, free) in enumerate(gpu_devices(hw)):

@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
+from engine_bridge.gpumem import GpuMemoryMeter, over_budget
 from tasks.models import Candidate, MeasureSummary
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ TRIAL_SCHEMA = pa.schema([
     ("candidate_id", pa.string()), ("round", pa.int32()), ("prompt_index", pa.int32()),
     ("prompt_tokens", pa.int32()), ("prompt_ms", pa.float64()), ("gen_tokens", pa.int32()),
     ("gen_ms", pa.float64()), ("prefill_tps", pa.float64()), ("decode_tps", pa.float64()),
-    ("load_ms", pa.float64()), ("peak_rss_bytes", pa.int64()), ("error", pa.string()),
+    ("load_ms", pa.float64()), ("peak_rss_bytes", pa.int64()), ("gpu_bytes", pa.int64()), ("error", pa.string()),
 ])
 
 
@@ -44,9 +45,15 @@ def _peak_rss(pid: int | None) -> int | None:
 
 
 def _visit(cand: Candidate, model: Path, prompts: list[list[int]], n_gen: int, rnd: int, timeout_s: float,
-           log_path: Path, env: Mapping[str, str]) -> list[dict[str, Any]]:
-    """Load one finalist in a fresh worker, warm it up, run every prompt; errors become one row."""
+           log_path: Path, env: Mapping[str, str], gpu_budgets: list[int] | None = None) -> list[dict[str, Any]]:
+    """Load one finalist in a fresh worker, warm it up, run every prompt; errors become one row.
+
+    After its prompts, the GPU memory the worker holds (its peak: llama.cpp reserves its buffers at load)
+    is read through NVML; over a per-GPU budget, every row of the visit becomes an error, so the plan
+    can never be a configuration whose measured VRAM breaks the budget.
+    """
     rows: list[dict[str, Any]] = []
+    meter = GpuMemoryMeter() if gpu_budgets else None
     w = WorkerClient(log_path=log_path, env={**cand.params.environment(), **env})
     load_ms: float | None = None
     try:
@@ -60,6 +67,13 @@ def _visit(cand: Candidate, model: Path, prompts: list[list[int]], n_gen: int, r
                          "prefill_tps": t["prompt_tokens"] / t["prompt_ms"] * 1e3 if t["prompt_ms"] else None,
                          "decode_tps": t["gen_tokens"] / t["gen_ms"] * 1e3 if t["gen_ms"] else None,
                          "load_ms": load_ms, "peak_rss_bytes": _peak_rss(w.pid), "error": None})
+        used = meter.used_by(w.pid) if meter else None
+        why = over_budget(used, gpu_budgets)
+        for r in rows:
+            r["gpu_bytes"] = sum(used) if used else None
+            r["error"] = why
+        if why:
+            log.warning("measure: %s in round %d: %s", cand.id, rnd, why)
     except EngineError as exc:
         log.warning("measure: %s failed in round %d: %s", cand.id, rnd, exc)
         rows.append({"candidate_id": cand.id, "round": rnd, "prompt_index": -1, "load_ms": load_ms,
@@ -71,8 +85,12 @@ def _visit(cand: Candidate, model: Path, prompts: list[list[int]], n_gen: int, r
 
 def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n_gen: int, *, budget_s: float,
             repeats: int, timeout_s: float, log_path: Path, seed: int = 0, progress: Progress | None = None,
-            worker_env: Mapping[str, Mapping[str, str]] | None = None) -> tuple[list[MeasureSummary], pa.Table, float, bool]:
-    """Time every finalist; return (summaries, trials table, seconds spent, stopped by budget)."""
+            worker_env: Mapping[str, Mapping[str, str]] | None = None,
+            gpu_budgets: list[int] | None = None) -> tuple[list[MeasureSummary], pa.Table, float, bool]:
+    """Time every finalist; return (summaries, trials table, seconds spent, stopped by budget).
+
+    ``gpu_budgets`` (bytes per GPU) turns a finalist whose measured GPU memory exceeds them into an error.
+    """
     rng = random.Random(seed)
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
@@ -95,7 +113,8 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
                 progress(f"measure: candidate {done}/{total} ({cand.id}, round {rnd + 1}); "
                          f"{max(0.0, budget_s - spent):.0f} s left in the budget")
             v0 = time.monotonic()
-            got = _visit(cand, model, prompts, n_gen, rnd, timeout_s, log_path, (worker_env or {}).get(cand.id, {}))
+            got = _visit(cand, model, prompts, n_gen, rnd, timeout_s, log_path, (worker_env or {}).get(cand.id, {}),
+                         gpu_budgets)
             visit_s.append(time.monotonic() - v0)
             rows.extend(got)
             if any(r.get("error") for r in got):
@@ -121,9 +140,10 @@ def summarize(cid: str, rows: list[dict[str, Any]]) -> MeasureSummary:
     mine = [r for r in rows if r["candidate_id"] == cid]
     ok = [r for r in mine if not r.get("error")]
     err = next((r["error"] for r in mine if r.get("error")), None)
+    gpu = max((r.get("gpu_bytes") or 0 for r in mine), default=0) or None
     if not ok:
         return MeasureSummary(candidate_id=cid, prefill_tps=None, decode_tps=None, workload_s=None, n_trials=0,
-                              error=err or "not measured (budget)")
+                              error=err or "not measured (budget)", gpu_bytes=gpu)
     pre = [r["prefill_tps"] for r in ok if r["prefill_tps"]]
     dec = [r["decode_tps"] for r in ok if r["decode_tps"]]
     per_prompt: dict[int, list[float]] = {}
@@ -133,4 +153,5 @@ def summarize(cid: str, rows: list[dict[str, Any]]) -> MeasureSummary:
     rss = max((r["peak_rss_bytes"] or 0) for r in ok) or None
     return MeasureSummary(candidate_id=cid, prefill_tps=statistics.median(pre) if pre else None,
                           decode_tps=statistics.median(dec) if dec else None, prefill_iqr=_iqr(pre),
-                          decode_iqr=_iqr(dec), workload_s=workload, n_trials=len(ok), error=err, peak_rss_bytes=rss)
+                          decode_iqr=_iqr(dec), workload_s=workload, n_trials=len(ok), error=err, peak_rss_bytes=rss,
+                          gpu_bytes=gpu)

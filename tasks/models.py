@@ -167,6 +167,7 @@ class MeasureSummary(_Model):
     n_trials: int
     error: str | None = None
     peak_rss_bytes: int | None = None
+    gpu_bytes: int | None = None
 
 
 class MeasureResults(_Model):

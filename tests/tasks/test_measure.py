@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
+
+from engine_bridge.gpumem import GpuMemoryMeter, over_budget
 from engine_bridge.params import EngineParams
 from tasks.measure import TRIAL_SCHEMA, measure
 from tasks.models import Candidate, Placement
+
+GIB = 2**30
 
 
 def cand(cid: str, **kw: object) -> Candidate:
@@ -39,3 +45,41 @@ def test_the_budget_stops_further_rounds(tiny_moe: Path, tmp_path: Path) -> None
         log_path=tmp_path / "w.log")
     assert stopped
     assert {r["round"] for r in table.to_pylist()} == {0}, "the first round always runs; later ones respect the budget"
+
+
+def test_a_finalist_over_its_gpu_budget_cannot_be_chosen(tiny_moe: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # The GPU reading is the one part this machine cannot produce: NVML's answer for the worker's pid is
+    # replaced by what an H200 reported for a 16 GiB placement; the workers and timings are real.
+    def reading(self: GpuMemoryMeter, pid: int | None) -> list[int] | None:
+        return [16 * GIB, 0] if pid else None
+
+    monkeypatch.setattr(GpuMemoryMeter, "used_by", reading)
+    summaries, table, _, _ = measure([cand("big")], tiny_moe, [list(range(10, 40))], 2, budget_s=60, repeats=1,
+                                     timeout_s=60, log_path=tmp_path / "w.log", gpu_budgets=[8 * GIB])
+    (s,) = summaries
+    assert s.workload_s is None and s.error and "over the GPU memory budget" in s.error and "16.00 GiB" in s.error
+    assert s.gpu_bytes == 16 * GIB
+    assert all(r["error"] and r["gpu_bytes"] == 16 * GIB for r in table.to_pylist())
+
+
+def test_within_budget_keeps_its_timings(tiny_moe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(GpuMemoryMeter, "used_by", lambda self, pid: [7 * GIB])
+    (s,), _, _, _ = measure([cand("fits")], tiny_moe, [list(range(10, 40))], 2, budget_s=60, repeats=1,
+                            timeout_s=60, log_path=tmp_path / "w.log", gpu_budgets=[8 * GIB])
+    assert s.error is None and s.workload_s and s.gpu_bytes == 7 * GIB
+
+
+def test_over_budget_rules() -> None:
+    assert over_budget(None, [8 * GIB]) is None, "no NVML reading: nothing to enforce"
+    assert over_budget([9 * GIB], None) is None, "no budget set"
+    assert over_budget([8 * GIB, 0], [8 * GIB]) is None, "exactly the budget fits"
+    assert "on one GPU" in (over_budget([8 * GIB + 1, 0], [8 * GIB, 8 * GIB]) or "")
+    assert "in all" in (over_budget([6 * GIB, 6 * GIB], [8 * GIB, 2 * GIB]) or "")
+
+
+def test_the_meter_without_a_gpu_reads_unknown() -> None:
+    meter = GpuMemoryMeter()
+    if meter.available:
+        pytest.skip("this machine has NVML: the no-GPU answer cannot be seen here")
+    assert meter.used_by(os.getpid()) is None

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The H200 benchmark record in one go, on an offline GPU machine with this checkout and .carry/ (docs/gpu.md):
+# installs the carried wheels, builds the CUDA backend once (FLUX_ONE_BUILD: one compile for the wheel,
+# llama-server and llama-bench) while the twins are synthesized into RAM, then runs scripts/bench_gpu.py.
+#
+#   scripts/gpu-session.sh OUT [bench_gpu.py arguments...]
+set -euo pipefail
+OUTDIR=${1:?usage: scripts/gpu-session.sh OUT [bench_gpu.py args]}; shift
+mkdir -p "$OUTDIR"
+MODELS=/dev/shm/flux-models
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+mkdir -p "$MODELS"
+( for m in qwen3-30b-a3b llama3-8b; do
+    [ -f "$MODELS/$m-Q4_0.gguf" ] || python3 -c "import sys; from pathlib import Path; from artifacts.synth import synthesize
+r = synthesize(sys.argv[1], Path(sys.argv[2]), quant='Q4_0'); print(f'synthesized {sys.argv[1]}: {r.file_bytes/1e9:.2f} GB in {r.seconds:.1f} s')" \
+      "$m" "$MODELS/$m-Q4_0.gguf"
+  done ) > "$OUTDIR/synth.log" 2>&1 &
+synth=$!
+start=$(date +%s)
+FLUX_SRC_DIR=.carry/src FLUX_OFFLINE=1 FLUX_ONE_BUILD=1 CUDA_ARCHS=${CUDA_ARCHS:-90} JOBS=$(nproc) \
+  scripts/build-backend.sh > "$OUTDIR/build.log" 2>&1
+echo "backend built in $(( $(date +%s) - start )) s" | tee -a "$OUTDIR/build.log"
+wait "$synth"; cat "$OUTDIR/synth.log"
+python3 -c 'import llama_cpp, sys; print("llama_cpp", llama_cpp.__version__, file=sys.stderr)'
+exec python3 scripts/bench_gpu.py --out "$OUTDIR" --model-dir "$MODELS" "$@"
