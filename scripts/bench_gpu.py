@@ -328,6 +328,12 @@ def store_results(out: Path) -> None:
             log(f"stored {out / file} as {name}/{key[:12]} (DuckDB: SELECT * FROM {name})")
 
 
+def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
+    """Rows to Parquet with every column any row has (a failed budget's row has only a few)."""
+    names = list(dict.fromkeys(k for r in rows for k in r))
+    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in names} for r in rows]), path)
+
+
 class ModelSetup:
     """One twin's file, facts, prompts and probe, made on first use."""
 
@@ -431,8 +437,8 @@ def main() -> int:
         except (EngineError, SystemExit, RuntimeError) as exc:
             log(f"  {preset} at {b:g} GiB failed: {exc}")
             results.append({"model": preset, "budget_gib": b, "error": str(exc)})
-        pq.write_table(pa.Table.from_pylist(results), args.out / "h200_results.parquet")
-        pq.write_table(pa.Table.from_pylist(finalists), args.out / "h200_finalists.parquet")
+        write_rows(results, args.out / "h200_results.parquet")
+        write_rows(finalists, args.out / "h200_finalists.parquet")
     store_results(args.out)
     return 0
 
