@@ -373,7 +373,9 @@ def _write_data(f: BinaryIO, plan: list[PlannedTensor], sizes: list[int], rng: n
             need[(t.ggml_type, t.std)] = need.get((t.ggml_type, t.std), 0) + t.nbytes
     pools: dict[tuple[Q, float], NDArray[np.uint8]] = {}
     for t, size in zip(plan, sizes, strict=True):
-        if t.fill == "blocks":
+        if t.fill == "blocks" and t.name == "output.weight":
+            _stream_fresh(f, t, size, rng)
+        elif t.fill == "blocks":
             key = (t.ggml_type, t.std)
             if key not in pools:
                 block_bytes = GGML_QUANT_SIZES[t.ggml_type][1]
@@ -385,6 +387,21 @@ def _write_data(f: BinaryIO, plan: list[PlannedTensor], sizes: list[int], rng: n
             data = rng.normal(0.0, t.std, size=shape) if t.fill == "normal" else np.ones(shape)
             _write_all(f, memoryview(data.astype("<f4").tobytes()))
         _write_all(f, memoryview(b"\0" * (_padded(size) - size)))
+
+
+def _stream_fresh(f: BinaryIO, t: PlannedTensor, size: int, rng: np.random.Generator) -> None:
+    """Write a tensor of freshly drawn blocks, no pool: every vocabulary row of the output layer differs.
+
+    Pooled chunks drawn at random offsets can overlap, which repeats rows; two equal rows of the output
+    layer are two tokens with exactly equal logits, and greedy decoding then breaks ties by index.
+    """
+    block_bytes = GGML_QUANT_SIZES[t.ggml_type][1]
+    left = size // block_bytes
+    chunk = max(1, _CHUNK_BYTES // block_bytes)
+    while left:
+        n = min(left, chunk)
+        _write_all(f, memoryview(_BLOCK_MAKERS[t.ggml_type](n, t.std, rng).tobytes()))
+        left -= n
 
 
 def _stream(

@@ -49,18 +49,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pyarrow as pa
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from artifacts.config import Settings, load_settings  # noqa: E402
-from artifacts.filehash import model_hash  # noqa: E402
-from artifacts.ids import content_id  # noqa: E402
 from artifacts.store import Store  # noqa: E402
 from artifacts.synth import synthesize  # noqa: E402
-from engine_bridge.backend import backend_info, llama_server_path  # noqa: E402
+from engine_bridge.backend import llama_server_path  # noqa: E402
 from engine_bridge.llama_server import HOST, LlamaServer, free_port  # noqa: E402
 from engine_bridge.params import KV_TYPE_IDS, EngineParams  # noqa: E402
 from tasks.bench_arrivals import timing  # noqa: E402
@@ -68,17 +65,9 @@ from tasks.bench_common import load_avg, paired_ratio  # noqa: E402
 from tasks.bench_http import FluxServe, exchange, finish_reason  # noqa: E402
 from tasks.corpus import load_prompts  # noqa: E402
 from tasks.models import (  # noqa: E402
-    Candidate,
-    MeasureSummary,
-    Placement,
     Plan,
-    PlanRequest,
-    Prediction,
-    ValidationResult,
 )
-from tasks.probe import hardware_fingerprint  # noqa: E402
-from tasks.probe_gpu import nvml_inventory  # noqa: E402
-from tasks.probe_host import cpu_info  # noqa: E402
+from tasks.testing import stored_plan  # noqa: E402
 
 SLOW_SHAPE = {"n_embd": "1024", "n_ff": "4096", "n_layer": "8", "n_head": "8", "n_head_kv": "2", "head_dim": "128"}
 TWINS: dict[str, tuple[str, dict[str, str]]] = {"tinyllama-1.1b": ("tinyllama-1.1b", {}),
@@ -108,35 +97,10 @@ def twin(env: Env, name: str) -> Path:
 
 
 def make_plan(env: Env, model: Path, *, n_ctx: int, n_seq_max: int) -> Plan:
-    """Store a plan valid on this machine (tests/server/conftest.py's make_plan, with this script's threads)."""
-    st = env.settings
-    nvml = nvml_inventory()
-    fingerprint = hardware_fingerprint(cpu_info(), int(psutil.virtual_memory().total), nvml.gpus, nvml.driver)
-    mh = model_hash([model], st.cache_dir)
-    build = backend_info(st.cache_dir).build_id
-    req = PlanRequest(model=str(model), ctx=n_ctx, concurrency=n_seq_max)
+    """Store a plan valid on this machine, with this script's threads (no planner run)."""
     params = EngineParams(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=512, n_ubatch=512, n_threads=env.threads,
                           n_threads_batch=env.threads)
-    cand = Candidate(id="cpu-bench", family="cpu-grid", placement=Placement(layer_device=["CPU"] * 4), params=params,
-                     weights_bytes={"CPU": model.stat().st_size}, kv_bytes={"CPU": 8 << 20}, compute_bytes={"CPU": 16 << 20})
-    summary = MeasureSummary(candidate_id=cand.id, prefill_tps=500.0, decode_tps=50.0, workload_s=1.0, n_trials=3)
-    body: dict[str, Any] = {
-        "key": {"model_hash": mh, "hardware": fingerprint, "backend_build": build, "driver": nvml.driver,
-                "flags": req.model_dump(exclude={"model"}), "settings": {"bench_serve": True}},
-        "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "model_path": str(model), "model_name": model.stem, "model_hash": mh, "hardware_fingerprint": fingerprint,
-        "backend_build": build, "driver": nvml.driver, "request": req.model_dump(), "candidate": cand.model_dump(),
-        "measured": summary.model_dump(),
-        "predicted": Prediction(candidate_id=cand.id, prefill_tps=400.0, decode_tps=40.0, score_s=1.2).model_dump(),
-        "validation": ValidationResult(candidate_id=cand.id, mean_kl=0.0, max_kl=0.0, top1_agreement=1.0,
-                                       n_tokens=48, passed=True).model_dump(),
-        "finalists": [summary.model_dump()], "predictions": [], "median_prediction_error": None,
-        "roofline_decode_tps": None, "memory_budget": {"CPU": 8 << 30}, "trials_table": "none",
-        "quality_profile": "reference", "workload_prefill_share": 0.5,
-    }
-    plan = Plan(id=content_id(body), **body)
-    Store(st.data_dir).put_json("plan", plan, key=plan.id)
-    return plan
+    return stored_plan(env.settings, model, params, key_extra={"bench_serve": True})
 
 
 @contextmanager

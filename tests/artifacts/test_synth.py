@@ -184,3 +184,24 @@ def test_any_small_spec_writes_the_planned_bytes(
     assert _field(reader, "general.architecture") == arch
     assert reader.tensors[0].name == "token_embd.weight"
     assert tuple(int(d) for d in reader.tensors[0].shape) == (n_embd, n_vocab)
+
+
+def test_output_rows_are_all_distinct_even_when_pooled_chunks_overlap(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # Shrink the pools and chunks so a tiny twin's tensors are written as many overlapping chunks, as a
+    # real-size twin's are: repeated output rows would be tokens with exactly tied logits.
+    monkeypatch.setattr(synth, "_POOL_BYTES", 64 * 1024)
+    monkeypatch.setattr(synth, "_CHUNK_BYTES", 8 * 1024)
+    out = tmp_path / "t.gguf"
+    synthesize("tiny-dense", out, quant="Q4_0")
+    tensors = {t.name: t for t in GGUFReader(out).tensors}
+
+    def distinct_rows(name: str) -> tuple[int, int]:
+        t = tensors[name]
+        rows = np.asarray(t.data).reshape(int(t.shape[-1]), -1)
+        return len(np.unique(rows, axis=0)), rows.shape[0]
+
+    uniq, n = distinct_rows("output.weight")
+    assert uniq == n, f"{n - uniq} repeated output rows"
+    pooled_uniq, pooled_n = distinct_rows("blk.0.ffn_up.weight")
+    assert pooled_uniq < pooled_n, "the pooled tensors do repeat rows at these sizes: the test would prove nothing"
