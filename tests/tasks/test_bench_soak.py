@@ -125,7 +125,7 @@ def test_worker_kills_are_survived(stored: dict[str, Any]) -> None:
 def test_a_plan_measured_elsewhere_is_one_clear_error(tmp_path_factory: pytest.TempPathFactory,
                                                       slow_model: Path) -> None:
     st = serve_settings(tmp_path_factory.mktemp("bench-soak-bad"), session_cache(tmp_path_factory))
-    plan = make_plan(st, slow_model)  # bench_support's filler fingerprint: flux serve refuses it
+    plan = make_plan(st, slow_model, hardware_fingerprint="another-machine")  # flux serve refuses it
     with pytest.raises(BenchError, match="hardware_fingerprint differs"):
         bench_soak(open_bench(st, plan.id[:12]), SoakOptions(requests=1))
 
