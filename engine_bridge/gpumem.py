@@ -9,10 +9,7 @@ GPU, no driver) every reading is ``None``: there is nothing to budget.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 
 def _nvml() -> Any | None:

@@ -76,5 +76,7 @@ def print_plan(plan: Plan, con: Console | None = None) -> None:
         con.print(f"cost model median error (workload time): {plan.median_prediction_error:.0%}")
     con.print("memory budget: " + ", ".join(f"{d} {b / GIB:.1f} GiB" for d, b in plan.memory_budget.items())
               + "; chosen uses " + ", ".join(f"{d} {b / GIB:.2f} GiB weights" for d, b in plan.candidate.weights_bytes.items()))
+    if plan.measured.gpu_bytes:
+        con.print(f"measured GPU memory of the chosen plan (NVML, after its runs): {plan.measured.gpu_bytes / GIB:.2f} GiB")
     con.print(f"key: model {plan.model_hash[:16]}, hardware {plan.hardware_fingerprint[:16]}, backend "
               f"{plan.backend_build}, driver {plan.driver or 'none'}")

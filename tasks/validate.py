@@ -1,4 +1,5 @@
-"""Validate: the top two finalists against a reference placement, on held-out prompts and agent chats.
+"""Validate: the top two finalists (more when both fail) against a reference placement, on held-out
+prompts and agent chats.
 
 The reference is the plainest configuration (all weights on the CPU, f16 KV, no flash attention). For
 each validation sequence the reference writes a greedy continuation; both it and the candidate then
@@ -74,19 +75,23 @@ def validate(ranked: list[Candidate], summaries: list[MeasureSummary], model: Pa
              log_path: Path, timeout_s: float) -> ValidationReport:
     """Check the two fastest measured finalists against the reference; the faster one that passes wins.
 
+    When neither passes, the next finalists are checked in order until one does: a plan is the fastest
+    finalist that matches the reference, not an error while a slower match exists.
+
     Args:
         ranked: finalists ordered fastest first by measured workload time (failed ones excluded).
         summaries: their measurements (for the log).
         prompts: validation prompts (held-out prompts + agent conversations), already tokenized.
         held_out: held-out prompts timed again on the top two.
     """
-    top = ranked[:2]
-    ref_params = reference_params(top[0].params)
+    ref_params = reference_params(ranked[0].params)
     results: list[ValidationResult] = []
     with tempfile.TemporaryDirectory(prefix="flux-validate-") as d:
         tmp = Path(d)
         seqs, ref = _reference(model, ref_params, prompts, n_tokens, tmp, log_path, timeout_s)
-        for cand in top:
+        for i, cand in enumerate(ranked):
+            if i >= 2 and any(r.passed for r in results):
+                break
             try:
                 lps, pre, dec = _candidate(cand, model, seqs, held_out, tmp, log_path, timeout_s)
             except EngineError as exc:
@@ -106,7 +111,7 @@ def validate(ranked: list[Candidate], summaries: list[MeasureSummary], model: Pa
     winner = next((r.candidate_id for r in results if r.passed), None)
     if winner is None:
         raise EngineError("validation_failed",
-                          "neither of the two fastest finalists matches the reference placement's outputs "
+                          f"none of the {len(results)} measured finalists matches the reference placement's outputs "
                           f"({', '.join(f'{r.candidate_id}: KL {r.mean_kl:.2e}, top-1 {r.top1_agreement:.2f}' for r in results)}); "
                           "run `flux plan --replan` or ask for a quality profile such as --kv q8_0")
     return ValidationReport(results=results, winner_id=winner, quality_profile=quality_profile, reference=ref_params)

@@ -1,0 +1,28 @@
+"""`flux show` of a stored plan, printed to a real console (no planner run)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from rich.console import Console
+
+from artifacts.config import load_settings
+from engine_bridge.params import EngineParams
+from flows.show import print_plan
+from tasks.models import MeasureSummary
+from tasks.testing import stored_plan
+
+
+def test_show_states_the_measured_gpu_memory_when_there_is_one(tiny_moe: Path, tmp_path: Path) -> None:
+    settings = load_settings({"XDG_DATA_HOME": str(tmp_path / "data"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+                              "HOME": str(tmp_path)})
+    params = EngineParams(n_ctx=256, n_batch=64, n_ubatch=64)
+    measured = MeasureSummary(candidate_id="c000", prefill_tps=900.0, decode_tps=50.0, workload_s=1.0, n_trials=2,
+                              gpu_bytes=int(7.85 * 2**30))
+    for plan, want in ((stored_plan(settings, tiny_moe, params, measured=measured.model_dump()), True),
+                       (stored_plan(settings, tiny_moe, params), False)):
+        out = io.StringIO()
+        print_plan(plan, Console(file=out, width=200))
+        assert ("measured GPU memory of the chosen plan (NVML, after its runs): 7.85 GiB" in out.getvalue()) is want
+        assert "workload mix" in out.getvalue()

@@ -1,0 +1,51 @@
+"""The validate stage with real workers: the fastest finalist that matches the reference wins."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine_bridge.errors import EngineError
+from engine_bridge.params import EngineParams, TensorOverride
+from flows.workload import validation_prompts
+from tasks.models import Candidate, MeasureSummary, Placement
+from tasks.validate import validate
+
+PARAMS = EngineParams(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1, n_threads_batch=1)
+# A device this machine does not have: the worker cannot load the finalist (as a broken GPU placement).
+BROKEN = PARAMS.model_copy(update={"tensor_overrides": (TensorOverride(pattern=r"^blk\.0\.", device="CUDA7"),)})
+
+
+def cand(cid: str, params: EngineParams) -> Candidate:
+    return Candidate(id=cid, family="test", placement=Placement(layer_device=["CPU"]), params=params,
+                     weights_bytes={}, kv_bytes={}, compute_bytes={})
+
+
+def summary(cid: str, workload_s: float) -> MeasureSummary:
+    return MeasureSummary(candidate_id=cid, prefill_tps=100.0, decode_tps=10.0, workload_s=workload_s, n_trials=1)
+
+
+def run(ranked: list[Candidate], tiny_moe: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
+    seqs, held = validation_prompts(tiny_moe, 256, 8, 0, tmp_path / "w.log")
+    return validate(ranked, [summary(c.id, i + 1.0) for i, c in enumerate(ranked)], tiny_moe, seqs[:3], held[:1],
+                    n_tokens=8, max_kl=0.01, min_top1=0.9, quality_profile="reference", log_path=tmp_path / "w.log",
+                    timeout_s=120)
+
+
+def test_when_the_two_fastest_fail_the_next_that_matches_wins(tiny_moe: Path, tmp_path: Path) -> None:
+    report = run([cand("fast", BROKEN), cand("second", BROKEN), cand("third", PARAMS), cand("fourth", PARAMS)],
+                 tiny_moe, tmp_path)
+    assert report.winner_id == "third"
+    assert [r.candidate_id for r in report.results] == ["fast", "second", "third"], "no finalist after the winner"
+    assert [r.passed for r in report.results] == [False, False, True]
+
+
+def test_the_two_fastest_are_always_both_checked(tiny_moe: Path, tmp_path: Path) -> None:
+    report = run([cand("a", PARAMS), cand("b", PARAMS), cand("c", PARAMS)], tiny_moe, tmp_path)
+    assert report.winner_id == "a" and [r.candidate_id for r in report.results] == ["a", "b"]
+
+
+def test_none_matching_is_one_clear_error(tiny_moe: Path, tmp_path: Path) -> None:
+    with pytest.raises(EngineError, match="none of the 3 measured finalists matches"):
+        run([cand("x", BROKEN), cand("y", BROKEN), cand("z", BROKEN)], tiny_moe, tmp_path)
