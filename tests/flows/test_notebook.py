@@ -40,6 +40,7 @@ def test_notebook_runs_on_an_empty_store(tmp_path: Path, tmp_path_factory: pytes
     _, env = bench_settings(tmp_path, session_cache(tmp_path_factory))
     text = "".join(execute(env, monkeypatch))
     assert "no plans yet" in text and "no benchmark results yet" in text
+    assert "qwen3-30b-a3b" in text, "an empty store still shows the GPU record committed with the docs"
 
 
 def test_notebook_reads_plans_and_bench_results(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
