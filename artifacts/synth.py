@@ -21,7 +21,7 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from artifacts.errors import ModelFileError
 from artifacts.ids import canonical_json
+from artifacts.synth_blocks import BLOCK_MAKERS
 from artifacts.synth_presets import (
     CHATML,
     PRESETS,
@@ -282,83 +283,6 @@ def _metadata(spec: SynthSpec, name: str, quant: Quant, seed: int) -> list[bytes
 # ---- tensor data -------------------------------------------------------------------------------------
 
 
-def _random_bytes(rng: np.random.Generator, n: int) -> NDArray[np.uint8]:
-    """n uniform random bytes; 64-bit draws are ~15x faster than rng.bytes."""
-    words = rng.integers(0, np.iinfo(np.uint64).max, size=(n + 7) // 8, dtype=np.uint64, endpoint=True)
-    return words.view(np.uint8)[:n]
-
-
-def _f16(x: float) -> NDArray[np.uint8]:
-    return np.frombuffer(np.float16(x).tobytes(), dtype=np.uint8)
-
-
-def _scale(std: float, unit_std: float) -> float:
-    """fp16 block scale d giving weights of `std`, kept to 7 significant bits so 7.5*d is exact in fp16."""
-    mant, exp = np.frexp(std / unit_std)
-    return float(np.ldexp(np.round(mant * 128) / 128, exp))
-
-
-def _nibbles_around_8() -> NDArray[np.uint8]:
-    """Byte -> byte with each nibble 0 made 8: nibbles are then symmetric around 8, so d*(q-8) is zero-mean."""
-    byte = np.arange(256, dtype=np.uint16)
-    lo, hi = byte & 0x0F, byte >> 4
-    return (np.where(lo, lo, 8) | np.where(hi, hi, 8) << 4).astype(np.uint8)
-
-
-_NIBBLES_AROUND_8 = _nibbles_around_8()  # a table lookup is ~2x faster than masking each nibble
-
-
-def _q4_0(n: int, std: float, rng: np.random.Generator) -> NDArray[np.uint8]:
-    # w = d * (q - 8); q in 1..15 with 8 twice as likely: var 17.5
-    blocks = np.empty((n, 18), dtype=np.uint8)
-    blocks[:, :2] = _f16(_scale(std, 17.5**0.5))
-    blocks[:, 2:] = _NIBBLES_AROUND_8[_random_bytes(rng, n * 16).reshape(n, 16)]
-    return blocks
-
-
-def _q8_0(n: int, std: float, rng: np.random.Generator) -> NDArray[np.uint8]:
-    # w = d * q; q in -127..127 with 0 twice as likely (-128 moved to 0): var 5397.5
-    q = _random_bytes(rng, n * 32).view(np.int8).reshape(n, 32)
-    q[q == -128] = 0
-    blocks = np.empty((n, 34), dtype=np.uint8)
-    blocks[:, :2] = _f16(_scale(std, 5397.5**0.5))
-    blocks[:, 2:] = q.view(np.uint8)
-    return blocks
-
-
-def _q4_k(n: int, std: float, rng: np.random.Generator) -> NDArray[np.uint8]:
-    # w = d*sc*q - dmin*m with every 6-bit (sc, m) = (1, 1) and dmin = 7.5 d: w = d * (q - 7.5), var 21.25
-    d = _scale(std, 21.25**0.5)
-    blocks = _random_bytes(rng, n * 144).reshape(n, 144)
-    blocks[:, 0:2], blocks[:, 2:4] = _f16(d), _f16(7.5 * d)
-    blocks[:, 4:12] = 1  # sc[0..3], m[0..3] low 6 bits; high bits of sc/m[4..7] zero
-    blocks[:, 12:16] = 0x11  # low nibbles of sc[4..7] | m[4..7] << 4
-    return blocks
-
-
-def _q6_k(n: int, std: float, rng: np.random.Generator) -> NDArray[np.uint8]:
-    # w = d * sc * (q - 32), q in 0..63 (mean -0.5); int8 scales alternate +1/-1 to cancel that mean
-    blocks = _random_bytes(rng, n * 210).reshape(n, 210)
-    blocks[:, 192:208] = np.array([1, 255] * 8, dtype=np.uint8)
-    blocks[:, 208:210] = _f16(_scale(std, 341.25**0.5))
-    return blocks
-
-
-def _f16_blocks(n: int, std: float, rng: np.random.Generator) -> NDArray[np.uint8]:
-    values = (rng.standard_normal(n, dtype=np.float32) * np.float32(std)).astype("<f2")
-    return values.view(np.uint8).reshape(n, 2)
-
-
-_Maker = Callable[[int, float, np.random.Generator], NDArray[np.uint8]]
-_BLOCK_MAKERS: dict[Q, _Maker] = {
-    Q.Q4_0: _q4_0,
-    Q.Q8_0: _q8_0,
-    Q.Q4_K: _q4_k,
-    Q.Q6_K: _q6_k,
-    Q.F16: _f16_blocks,
-}
-
-
 def _write_all(f: BinaryIO, data: memoryview) -> None:
     """Write all of `data`: a raw (unbuffered) write may write less than asked."""
     while data:
@@ -380,7 +304,7 @@ def _write_data(f: BinaryIO, plan: list[PlannedTensor], sizes: list[int], rng: n
             if key not in pools:
                 block_bytes = GGML_QUANT_SIZES[t.ggml_type][1]
                 n_blocks = max(1, min(_POOL_BYTES, need[key]) // block_bytes)
-                pools[key] = _BLOCK_MAKERS[t.ggml_type](n_blocks, t.std, rng).reshape(-1)
+                pools[key] = BLOCK_MAKERS[t.ggml_type](n_blocks, t.std, rng).reshape(-1)
             _stream(f, pools[key], GGML_QUANT_SIZES[t.ggml_type][1], size, rng)
         else:
             shape = t.shape[::-1]
@@ -400,7 +324,7 @@ def _stream_fresh(f: BinaryIO, t: PlannedTensor, size: int, rng: np.random.Gener
     chunk = max(1, _CHUNK_BYTES // block_bytes)
     while left:
         n = min(left, chunk)
-        _write_all(f, memoryview(_BLOCK_MAKERS[t.ggml_type](n, t.std, rng).tobytes()))
+        _write_all(f, memoryview(BLOCK_MAKERS[t.ggml_type](n, t.std, rng).tobytes()))
         left -= n
 
 

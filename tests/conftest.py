@@ -30,6 +30,20 @@ def tiny_moe(models_dir: Path) -> Path:
     return path
 
 
+# A dense twin ~10x slower than tiny-moe (70 MB): a greedy 900-token reply lasts seconds, long enough to
+# disconnect from it or kill its worker mid-way on a busy 2-core machine; its greedy text has no EOG early.
+SLOW_SHAPE = {"n_embd": "1024", "n_ff": "4096", "n_layer": "8", "n_head": "8", "n_head_kv": "2", "head_dim": "128"}
+
+
+@pytest.fixture(scope="session")
+def slow_model(models_dir: Path) -> Path:
+    """The slower dense twin."""
+    path = models_dir / "slow-dense.gguf"
+    if not path.exists():
+        synthesize("tiny-dense", path, quant="Q4_0", overrides=SLOW_SHAPE)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_dense(models_dir: Path) -> Path:
     """A tiny llama twin (< 10 MB)."""

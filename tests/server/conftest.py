@@ -15,7 +15,6 @@ import pytest
 from support import ServeEnv, Server, serve_env, start_server, stop_server
 
 from artifacts.config import Settings
-from artifacts.synth import synthesize
 from engine_bridge.params import EngineParams
 from tasks.models import (
     Plan,
@@ -55,20 +54,6 @@ def server(senv: ServeEnv, plan: Plan) -> Iterator[Server]:
     srv = start_server(senv, plan.id)
     yield srv
     stop_server(srv)
-
-
-# A dense twin ~10x slower than tiny-moe (70 MB): a greedy 900-token reply lasts seconds, long enough to
-# disconnect from it or kill its worker mid-way on a busy 2-core machine; its greedy text has no EOG early.
-SLOW_SHAPE = {"n_embd": "1024", "n_ff": "4096", "n_layer": "8", "n_head": "8", "n_head_kv": "2", "head_dim": "128"}
-
-
-@pytest.fixture(scope="session")
-def slow_model(models_dir: Path) -> Path:
-    """The slower dense twin."""
-    path = models_dir / "slow-dense.gguf"
-    if not path.exists():
-        synthesize("tiny-dense", path, quant="Q4_0", overrides=SLOW_SHAPE)
-    return path
 
 
 @pytest.fixture(scope="session")

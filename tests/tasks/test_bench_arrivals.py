@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from bench_support import make_plan, session_cache
-from test_bench_soak import machine_keys, serve_settings
+from test_bench_soak import serve_settings
 
 from engine_bridge.params import EngineParams
 from tasks.bench_arrivals import (
@@ -32,7 +32,7 @@ def ctx(tmp_path_factory: pytest.TempPathFactory, tiny_moe: Path) -> BenchContex
     st = serve_settings(tmp_path_factory.mktemp("bench-arrivals"), session_cache(tmp_path_factory),
                         "\n[serve]\nmin_reply = 64\n")
     params = EngineParams(n_ctx=1024, n_seq_max=2, n_batch=256, n_ubatch=256, n_threads=1, n_threads_batch=1)
-    plan = make_plan(st, tiny_moe, params=params, **machine_keys(st))
+    plan = make_plan(st, tiny_moe, params=params)
     return open_bench(st, plan.id[:12])
 
 

@@ -6,19 +6,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 from bench_support import bench_settings, make_plan, session_cache
 
 from artifacts.config import Settings, load_settings
-from artifacts.synth import synthesize
 from engine_bridge.params import EngineParams
 from tasks.bench_common import BenchContext, BenchError, open_bench, save_run
 from tasks.bench_soak import BEHAVIORS, Exchange, SoakOptions, bench_soak, classify, plan_waves, serve_toml
 
 # A dense twin ~10x slower than tiny-moe (as tests/server's): a 400-token reply lasts seconds, long enough
 # to kill the worker under it on a busy 2-core machine.
-SLOW_SHAPE = {"n_embd": "1024", "n_ff": "4096", "n_layer": "8", "n_head": "8", "n_head_kv": "2", "head_dim": "128"}
 # Two sequences, two waiting places: a wave of 6 overloads the server (some requests get 429).
 SERVE_TOML = """
 [serve]
@@ -27,17 +24,6 @@ queue_max = 2
 queue_wait_s = 4.0
 """
 REQUESTS = 14
-
-
-def machine_keys(settings: Settings) -> dict[str, Any]:
-    """The fields `flux serve` checks a plan against (bench_support's plans carry filler there)."""
-    from tasks.probe import hardware_fingerprint
-    from tasks.probe_gpu import nvml_inventory
-    from tasks.probe_host import cpu_info
-
-    nvml = nvml_inventory()
-    fp = hardware_fingerprint(cpu_info(), int(psutil.virtual_memory().total), nvml.gpus, nvml.driver)
-    return {"hardware_fingerprint": fp, "driver": nvml.driver}
 
 
 def serve_settings(root: Path, cache: Path, extra_toml: str = SERVE_TOML) -> Settings:
@@ -49,18 +35,10 @@ def serve_settings(root: Path, cache: Path, extra_toml: str = SERVE_TOML) -> Set
 
 
 @pytest.fixture(scope="module")
-def slow_model(models_dir: Path) -> Path:
-    path = models_dir / "slow-dense.gguf"
-    if not path.exists():
-        synthesize("tiny-dense", path, quant="Q4_0", overrides=SLOW_SHAPE)
-    return path
-
-
-@pytest.fixture(scope="module")
 def ctx(tmp_path_factory: pytest.TempPathFactory, slow_model: Path) -> BenchContext:
     st = serve_settings(tmp_path_factory.mktemp("bench-soak"), session_cache(tmp_path_factory))
     params = EngineParams(n_ctx=1024, n_seq_max=2, n_batch=256, n_ubatch=256, n_threads=1, n_threads_batch=1)
-    plan = make_plan(st, slow_model, params=params, **machine_keys(st))
+    plan = make_plan(st, slow_model, params=params)
     return open_bench(st, plan.id[:12])
 
 

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks import corpus
+from tasks import corpus, corpus_wikitext
 from tasks.corpus import Conversation, conversation_text, load_conversations, load_prompts, sized_prompts
 
 # Length classes in estimated tokens (characters / 4) and the least number of prompts in each.
@@ -231,11 +231,11 @@ def closed_port() -> int:
 def test_wikitext2_without_network_returns_none_quickly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(corpus, "WIKITEXT2_URL", f"http://127.0.0.1:{closed_port()}/test.parquet")  # refused
+    monkeypatch.setattr(corpus_wikitext, "WIKITEXT2_URL", f"http://127.0.0.1:{closed_port()}/test.parquet")  # refused
     monkeypatch.setattr(logging.getLogger("tasks"), "propagate", True)  # flux's CLI logging may have turned it off
-    with caplog.at_level(logging.INFO, logger="tasks.corpus"):
+    with caplog.at_level(logging.INFO, logger="tasks.corpus_wikitext"):
         t0 = time.monotonic()
-        assert corpus.wikitext2(tmp_path, timeout_s=5.0) is None
+        assert corpus_wikitext.wikitext2(tmp_path, timeout_s=5.0) is None
         assert time.monotonic() - t0 < 10
     assert len([r for r in caplog.records if "WikiText-2" in r.getMessage()]) == 1
     assert not (tmp_path / "corpora").exists() or not any((tmp_path / "corpora").rglob("*.txt"))
@@ -247,18 +247,18 @@ def test_wikitext2_gives_up_at_the_deadline(tmp_path: Path, monkeypatch: pytest.
     with socket.socket() as silent:  # a loopback server that accepts and never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen(1)
-        monkeypatch.setattr(corpus, "WIKITEXT2_URL", f"http://127.0.0.1:{silent.getsockname()[1]}/test.parquet")
+        monkeypatch.setattr(corpus_wikitext, "WIKITEXT2_URL", f"http://127.0.0.1:{silent.getsockname()[1]}/test.parquet")
         t0 = time.monotonic()
-        assert corpus.wikitext2(tmp_path, timeout_s=1.0) is None
+        assert corpus_wikitext.wikitext2(tmp_path, timeout_s=1.0) is None
         assert time.monotonic() - t0 < 10
 
 
 def test_wikitext2_reads_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(corpus, "WIKITEXT2_URL", f"http://127.0.0.1:{closed_port()}/test.parquet")
+    monkeypatch.setattr(corpus_wikitext, "WIKITEXT2_URL", f"http://127.0.0.1:{closed_port()}/test.parquet")
     cached = tmp_path / "corpora" / "wikitext-2" / "test.txt"
     cached.parent.mkdir(parents=True)
     cached.write_text(WIKI_SAMPLE, encoding="utf-8")
-    assert corpus.wikitext2(tmp_path) == [
+    assert corpus_wikitext.wikitext2(tmp_path) == [
         "The harbour lights were first lit in 1851 . They were converted to electricity in 1923 .",
         "Three families kept the lights over a century .",
     ]
@@ -267,14 +267,14 @@ def test_wikitext2_reads_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 def test_wikitext2_downloads_parquet_and_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source = tmp_path / "test-00000-of-00001.parquet"
     pq.write_table(pa.table({"text": WIKI_SAMPLE.splitlines(keepends=True)}), source)
-    monkeypatch.setattr(corpus, "WIKITEXT2_URL", source.as_uri())
+    monkeypatch.setattr(corpus_wikitext, "WIKITEXT2_URL", source.as_uri())
     cache = tmp_path / "cache"
-    first = corpus.wikitext2(cache)
+    first = corpus_wikitext.wikitext2(cache)
     assert first is not None and len(first) == 2
     assert (cache / "corpora" / "wikitext-2" / "test.txt").read_text() == WIKI_SAMPLE
     assert not list((cache / "corpora" / "wikitext-2").glob(".*.tmp"))
-    monkeypatch.setattr(corpus, "WIKITEXT2_URL", f"http://127.0.0.1:{closed_port()}/test.parquet")
-    assert corpus.wikitext2(cache) == first  # served from the cache, no network needed
+    monkeypatch.setattr(corpus_wikitext, "WIKITEXT2_URL", f"http://127.0.0.1:{closed_port()}/test.parquet")
+    assert corpus_wikitext.wikitext2(cache) == first  # served from the cache, no network needed
 
 
 def test_sized_prompts_with_a_tokenizer_that_is_not_additive() -> None:

@@ -14,7 +14,7 @@ from tasks import expert_select
 from tasks.costmodel import Workload, all_on, layer_bytes, predict
 from tasks.enumerate import GPU_MARGIN, _overrides, enumerate_placements
 from tasks.errors import ImpossiblePlan
-from tasks.models import Candidate, PlanRequest
+from tasks.models import Candidate, Placement, PlanRequest
 from tasks.testing import h200_report
 
 WORK = Workload(prefill_tokens=2048, decode_tokens=128, mean_prompt_tokens=512)
@@ -23,6 +23,19 @@ WORK = Workload(prefill_tokens=2048, decode_tokens=128, mean_prompt_tokens=512)
 @pytest.fixture(scope="module")
 def moe(tiny_moe: Path) -> ModelInfo:
     return model_info(tiny_moe)
+
+
+def wanted_devices(p: Placement, model: Path) -> list[tuple[str, int, str]]:
+    """(tensor name, layer, the device the placement gives it) for every layer tensor of ``model``."""
+    out = []
+    for t in read_tensors(model):
+        m = re.match(r"blk\.(\d+)\.(.*)", t.name)
+        if not m:
+            continue
+        layer, rest = int(m.group(1)), m.group(2)
+        part = next((q for q in ("gate", "up", "down") if rest.startswith(f"ffn_{q}_exps")), None)
+        out.append((t.name, layer, p.expert_device[layer][part] if part else p.layer_device[layer]))
+    return out
 
 
 def gpu_bytes(info: ModelInfo, placement) -> int:  # type: ignore[no-untyped-def]
@@ -63,15 +76,9 @@ def test_two_gpus_split_the_model(moe: ModelInfo) -> None:
 def test_overrides_match_exactly_the_cpu_tensors(moe: ModelInfo, tiny_moe: Path) -> None:
     p = expert_select.select(moe, [moe.weight_bytes // 3])
     rules = [(re.compile(o.pattern), o.device) for o in _overrides(p)]
-    for t in read_tensors(tiny_moe):
-        m = re.match(r"blk\.(\d+)\.(.*)", t.name)
-        if not m:
-            continue
-        layer, rest = int(m.group(1)), m.group(2)
-        part = next((q for q in ("gate", "up", "down") if rest.startswith(f"ffn_{q}_exps")), None)
-        want = p.expert_device[layer][part] if part else p.layer_device[layer]
-        got = next((dev for rx, dev in rules if rx.search(t.name)), None)
-        assert (got or p.layer_device[layer]) == want, t.name
+    for name, layer, want in wanted_devices(p, tiny_moe):
+        got = next((dev for rx, dev in rules if rx.search(name)), None)
+        assert (got or p.layer_device[layer]) == want, name
 
 
 def test_cpu_machine_space_is_real(moe: ModelInfo) -> None:
@@ -146,14 +153,8 @@ def test_two_gpu_placements_pin_every_gpu_tensor(moe: ModelInfo, tiny_moe: Path)
     p = expert_select.select(moe, [half, half])
     rules = [(re.compile(o.pattern), o.device) for o in _overrides(p)]
     assert {"CUDA0", "CUDA1"} <= {d for _, d in rules}
-    for t in read_tensors(tiny_moe):
-        m = re.match(r"blk\.(\d+)\.(.*)", t.name)
-        if not m:
-            continue
-        layer, rest = int(m.group(1)), m.group(2)
-        part = next((q for q in ("gate", "up", "down") if rest.startswith(f"ffn_{q}_exps")), None)
-        want = p.expert_device[layer][part] if part else p.layer_device[layer]
-        assert next(dev for rx, dev in rules if rx.search(t.name)) == want, t.name
+    for name, _, want in wanted_devices(p, tiny_moe):
+        assert next(dev for rx, dev in rules if rx.search(name)) == want, name
 
 
 def test_gpu_finalists_span_micro_batch_sizes(moe: ModelInfo) -> None:
