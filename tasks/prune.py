@@ -2,10 +2,13 @@
 
 The cost model is good at what moves bytes (threads vs bandwidth, which tensors sit on a GPU) and blind
 to knobs whose effect is kernel-specific (flash attention on a CPU, mmap vs loaded weights, micro-batch
-size). So the finalists are the best-predicted candidate of each micro-batch size first (on the H200 the
-same all-GPU placement prefilled at 4,500 tok/s with -ub 256 and 7,300 with -ub 512, which the model
-ranked equal), then of each group of the other uncertain knobs, then the next best overall: measurement
-settles what the model cannot.
+size) and to how many threads a hybrid GPU+CPU placement wants: there the CPU's share of each token is a
+few small expert matmuls between GPU hand-overs, where synchronising hyperthreads can cost more than
+they add. So the finalists are the best-predicted candidate, then (when it is hybrid) the same candidate
+with the other thread counts, then the best of each micro-batch size (on the H200 the same all-GPU
+placement prefilled at 4,500 tok/s with -ub 256 and 7,300 with -ub 512, which the model ranked equal),
+then of each group of the other uncertain knobs, then the next best overall: measurement settles what
+the model cannot.
 """
 
 from __future__ import annotations
@@ -24,6 +27,26 @@ def _group(c: Candidate) -> tuple[object, ...]:
     return (c.family, c.params.flash_attn, c.params.load_mode)
 
 
+def _hybrid(c: Candidate) -> bool:
+    """A GPU placement that leaves per-token weights (a layer or an expert tensor) to the CPU."""
+    p = c.placement
+    on_cpu = any(d == "CPU" for d in p.layer_device) or any(d == "CPU" for ex in p.expert_device for d in ex.values())
+    return on_cpu and (p.gpu_layers() > 0 or p.output_device != "CPU")
+
+
+def _thread_siblings(best: Candidate, ranked: list[Candidate]) -> list[Candidate]:
+    """``best`` with each other thread count and every other knob equal, best-predicted first."""
+    same = best.params.model_dump(exclude={"n_threads", "n_threads_batch"})
+    seen = {best.params.n_threads}
+    out = []
+    for c in ranked:
+        if (c.placement == best.placement and c.params.n_threads not in seen
+                and c.params.model_dump(exclude={"n_threads", "n_threads_batch"}) == same):
+            seen.add(c.params.n_threads)
+            out.append(c)
+    return out
+
+
 def prune(space: PlacementSpace, info: ModelInfo, hw: HardwareReport, work: Workload, n_finalists: int) -> Finalists:
     """Rank all candidates by predicted workload time and keep ``n_finalists`` diverse ones."""
     preds = {c.id: predict(info, hw, c, work) for c in space.candidates}
@@ -32,11 +55,17 @@ def prune(space: PlacementSpace, info: ModelInfo, hw: HardwareReport, work: Work
     seen: set[tuple[object, ...]] = set()
     groups_first = sorted({_group(c) for c in ranked}, key=lambda g: min(
         preds[c.id].score_s for c in ranked if _group(c) == g))
+    if ranked and _hybrid(ranked[0]):
+        chosen.append(ranked[0])
+        seen.add(_group(ranked[0]))
+        chosen.extend(_thread_siblings(ranked[0], ranked)[:max(0, n_finalists - 2)])
     for ub in sorted({c.params.n_ubatch for c in ranked}, key=lambda u: min(
             preds[c.id].score_s for c in ranked if c.params.n_ubatch == u)):
         if len(chosen) >= n_finalists:
             break
         best = next(c for c in ranked if c.params.n_ubatch == ub)
+        if best in chosen:
+            continue
         chosen.append(best)
         seen.add(_group(best))
     for g in groups_first:

@@ -169,3 +169,23 @@ def test_gpu_finalists_span_micro_batch_sizes(moe: ModelInfo) -> None:
         gpu_ubs = {c.params.n_ubatch for c in fin.finalists if c.family != "cpu"}
         assert gpu_ubs == {256, 512}, [(c.family, c.params.n_ubatch) for c in fin.finalists]
         assert len({c.id for c in fin.finalists}) == 3
+
+
+def test_hybrid_finalists_include_the_best_with_other_thread_counts(moe: ModelInfo) -> None:
+    # With experts left on the CPU, decode runs a few small CPU matmuls per layer between GPU hand-overs;
+    # whether hyperthreads help there is measured, not predicted: the best's thread sibling is a finalist.
+    from tasks.prune import _hybrid, prune
+
+    budget = [(moe.weight_bytes * 0.5 + GPU_MARGIN) / 2**30]
+    space = enumerate_placements(moe, h200_report(1), PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=budget), 10)
+    fin = prune(space, moe, h200_report(1), WORK, 3)
+    best = fin.finalists[0]
+    assert _hybrid(best)
+    siblings = [c for c in fin.finalists if c.placement == best.placement and c.params.n_ubatch == best.params.n_ubatch
+                and c.params.n_threads != best.params.n_threads]
+    assert len(siblings) == 1, [(c.id, c.params.n_threads, c.params.n_ubatch) for c in fin.finalists]
+    assert siblings[0].params.n_threads == siblings[0].params.n_threads_batch
+    assert {c.params.n_ubatch for c in fin.finalists} == {256, 512}
+    unlimited = enumerate_placements(moe, h200_report(1), PlanRequest(model="m", ctx=512), 10)
+    fin_all_gpu = prune(unlimited, moe, h200_report(1), WORK, 3)
+    assert not _hybrid(fin_all_gpu.finalists[0])
