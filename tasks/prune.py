@@ -8,7 +8,9 @@ they add. So the finalists are the best-predicted candidate, then (when it is hy
 with the other thread counts, then the best of each micro-batch size (on the H200 the same all-GPU
 placement prefilled at 4,500 tok/s with -ub 256 and 7,300 with -ub 512, which the model ranked equal),
 then of each group of the other uncertain knobs, then the next best overall: measurement settles what
-the model cannot.
+the model cannot. Diversity stops at candidates predicted more than ``PLAUSIBLE`` times slower than the
+best: the model is never that wrong, and on the H200 a CPU-only finalist of a 17 GB model (predicted 25x
+slower, measured 30x) spent half of each planning run.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tasks.costmodel import Workload, predict
 from tasks.models import Candidate, Finalists, HardwareReport, PlacementSpace, Prediction
 
 log = logging.getLogger(__name__)
+PLAUSIBLE = 3.0  # diversity picks only candidates predicted within this factor of the best workload time
 
 
 def _group(c: Candidate) -> tuple[object, ...]:
@@ -53,17 +56,19 @@ def prune(space: PlacementSpace, info: ModelInfo, hw: HardwareReport, work: Work
     ranked = sorted(space.candidates, key=lambda c: (preds[c.id].score_s, c.id))
     chosen: list[Candidate] = []
     seen: set[tuple[object, ...]] = set()
-    groups_first = sorted({_group(c) for c in ranked}, key=lambda g: min(
-        preds[c.id].score_s for c in ranked if _group(c) == g))
+    best_s = preds[ranked[0].id].score_s if ranked else 0.0
+    plausible = [c for c in ranked if preds[c.id].score_s <= PLAUSIBLE * best_s]
+    groups_first = sorted({_group(c) for c in plausible}, key=lambda g: min(
+        preds[c.id].score_s for c in plausible if _group(c) == g))
     if ranked and _hybrid(ranked[0]):
         chosen.append(ranked[0])
         seen.add(_group(ranked[0]))
         chosen.extend(_thread_siblings(ranked[0], ranked)[:max(0, n_finalists - 2)])
-    for ub in sorted({c.params.n_ubatch for c in ranked}, key=lambda u: min(
-            preds[c.id].score_s for c in ranked if c.params.n_ubatch == u)):
+    for ub in sorted({c.params.n_ubatch for c in plausible}, key=lambda u: min(
+            preds[c.id].score_s for c in plausible if c.params.n_ubatch == u)):
         if len(chosen) >= n_finalists:
             break
-        best = next(c for c in ranked if c.params.n_ubatch == ub)
+        best = next(c for c in plausible if c.params.n_ubatch == ub)
         if best in chosen:
             continue
         chosen.append(best)
@@ -73,7 +78,7 @@ def prune(space: PlacementSpace, info: ModelInfo, hw: HardwareReport, work: Work
             break
         if g in seen:
             continue
-        best = next(c for c in ranked if _group(c) == g)
+        best = next(c for c in plausible if _group(c) == g)
         chosen.append(best)
         seen.add(g)
     for c in ranked:

@@ -189,3 +189,18 @@ def test_hybrid_finalists_include_the_best_with_other_thread_counts(moe: ModelIn
     unlimited = enumerate_placements(moe, h200_report(1), PlanRequest(model="m", ctx=512), 10)
     fin_all_gpu = prune(unlimited, moe, h200_report(1), WORK, 3)
     assert not _hybrid(fin_all_gpu.finalists[0])
+
+
+def test_finalists_skip_candidates_predicted_far_slower(moe: ModelInfo) -> None:
+    # A CPU-only finalist on a GPU machine (predicted many times slower) only burns the measure budget.
+    from tasks.prune import PLAUSIBLE, prune
+
+    for budget in (None, [(moe.weight_bytes * 0.5 + GPU_MARGIN) / 2**30]):
+        space = enumerate_placements(moe, h200_report(1), PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=budget), 10)
+        assert any(c.family == "cpu" for c in space.candidates)
+        fin = prune(space, moe, h200_report(1), WORK, 6)
+        best = fin.predictions[0].score_s
+        assert all(p.score_s <= PLAUSIBLE * best for p in fin.predictions), [
+            (c.family, p.score_s / best) for c, p in zip(fin.finalists, fin.predictions, strict=True)]
+        assert not any(c.family == "cpu" for c in fin.finalists)
+        assert len(fin.finalists) == 6
