@@ -4,6 +4,8 @@ The Litestar server owns one :class:`AsyncWorker` in its lifespan. Every request
 reader task routes each worker line to the queue of its id, so calls and ``generate`` streams run
 concurrently. A worker that exits fails every pending call with :class:`WorkerDied` at once; a call that
 misses its timeout raises :class:`WorkerTimeout` and kills the worker (like :mod:`engine_bridge.client`).
+So does a request the worker does not take off its stdin within ``write_timeout_s`` (a worker that is
+stopped or wedged outside llama.cpp stops reading, and its pipe fills).
 
 Streams and cancellation: ``stream("generate", {"rid": ..., ...})`` yields token events, then
 ``{"result": {...}}``. If its consumer goes away first (the task is cancelled, e.g. the HTTP client
@@ -38,10 +40,11 @@ class AsyncWorker:
     """One engine worker subprocess driven from asyncio."""
 
     def __init__(self, log_path: Path | None, env: Mapping[str, str] | None = None,
-                 hello_timeout_s: float = 30.0, python: str = sys.executable) -> None:
+                 hello_timeout_s: float = 30.0, python: str = sys.executable, write_timeout_s: float = 30.0) -> None:
         self.log_path = log_path
         self.extra_env = dict(env or {})
         self.hello_timeout_s = hello_timeout_s
+        self.write_timeout_s = write_timeout_s
         self.python = python
         self.proc: asyncio.subprocess.Process | None = None
         self._ids = itertools.count(1)
@@ -174,6 +177,19 @@ class AsyncWorker:
         except (BrokenPipeError, ConnectionError, RuntimeError) as exc:
             raise self._died() from exc
 
+    async def _drain(self, op: str) -> None:
+        """Wait until the worker has taken the request off its pipe; kill it after ``write_timeout_s``."""
+        stdin = self.proc.stdin if self.proc is not None else None
+        if stdin is None or stdin.is_closing():
+            return
+        try:
+            await asyncio.wait_for(stdin.drain(), self.write_timeout_s)
+        except TimeoutError:
+            self.kill()
+            raise WorkerTimeout(f"{op} (writing the request)", self.write_timeout_s) from None
+        except (BrokenPipeError, ConnectionError) as exc:
+            raise self._died() from exc
+
     async def stream(self, op: str, args: Mapping[str, Any] | None = None,
                      timeout: float = 120.0) -> AsyncGenerator[dict[str, Any], None]:
         """Send a request; yield its events, then its result as ``{"result": ...}``.
@@ -192,6 +208,7 @@ class AsyncWorker:
         finished = False
         try:
             self._send(rid, op, args)
+            await self._drain(op)
             while True:
                 try:
                     msg = await asyncio.wait_for(q.get(), timeout)

@@ -45,6 +45,7 @@ class LoadSpec:
     hello_s: float
     load_s: float
     rpc_s: float
+    write_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class Engine:
     async def _spawn(self) -> EngineInfo:
         """A fresh worker with the model loaded; made current only once loaded."""
         s = self.spec
-        worker = AsyncWorker(s.log_path, env=dict(s.env), hello_timeout_s=s.hello_s)
+        worker = AsyncWorker(s.log_path, env=dict(s.env), hello_timeout_s=s.hello_s, write_timeout_s=s.write_s)
         try:
             await worker.start()
             res = await worker.call("serve_load", {"model": s.model, "params": s.params.model_dump(mode="json"),

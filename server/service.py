@@ -57,7 +57,7 @@ def load_spec(settings: Settings, plan: Plan) -> LoadSpec:
     t = settings.serve.worker_timeouts
     return LoadSpec(model=plan.model_path, params=params, park_bytes=park_budget(settings.host_reserve_percent),
                     log_path=settings.logs_dir / "serve-worker.log", env=params.environment(),
-                    hello_s=t.hello_s, load_s=t.load_s, rpc_s=t.rpc_s)
+                    hello_s=t.hello_s, load_s=t.load_s, rpc_s=t.rpc_s, write_s=t.write_s)
 
 
 def reply_tokens(n_prompt: int, requested: int | None, n_ctx: int, min_reply: int) -> int:

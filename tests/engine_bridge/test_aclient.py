@@ -153,6 +153,28 @@ def test_timeout_kills_the_worker(tmp_path: Path) -> None:
     with_worker(tmp_path, None, body)
 
 
+def test_a_request_the_worker_does_not_take_times_out_on_write(tmp_path: Path) -> None:
+    # [serve.worker_timeouts] write_s: a stopped worker stops reading its stdin; once the pipe and the
+    # transport's buffer are full, the request cannot be delivered: kill the worker after write_s, even
+    # though the answer's own timeout (60 s here) is far away.
+    async def main() -> None:
+        w = AsyncWorker(tmp_path / "worker.log", write_timeout_s=1.0)
+        await w.start()
+        try:
+            assert w.pid
+            os.kill(w.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(WorkerTimeout) as exc:
+                await w.call("tokenize", {"text": "x" * (4 << 20)}, timeout=60)
+            assert "writing the request" in exc.value.message and exc.value.seconds == 1.0
+            assert await asyncio.wait_for(w.wait_exit(), 2.0) == -signal.SIGKILL
+            assert time.monotonic() - t0 < 5
+        finally:
+            await w.close()
+
+    asyncio.run(main())
+
+
 def test_wait_exit_and_clean_close(tmp_path: Path) -> None:
     async def main() -> None:
         w = AsyncWorker(tmp_path / "worker.log")
