@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from litestar import Litestar
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from artifacts.config import Settings
 from server.errors import EXCEPTION_HANDLERS
@@ -18,6 +20,48 @@ log = logging.getLogger(__name__)
 
 MIN_BODY_BYTES = 16 * 2**20
 BODY_BYTES_PER_CTX_TOKEN = 32  # a whole context of text with JSON escaping fits
+
+
+class ClientWriteTimeout(Exception):
+    """A client took nothing of its response for ``client_write_timeout_s``."""
+
+
+def client_write_timeout(timeout_s: float) -> Callable[[ASGIApp], ASGIApp]:
+    """ASGI middleware: a response write that waits on its client longer than ``timeout_s`` ends the response.
+
+    A client that stops reading a stream makes the server's writes wait once the socket's buffers are
+    full. After ``timeout_s`` the response is abandoned, which closes the connection; the stream's own
+    generation is then cancelled as for a client that disconnected, so its sequence is free for others,
+    and the request's journal keeps what was generated for a resuming reader.
+    """
+
+    def wrap(app: ASGIApp) -> ASGIApp:
+        async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            timed_out = False
+
+            async def timed_send(message: Message) -> None:
+                nonlocal timed_out
+                try:
+                    async with asyncio.timeout(timeout_s):
+                        await send(message)
+                except TimeoutError:
+                    timed_out = True
+                    raise ClientWriteTimeout from None
+
+            try:
+                await app(scope, receive, timed_send)
+            except Exception:
+                if not timed_out:  # Litestar re-raises it wrapped (the response had started): match the flag
+                    raise
+                log.warning("%s %s: the client read nothing for %g s (serve.client_write_timeout_s); "
+                            "closed its connection", scope.get("method"), scope.get("path"), timeout_s)
+
+        return middleware
+
+    return wrap
 
 
 def create_app(settings: Settings, plan: Plan, api_key: str | None = None) -> Litestar:
@@ -43,4 +87,5 @@ def create_app(settings: Settings, plan: Plan, api_key: str | None = None) -> Li
 
     max_body = max(MIN_BODY_BYTES, (plan.candidate.params.n_ctx * BODY_BYTES_PER_CTX_TOKEN))
     return Litestar(route_handlers=routers(api_key), lifespan=[lifespan], exception_handlers=EXCEPTION_HANDLERS,
-                    request_max_body_size=max_body, openapi_config=None)
+                    request_max_body_size=max_body, openapi_config=None,
+                    middleware=[client_write_timeout(settings.serve.client_write_timeout_s)])
