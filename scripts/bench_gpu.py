@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPU benchmark record: Flux's plan vs llama-server --fit, the best --n-cpu-moe, and llama-cpp-python.
 
-For each synthetic twin and GPU memory budget (GiB; 0 = the whole card):
+For each synthetic twin and GPU memory budget (GiB per GPU llama.cpp sees; 0 = the whole cards):
 1. plan: probe → enumerate (under the budget) → prune → measure the finalists (Flux's own stages,
    without Prefect so that it runs on a bare GPU machine) → the fastest on the workload;
 2. baselines: (a) llama-server with its automatic fit given the same budget (--fit-target = free
@@ -69,23 +69,36 @@ def log(msg: str) -> None:
 METER: GpuMemoryMeter | None = None
 
 
-def gpu_used_by(pid: int | None) -> int | None:
-    """GPU bytes a process holds over every GPU (NVML; see engine_bridge.gpumem)."""
+def gpu_used_by(pid: int | None) -> list[int] | None:
+    """GPU bytes a process holds on each GPU of the host (NVML; see engine_bridge.gpumem)."""
     used = METER.used_by(pid) if METER else None
-    return sum(used) if used else None
+    return used if used else None
 
 
-def gpu_free() -> int:
-    """Free bytes, now, of the first GPU llama.cpp sees (NVML's index = CUDA_VISIBLE_DEVICES' first entry).
+def within(used: list[int] | None, budget: int) -> bool:
+    """A measured use fits a per-GPU budget (0: no budget) when no GPU holds more than it."""
+    return used is not None and (budget <= 0 or max(used) <= budget)
+
+
+def vram(used: list[int] | None) -> str:
+    """GiB held in all, with the per-GPU split when several GPUs hold some."""
+    if not used:
+        return "n/a"
+    busy = [u for u in used if u]
+    return gib(sum(used)) + (f" ({' + '.join(gib(u) for u in busy)})" if len(busy) > 1 else "")
+
+
+def gpu_free() -> list[int]:
+    """Free bytes, now, of each GPU llama.cpp sees, in its order (NVML indices from CUDA_VISIBLE_DEVICES).
 
     NVML, not ggml: loading llama.cpp here would give this process a CUDA context of its own.
     """
     import pynvml
 
-    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
     pynvml.nvmlInit()
-    h = pynvml.nvmlDeviceGetHandleByIndex(int(first) if first.isdigit() else 0)
-    return int(pynvml.nvmlDeviceGetMemoryInfo(h).free)
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip().isdigit()]
+    indices = [int(d) for d in visible] or list(range(pynvml.nvmlDeviceGetCount()))
+    return [int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free) for i in indices]
 
 
 def cand(cid: str, params: EngineParams, placement: Placement | None = None) -> Candidate:
@@ -100,8 +113,8 @@ def ncmoe_params(n: int, n_layer: int, threads: int) -> EngineParams:
                         flash_attn=True, tensor_overrides=ov)
 
 
-def probe_vram(model: Path, params: EngineParams, log_path: Path) -> tuple[int | None, dict[str, Any] | None]:
-    """Load a configuration, warm it up, time pp512 + 32 decode steps; return (GPU bytes held, timing).
+def probe_vram(model: Path, params: EngineParams, log_path: Path) -> tuple[list[int] | None, dict[str, Any] | None]:
+    """Load a configuration, warm it up, time pp512 + 32 decode steps; return (GPU bytes held per GPU, timing).
 
     The memory is read after the timed run, when llama.cpp has allocated everything it will hold (weights,
     KV cache, compute buffers reserved for the worst-case batch): the configuration's peak.
@@ -145,20 +158,22 @@ def layer_bytes(info: ModelInfo) -> int:
     return max(1, max((sum(layer.bytes_by_role.values()) for layer in info.layers), default=1))
 
 
-def sweep_ncmoe(model: Path, info: ModelInfo, budget: int, threads: int, log_path: Path) -> tuple[int, EngineParams] | None:
+def sweep_ncmoe(model: Path, info: ModelInfo, budget: int, n_gpus: int, threads: int,
+                log_path: Path) -> tuple[int, EngineParams] | None:
     """Best --n-cpu-moe (by decode) among values whose MEASURED VRAM fits the budget.
 
     Every step of N moves one more layer's experts to the CPU, which only slows decode and prefill
     (measured: ../shared notes and docs/benchmarks/h200.md), so the best value that fits is the smallest N
     whose measured VRAM fits. The sweep starts where the weights alone would fit, jumps by the measured
     excess over the budget divided by one layer's experts until a value fits, then measures N+1 too, so
-    the choice is a measured one, not an assumption.
+    the choice is a measured one, not an assumption. With several GPUs llama.cpp splits the layers
+    its own way (-sm layer, by free memory), as a user's --n-cpu-moe does; the fullest GPU must fit.
     """
     every = set(range(info.n_layer))
     n = 0
     if budget > 0:
         n = next((k for k in range(info.n_layer + 1)
-                  if predicted_gpu_bytes(info, set(range(k)), every) <= budget), info.n_layer)
+                  if predicted_gpu_bytes(info, set(range(k)), every) <= budget * n_gpus), info.n_layer)
     step = expert_layer_bytes(info)
     fitting: list[tuple[float, int, EngineParams]] = []
     seen: set[int] = set()
@@ -170,40 +185,42 @@ def sweep_ncmoe(model: Path, info: ModelInfo, budget: int, threads: int, log_pat
             n += 1
             continue
         tps = t["gen_tokens"] / t["gen_ms"] * 1e3 if t["gen_ms"] else 0.0
-        fits = budget <= 0 or used <= budget
-        log(f"  --n-cpu-moe {n}: VRAM {used / GIB:.2f} GiB, tg {tps:.1f} tok/s{'' if fits else ' (over budget)'}")
+        fits = within(used, budget)
+        log(f"  --n-cpu-moe {n}: VRAM {vram(used)} GiB, tg {tps:.1f} tok/s{'' if fits else ' (over budget)'}")
         if fits:
             fitting.append((tps, n, p))
             n += 1
         else:
-            n += max(1, -(-(used - budget) // step))
+            n += max(1, -(-(max(used) - budget) // step))
     if not fitting:
         return None
     best = max(fitting, key=lambda x: x[0])
     return best[1], best[2]
 
 
-def most_layers(model: Path, info: ModelInfo, budget: int, threads: int, log_path: Path) -> EngineParams | None:
+def most_layers(model: Path, info: ModelInfo, budget: int, n_gpus: int, threads: int,
+                log_path: Path) -> EngineParams | None:
     """llama-cpp-python with the most layers (-ngl, last layers first) whose measured VRAM fits."""
     k = info.n_layer
     if budget > 0:
         k = max((n for n in range(info.n_layer + 1)
-                 if predicted_gpu_bytes(info, set(), set(range(info.n_layer - n, info.n_layer))) <= budget), default=0)
+                 if predicted_gpu_bytes(info, set(), set(range(info.n_layer - n, info.n_layer))) <= budget * n_gpus),
+                default=0)
     step = layer_bytes(info)
     while k >= 0:
         p = EngineParams(n_ctx=CTX, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads, n_gpu_layers=k)
         used, _ = probe_vram(model, p, log_path)
-        log(f"  -ngl {k}: VRAM {gib(used)} GiB")
-        if used is not None and (budget <= 0 or used <= budget):
+        log(f"  -ngl {k}: VRAM {vram(used)} GiB")
+        if within(used, budget):
             return p
-        k -= max(1, -(-((used or 0) - budget) // step)) if used is not None else 1
+        k -= max(1, -(-(max(used) - budget) // step)) if used else 1
     return None
 
 
 class LlamaServerFit:
     """llama-server with --fit (its default), a margin that leaves only the budget usable."""
 
-    def __init__(self, model: Path, budget: int, free: int, threads: int, log_path: Path) -> None:
+    def __init__(self, model: Path, budget: int, free: list[int], threads: int, log_path: Path) -> None:
         exe = llama_server_path(load_settings().cache_dir)
         if exe is None:
             raise SystemExit("llama-server not built: run scripts/build-backend.sh")
@@ -213,7 +230,7 @@ class LlamaServerFit:
         args = [str(exe), "-m", str(model), "-c", str(CTX), "--port", str(self.port), "--host", "127.0.0.1",
                 "-t", str(threads), "-np", "1", "--fit", "on"]
         if budget > 0:
-            args += ["--fit-target", str(max(0, (free - budget) // 2**20))]
+            args += ["--fit-target", ",".join(str(max(0, (f - budget) // 2**20)) for f in free)]
         self.log = log_path.open("ab")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         import httpx
@@ -240,7 +257,7 @@ class LlamaServerFit:
         return {"prompt_tokens": t["prompt_n"], "prompt_ms": t["prompt_ms"], "gen_tokens": t["predicted_n"] - 1,
                 "gen_ms": t["predicted_ms"]}
 
-    def vram(self) -> int | None:
+    def vram(self) -> list[int] | None:
         return gpu_used_by(self.proc.pid)
 
     def close(self) -> None:
@@ -360,17 +377,19 @@ def one_budget(ms: ModelSetup, b: float, args: argparse.Namespace, threads: int,
     chosen, plan_s, rows = plan(model, info, hw, b, args, log_path)
     finalists += [{"model": preset, "budget_gib": b, **r} for r in rows]
     used, _ = probe_vram(model, chosen.params, log_path)
-    log(f"  plan {chosen.family} in {plan_s:.0f} s; peak VRAM {gib(used)} GiB; flags {' '.join(chosen.params.cli_args())}")
+    log(f"  plan {chosen.family} in {plan_s:.0f} s; peak VRAM {vram(used)} GiB; flags {' '.join(chosen.params.cli_args())}")
     entries = {"plan": chosen}
-    sw = sweep_ncmoe(model, info, budget, threads, log_path) if info.is_moe and hw.gpus else None
+    free = gpu_free() if hw.gpus else []
+    n_gpus = max(1, len(free))
+    sw = sweep_ncmoe(model, info, budget, n_gpus, threads, log_path) if info.is_moe and hw.gpus else None
     if sw:
         entries["ncmoe"] = cand(f"ncmoe-{sw[0]}", sw[1])
-    lcp = most_layers(model, info, budget, threads, log_path) if hw.gpus else None
+    lcp = most_layers(model, info, budget, n_gpus, threads, log_path) if hw.gpus else None
     if lcp:
         entries["lcp"] = cand(f"lcp-ngl{lcp.n_gpu_layers}", lcp)
-    server = LlamaServerFit(model, budget, gpu_free(), threads, log_path) if hw.gpus else None
+    server = LlamaServerFit(model, budget, free, threads, log_path) if hw.gpus else None
     fit_vram = server.vram() if server else None
-    log(f"  llama-server --fit: VRAM {gib(fit_vram)} GiB")
+    log(f"  llama-server --fit: VRAM {vram(fit_vram)} GiB")
     try:
         res = race(model, entries, server, args.rounds, log_path)
     finally:
@@ -380,8 +399,10 @@ def one_budget(ms: ModelSetup, b: float, args: argparse.Namespace, threads: int,
     row: dict[str, Any] = {
         "model": preset, "model_gib": info.weight_bytes / GIB, "budget_gib": b, "plan_s": plan_s,
         "plan_family": chosen.family, "plan_flags": " ".join(chosen.params.cli_args()),
-        "plan_vram_gib": used and used / GIB, "plan_within_budget": None if used is None else (b <= 0 or used <= budget),
-        "fit_vram_gib": fit_vram and fit_vram / GIB, "ncmoe": sw[0] if sw else None,
+        "n_gpus": n_gpus if hw.gpus else 0, "plan_vram_gib": used and sum(used) / GIB,
+        "plan_vram_max_gib": used and max(used) / GIB, "plan_within_budget": None if used is None else within(used, budget),
+        "fit_vram_gib": fit_vram and sum(fit_vram) / GIB, "fit_vram_max_gib": fit_vram and max(fit_vram) / GIB,
+        "ncmoe": sw[0] if sw else None,
         "lcp_ngl": lcp.n_gpu_layers if lcp else None, "rounds": args.rounds, "raw": json.dumps(res)}
     for k, d in med.items():
         for m, v in d.items():

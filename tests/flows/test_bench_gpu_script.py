@@ -40,3 +40,21 @@ def test_bench_gpu_runs_on_a_cpu_and_stores_its_rows(tiny_moe: Path, tmp_path: P
     assert tables, f"no bench_gpu table under {data}"
     got = duckdb.sql(f"SELECT model, plan_tg FROM read_parquet('{tables[0]}')").fetchall()
     assert got == [("tiny-moe", row["plan_tg"])]
+
+
+def test_budgets_are_per_gpu_and_the_fullest_gpu_decides() -> None:
+    # With two GPUs llama.cpp splits the layers its own way; a baseline fits only if no GPU holds more
+    # than the per-GPU budget (an 8 GiB budget on two cards is not 16 GiB on one).
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "scripts" / "bench_gpu.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    gib = 2**30
+    assert bench.within([7 * gib, 8 * gib], 8 * gib)
+    assert not bench.within([5 * gib, 9 * gib], 8 * gib), "14 GiB in all, but one card is over"
+    assert bench.within([40 * gib], 0), "0 = no budget"
+    assert not bench.within(None, 8 * gib), "an unknown use never fits"
+    assert bench.vram([7 * gib, 0]) == "7.00"
+    assert bench.vram([7 * gib, 8 * gib]) == "15.00 (7.00 + 8.00)"
