@@ -9,8 +9,8 @@ with the other thread counts, then the best of each micro-batch size (on the H20
 placement prefilled at 4,500 tok/s with -ub 256 and 7,300 with -ub 512, which the model ranked equal),
 then of each group of the other uncertain knobs, then the next best overall: measurement settles what
 the model cannot. Diversity stops at candidates predicted more than ``PLAUSIBLE`` times slower than the
-best: the model is never that wrong, and on the H200 a CPU-only finalist of a 17 GB model (predicted 25x
-slower, measured 30x) spent half of each planning run.
+best: the model is never that wrong, and on the H200 a CPU-only finalist of a 17 GB model (its workload
+measured 10-28x slower than the best) spent half of each planning run.
 """
 
 from __future__ import annotations
