@@ -2,15 +2,16 @@
 
 The cost model is good at what moves bytes (threads vs bandwidth, which tensors sit on a GPU) and blind
 to knobs whose effect is kernel-specific (flash attention on a CPU, mmap vs loaded weights, micro-batch
-size) and to how many threads a hybrid GPU+CPU placement wants: there the CPU's share of each token is a
-few small expert matmuls between GPU hand-overs, where synchronising hyperthreads can cost more than
-they add. So the finalists are the best-predicted candidate, then (when it is hybrid) the same candidate
-with the other thread counts, then the best of each micro-batch size (on the H200 the same all-GPU
-placement prefilled at 4,500 tok/s with -ub 256 and 7,300 with -ub 512, which the model ranked equal),
-then of each group of the other uncertain knobs, then the next best overall: measurement settles what
-the model cannot. Diversity stops at candidates predicted more than ``PLAUSIBLE`` times slower than the
-best: the model is never that wrong, and on the H200 a CPU-only finalist of a 17 GB model (its workload
-measured 10-28x slower than the best) spent half of each planning run.
+size) and to how many threads a hybrid GPU+CPU placement wants: its CPU speed is calibrated on CPU-only
+kernels (repacked weights), not on a hybrid's small expert matmuls between GPU hand-overs (on the H200,
+16 threads decoded 1.3-1.5x faster than 8 there; the model predicted 1.07-1.17x). So the finalists are
+the best-predicted candidate, then (when it is hybrid) the same candidate with the other thread counts,
+then the best of each micro-batch size (on the H200 the same all-GPU placement prefilled at 4,500 tok/s
+with -ub 256 and 7,300 with -ub 512, which the model ranked equal), then of each group of the other
+uncertain knobs, then the next best overall: measurement settles what the model cannot. Diversity stops
+at candidates predicted more than ``PLAUSIBLE`` times slower than the best: the model is never that
+wrong, and on the H200 a CPU-only finalist of a 17 GB model (its workload measured 10-28x slower than
+the best) spent half of each planning run.
 """
 
 from __future__ import annotations
