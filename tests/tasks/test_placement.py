@@ -173,7 +173,7 @@ def test_gpu_finalists_span_micro_batch_sizes(moe: ModelInfo) -> None:
 
 def test_hybrid_finalists_include_the_best_with_other_thread_counts(moe: ModelInfo) -> None:
     # With experts left on the CPU, decode runs a few small CPU matmuls per layer between GPU hand-overs;
-    # whether hyperthreads help there is measured, not predicted: the best's thread sibling is a finalist.
+    # how many threads help there is measured, not predicted: the best's thread sibling is a finalist.
     from tasks.prune import _hybrid, prune
 
     budget = [(moe.weight_bytes * 0.5 + GPU_MARGIN) / 2**30]
