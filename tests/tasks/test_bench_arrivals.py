@@ -52,7 +52,9 @@ def stored(ctx: BenchContext) -> dict[str, Any]:
 def test_both_engines_replay_the_same_arrivals(stored: dict[str, Any]) -> None:
     raw = [r for r in stored["raw"] if r["kind"] == "arrival"]
     assert {r["engine"] for r in raw} == {"flux", "llama-server"}
-    assert not [r for r in stored["raw"] if r["error"]], [r for r in stored["raw"] if r["error"]]
+    failed = [{k: r[k] for k in ("engine", "kind", "rate_factor", "index", "error", "e2e_ms", "sent_s")}
+              for r in stored["raw"] if r["error"]]
+    assert not failed, failed
     by = {(r["engine"], r["rate_factor"], r["index"]): r for r in raw}
     assert len(by) == len(raw) == 2 * len(RATES) * REQUESTS
     for (_, factor, i), r in by.items():
