@@ -168,6 +168,14 @@ def synthesize(
 # ---- plan ----------------------------------------------------------------------------------------------
 
 
+def cached_twin(cache_dir: Path, preset: str, quant: Quant = "Q4_0") -> Path:
+    """``preset``'s twin in ``cache_dir/models``, synthesized on first use (one shared copy per quant)."""
+    path = cache_dir / "models" / f"{preset}-{quant}.gguf"
+    if not path.exists():
+        synthesize(preset, path, quant=quant)
+    return path
+
+
 def _resolve(
     spec_or_preset: SynthSpec | str, overrides: dict[str, str] | None, quant: Quant, seed: int
 ) -> tuple[str, SynthSpec]:

@@ -56,12 +56,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def default_model(settings: Settings) -> Path:
     """The embedded default: a tiny MoE twin synthesized once into the cache."""
-    from artifacts.synth import synthesize
+    from artifacts.synth import cached_twin
 
-    path = settings.cache_dir / "models" / f"{DEFAULT_MODEL}.gguf"
-    if not path.exists():
-        synthesize(DEFAULT_MODEL, path, quant="Q4_0")
-    return path
+    return cached_twin(settings.cache_dir, DEFAULT_MODEL)
 
 
 def _gpu_budget(text: str | None) -> list[float] | None:

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from artifacts.config import load_settings  # noqa: E402
 from artifacts.store import Store  # noqa: E402
-from artifacts.synth import synthesize  # noqa: E402
+from artifacts.synth import cached_twin  # noqa: E402
 from engine_bridge.params import EngineParams  # noqa: E402
 from flows import stages, workload  # noqa: E402
 from flows.plan_model import plan_model  # noqa: E402
@@ -58,9 +58,7 @@ def race(cands: list[Candidate], model: Path, prompts: list[list[int]], n_gen: i
 
 def bench_model(preset: str, budget_s: float, rounds: int, grid_rounds: int, out_dir: Path) -> dict[str, object]:
     settings = load_settings()
-    model = settings.cache_dir / "models" / f"{preset}-Q4_0.gguf"
-    if not model.exists():
-        synthesize(preset, model, quant="Q4_0")
+    model = cached_twin(settings.cache_dir, preset)
     t0 = time.monotonic()
     plan_id = plan_model(model=str(model), budget_s=budget_s, replan=True)
     plan_s = time.monotonic() - t0

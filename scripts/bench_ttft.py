@@ -27,7 +27,7 @@ import httpx  # noqa: E402
 import llama_cpp  # noqa: E402
 
 from artifacts.config import load_settings  # noqa: E402
-from artifacts.synth import synthesize  # noqa: E402
+from artifacts.synth import cached_twin  # noqa: E402
 from engine_bridge.aclient import AsyncWorker  # noqa: E402
 from engine_bridge.params import EngineParams  # noqa: E402
 from tasks.bench_http import FluxServe  # noqa: E402
@@ -113,9 +113,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=12)
     args = ap.parse_args()
     st = load_settings()
-    model = st.cache_dir / "bench-ttft" / "tinyllama-1.1b-Q4_0.gguf"
-    if not model.exists():
-        synthesize("tinyllama-1.1b", model, quant="Q4_0")
+    model = cached_twin(st.cache_dir, "tinyllama-1.1b")
     params = EngineParams(n_ctx=1024, n_seq_max=1, n_batch=512, n_ubatch=512, n_threads=args.threads,
                           n_threads_batch=args.threads)
     ps = texts(args.prompts)

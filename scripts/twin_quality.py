@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from artifacts.config import load_settings  # noqa: E402
-from artifacts.synth import synthesize  # noqa: E402
+from artifacts.synth import cached_twin  # noqa: E402
 from engine_bridge.params import EngineParams  # noqa: E402
 from flows.workload import validation_prompts  # noqa: E402
 from tasks.models import Candidate, MeasureSummary, Placement  # noqa: E402
@@ -30,9 +30,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args()
     st = load_settings()
-    model = st.cache_dir / "twin-quality" / "tinyllama-1.1b-Q4_0.gguf"
-    if not model.exists():
-        synthesize("tinyllama-1.1b", model, quant="Q4_0")
+    model = cached_twin(st.cache_dir, "tinyllama-1.1b")
     configs = {
         "flash-attn-on": EngineParams(n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=2, n_threads_batch=2,
                                       flash_attn=True, load_mode="load"),
