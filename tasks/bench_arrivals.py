@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
-import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -38,17 +37,15 @@ from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.llama_server import HOST, LlamaServer
 from engine_bridge.params import EngineParams
+from tasks.arrivals_stats import summary_row
 from tasks.arrivals_workload import Workload, chat_messages, chat_turns
 from tasks.bench_common import (
     BenchContext,
     BenchError,
     BenchRun,
     Progress,
-    RatioCI,
-    SummaryRow,
     fit_server_args,
     load_avg,
-    paired_ratio,
 )
 from tasks.bench_http import Exchange, FluxServe, error_body, exchange, json_object
 from tasks.corpus import load_conversations, sized_prompts
@@ -61,7 +58,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 LADDER = (32, 64, 128, 256, 512)  # prompt lengths of the arrivals (those that fit the plan's context)
 CHAT_MARGIN = 32  # tokens kept free in a chat turn for template differences between the engines
-PCTS = (50, 95, 99)
 RAW_SCHEMA = pa.schema([
     ("engine", pa.string()), ("round", pa.int32()), ("rate_factor", pa.float64()), ("rate_rps", pa.float64()),
     ("kind", pa.string()), ("index", pa.int32()), ("prompt_tokens", pa.int32()), ("scheduled_s", pa.float64()),
@@ -270,80 +266,6 @@ def run_engine(name: str, ctx: BenchContext, work: Workload, rates_rps: Sequence
     return rows
 
 
-def _pct(xs: Sequence[float]) -> dict[str, float | None]:
-    return {f"p{p}": float(np.percentile(xs, p)) if len(xs) else None for p in PCTS}
-
-
-def engine_stats(rows: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    """One engine's percentiles over requests of ``kind`` and its throughput (tokens/s of each replay, median)."""
-    mine = [r for r in rows if r["kind"] == kind]
-    ok = [r for r in mine if not r["error"]]
-    replays: dict[tuple[int, float], list[dict[str, Any]]] = {}
-    for r in rows:
-        if r["kind"] in ("arrival", "chat") and not r["error"]:
-            replays.setdefault((r["round"], r["rate_factor"]), []).append(r)
-    tps = [sum(r["completion_tokens"] for r in rs) / (max(r["end_s"] for r in rs) - min(r["sent_s"] for r in rs))
-           for rs in replays.values()]
-    return {"requests": len(mine), "errors": len(mine) - len(ok) + sum(r["kind"] == "start" for r in rows),
-            "first_error": next((r["error"] for r in rows if r["error"]), None),
-            "ttft_ms": _pct([r["ttft_ms"] for r in ok if r["ttft_ms"] is not None]),
-            "itl_ms": _pct([x for r in ok for x in r["itl_ms"]]),
-            "tpot_ms": _pct([r["tpot_ms"] for r in ok if r["tpot_ms"] is not None]),
-            "throughput_tps": statistics.median(tps) if tps and kind == "arrival" else None}
-
-
-def _ratios(f: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
-    """Flux / llama-server of each percentile (below 1: Flux faster) and of throughput (above 1: Flux faster)."""
-    out: dict[str, float | None] = {}
-    for m in ("ttft_ms", "itl_ms", "tpot_ms"):
-        for p in PCTS:
-            x, y = f[m][f"p{p}"], b[m][f"p{p}"]
-            out[f"{m[:-3]}_p{p}"] = x / y if x and y else None
-    x, y = f["throughput_tps"], b["throughput_tps"]
-    out["throughput"] = x / y if x and y else None
-    return out
-
-
-def _paired(rows: list[dict[str, Any]], metric: str, kind: str) -> tuple[list[float], list[float]]:
-    """(llama-server, flux) values of ``metric`` for the same request (round, rate, index), both without error."""
-    by: dict[str, dict[tuple[int, float, int], float]] = {"flux": {}, "llama-server": {}}
-    for r in rows:
-        if r["kind"] == kind and not r["error"] and r.get(metric) and r["engine"] in by:
-            by[r["engine"]][(r["round"], r["rate_factor"], r["index"])] = r[metric]
-    keys = sorted(by["flux"].keys() & by["llama-server"].keys())
-    return [by["llama-server"][k] for k in keys], [by["flux"][k] for k in keys]
-
-
-def _f(x: float | None, fmt: str = ".1f") -> str:
-    return "—" if x is None else format(x, fmt)
-
-
-def summary_row(name: str, rows: list[dict[str, Any]], kind: str, opts: ArrivalsOptions,
-                common: dict[str, Any]) -> SummaryRow:
-    """Flux vs llama-server on one rate (or the chat): percentiles, ratios, paired speed ratios, verdict."""
-    f = engine_stats([r for r in rows if r["engine"] == "flux"], kind)
-    base_rows = [r for r in rows if r["engine"] == "llama-server"]
-    b = engine_stats(base_rows, kind) if base_rows else None
-    metrics = {**common, "flux": f, "llama-server": b, "flux_over_llama_server": _ratios(f, b) if b else None}
-    failed = f"{f['errors']} Flux requests failed ({f['first_error']})" if f["errors"] else ""
-    text = (f"TTFT p50 {_f(f['ttft_ms']['p50'])}/{_f(b['ttft_ms']['p50'] if b else None)} ms, ITL p50 "
-            f"{_f(f['itl_ms']['p50'])}/{_f(b['itl_ms']['p50'] if b else None)} ms" + (
-                f", {_f(f['throughput_tps'])}/{_f(b['throughput_tps'] if b else None)} tok/s" if kind == "arrival" else ""))
-    if b is None or b["errors"] and not _paired(rows, "ttft_ms", kind)[0]:
-        why = "llama-server is not built (scripts/build-backend.sh)" if b is None else f"llama-server failed: {b['first_error']}"
-        return SummaryRow(baseline=name, verdict="fail" if failed else "info", detail=f"{failed or text}; {why}",
-                          metrics=metrics)
-    ttft: RatioCI = paired_ratio(*_paired(rows, "ttft_ms", kind), n_boot=opts.n_boot, seed=opts.seed)
-    dec: RatioCI = paired_ratio(*_paired(rows, "tpot_ms", kind), n_boot=opts.n_boot, seed=opts.seed + 1)
-    slower = ttft.outcome == "slower" and dec.outcome == "slower"
-    detail = (f"{text} (Flux/llama-server); Flux speed: TTFT {ttft.outcome} {ttft.text()}, decode {dec.outcome} "
-              f"{dec.text()}" + (f"; FAIL: {failed}" if failed else "; FAIL: slower on both" if slower else ""))
-    return SummaryRow(baseline=name, verdict="fail" if failed or slower else "pass", detail=detail,
-                      ratio_prefill=ttft.ratio, ratio_decode=dec.ratio, ci_low=dec.low, ci_high=dec.high,
-                      prefill_ci_low=ttft.low, prefill_ci_high=ttft.high, n_samples=min(ttft.n, dec.n),
-                      metrics={**metrics, "ttft_speed": ttft.model_dump(), "decode_speed": dec.model_dump()})
-
-
 def bench_arrivals(ctx: BenchContext, opts: ArrivalsOptions, progress: Progress | None = None) -> BenchRun:
     """Replay Poisson arrivals and a long chat on Flux and llama-server; one row per rate and one for the chat.
 
@@ -364,10 +286,10 @@ def bench_arrivals(ctx: BenchContext, opts: ArrivalsOptions, progress: Progress 
               "rates_rps": rates, "chat_turns": [len(c) for c in work.chats], "seconds": time.monotonic() - t0,
               "llama_server_args": list(fit_server_args(ctx.params)), "load_avg_start": load0, "load_avg_end": load_avg()}
     started = [r for r in rows if r["kind"] == "start"]
-    out = [summary_row(f"rate-{f:g}x", [r for r in rows if r.get("rate_factor") == f] + started, "arrival", opts,
-                       common) for f in opts.rates]
+    out = [summary_row(f"rate-{f:g}x", [r for r in rows if r.get("rate_factor") == f] + started, "arrival",
+                       opts.n_boot, opts.seed, common) for f in opts.rates]
     if any(work.chats):
-        out.append(summary_row("chat", rows, "chat", opts, common))
+        out.append(summary_row("chat", rows, "chat", opts.n_boot, opts.seed, common))
     table = pa.Table.from_pylist([{f.name: r.get(f.name) for f in RAW_SCHEMA} for r in rows], schema=RAW_SCHEMA)
     return BenchRun(suite="arrivals", ctx=ctx, rows=out, raw=table)
 

@@ -12,13 +12,13 @@ from bench_support import make_plan, session_cache
 from test_bench_soak import serve_settings
 
 from engine_bridge.params import EngineParams
+from tasks.arrivals_stats import engine_stats
 from tasks.bench_arrivals import (
     ArrivalsOptions,
     Workload,
     bench_arrivals,
     chat_messages,
     chat_turns,
-    engine_stats,
 )
 from tasks.bench_common import BenchContext, open_bench, save_run
 
