@@ -8,13 +8,13 @@ completions, and the GGUF's Jinja template rendered the way llama-cpp-python ren
 Checks (a registry, :data:`CHECKS`): chat template rendering (``/apply-template``), special tokens
 (``/props``, ``/detokenize`` and the GGUF header), tokenization (``/tokenize``) of the corpus and of
 unicode/edge strings, greedy outputs, stop sequences, and usage counts. Every disagreement is a row;
-the verdict is ``pass`` when there is none, or when each is explained by a rule in :data:`EXPLAINED`.
+the verdict is ``pass`` when there is none, or when each is explained by a rule in
+:data:`tasks.conformance_rules.EXPLAINED`.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +29,7 @@ from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.llama_server import LlamaServer
 from tasks.bench_common import BenchContext, BenchRun, Progress, SummaryRow, load_avg
+from tasks.conformance_rules import Finding, explain
 from tasks.corpus import load_conversations, load_prompts, sized_prompts
 
 RAW_SCHEMA = pa.schema([("check", pa.string()), ("case", pa.string()), ("ok", pa.bool_()),
@@ -62,18 +63,6 @@ class ConformanceOptions(BaseModel):
     conversations: int = Field(8, ge=0)
     corpus_chars: int = Field(4000, ge=1, description="characters of each corpus prompt tokenized")
     seed: int = 0
-
-
-class Finding(BaseModel):
-    """One comparison: ok, or a disagreement (explained by a rule, or not)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    check: str
-    case: str
-    ok: bool
-    ours: str = ""
-    theirs: str = ""
-    explained: str | None = None
 
 
 @dataclass
@@ -304,60 +293,6 @@ def check_chat(s: Session) -> list[Finding]:
 Check = Callable[[Session], list[Finding]]
 CHECKS: dict[str, Check] = {"template": check_template, "special_tokens": check_special_tokens,
                             "tokenize": check_tokenize, "greedy": check_greedy, "chat": check_chat}
-
-
-# -- explained differences ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Explained:
-    """A known, harmless difference: which findings it covers and why it is not a bug."""
-
-    name: str
-    reason: str
-    matches: Callable[[Finding], bool]
-
-
-def _utf8_dropped(f: Finding) -> bool:
-    return f.check == "chat" and f.case.endswith("content") and f.ours == f.theirs.replace("\ufffd", "")
-
-
-def _utf8_overrun_text(f: Finding) -> bool:
-    return (f.check == "chat" and f.case.endswith("content") and f.ours != f.theirs.replace("\ufffd", "")
-            and f.ours.startswith(f.theirs.replace("\ufffd", "")))
-
-
-def _utf8_overrun_usage(f: Finding) -> bool:
-    """Same prompt count; llama-cpp-python's completion count at most 3 over llama-server's (a UTF-8 tail)."""
-    ours, theirs = _pair(f.ours), _pair(f.theirs)
-    if f.check != "usage" or not f.case.startswith("chat ") or ours is None or theirs is None:
-        return False
-    return ours[0] == theirs[0] and theirs[1] < ours[1] <= theirs[1] + 3
-
-
-def _pair(text: str) -> tuple[int, int] | None:
-    """'(a, b)' as a usage finding shows it."""
-    m = re.fullmatch(r"\((\d+), (\d+)\)", text)
-    return (int(m[1]), int(m[2])) if m else None
-
-
-LCP_UTF8 = ("llama-cpp-python's create_completion skips its max_tokens check while the text ends inside a "
-            "multi-byte UTF-8 character (its 'multibyte_fix'), so it may decode up to 3 tokens past max_tokens; "
-            "llama-server stops at max_tokens. Only the worker's `chat` op (flux generate --chat) goes through it; "
-            "the serving engine stops at max_tokens (see the greedy/usage checks).")
-EXPLAINED: tuple[Explained, ...] = (
-    Explained("invalid-utf8-in-chat", "llama-cpp-python's chat completion drops bytes that are not valid UTF-8 "
-              "(a random-weight twin emits lone byte tokens); llama-server writes U+FFFD for them. The serving "
-              "engine writes U+FFFD like llama-server (see the greedy text check).", _utf8_dropped),
-    Explained("llama-cpp-python-utf8-overrun", LCP_UTF8, _utf8_overrun_text),
-    Explained("llama-cpp-python-utf8-overrun-usage", LCP_UTF8, _utf8_overrun_usage),
-)
-
-
-def explain(f: Finding) -> Finding:
-    """The finding, with the rule that explains it when one does."""
-    if f.ok:
-        return f
-    rule = next((r for r in EXPLAINED if r.matches(f)), None)
-    return f.model_copy(update={"explained": f"{rule.name}: {rule.reason}"}) if rule else f
 
 
 # -- the suite ----------------------------------------------------------------------------------------

@@ -1,11 +1,17 @@
-"""What one soak request's client saw, reduced to an outcome and its reason (``flux bench soak``).
+"""What one soak request's client saw, reduced to an outcome and its reason, and whether an injected
+worker kill was recovered from (``flux bench soak``).
 
 Pure: it reads :class:`~tasks.bench_http.Exchange` records (the request, its resume, the journal's
-replay) and never touches the network.
+replay) and the soak's rows, and never touches the network.
 """
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tasks.bench_common import SummaryRow
 from tasks.bench_http import Exchange, Outcome, error_body, finish_reason, json_object
 
 
@@ -69,3 +75,37 @@ def classify(first: Exchange, resume: Exchange | None, replay: Exchange | None, 
     if resume is None:
         return "lost", first.transport or "the stream ended without [DONE]"
     return _resumed(first, resume, replay, cancel)
+
+
+@dataclass
+class Fault:
+    """One injected worker kill and whether the server got a new worker afterwards."""
+
+    kind: Literal["kill-idle", "kill-mid"]
+    wave: int
+    pid: int | None = None
+    new_pid: int | None = None
+    recover_s: float | None = None
+    error: str | None = None
+    watcher: asyncio.Task[None] | None = None
+
+
+def fault_row(f: Fault, rows: list[dict[str, Any]], common: dict[str, Any]) -> SummaryRow:
+    """A kill passes when a new worker came up, and (mid-request) the request under it ended explicitly."""
+    metrics = {**common, "pid": f.pid, "new_pid": f.new_pid, "recover_s": f.recover_s, "wave": f.wave}
+    name = f"fault:{f.kind}"
+    if f.error:
+        return SummaryRow(baseline=name, verdict="fail", detail=f.error, metrics=metrics)
+    back = f"worker {f.pid} killed; new worker {f.new_pid} up after {f.recover_s:.1f} s" if f.new_pid \
+        else f"worker {f.pid} killed; no new worker came up"
+    if f.kind == "kill-idle":  # the worker was idle: a request should wait for its successor, not fail
+        died = [r["index"] for r in rows if r["wave"] == f.wave and r.get("error_code") == "worker_died"]
+        metrics["worker_died_requests"] = died
+        back += f"; {len(died)} requests sent after the kill got worker_died" if died else ""
+    victim = next((r for r in rows if r["behavior"] == "victim"), None) if f.kind == "kill-mid" else None
+    ok = f.new_pid is not None
+    if victim is not None:
+        metrics["victim"] = {k: victim.get(k) for k in ("rid", "outcome", "error_code", "detail")}
+        ok = ok and victim["outcome"] in ("errored", "resumed") and bool(victim.get("error_code"))
+        back += f"; the request under it: {victim['outcome']} ({victim.get('error_code')})"
+    return SummaryRow(baseline=name, verdict="pass" if ok else "fail", detail=back, metrics=metrics)

@@ -49,7 +49,7 @@ from tasks.bench_http import (  # noqa: F401 - some are re-exported for tests
     json_object,
     serve_toml,
 )
-from tasks.bench_outcomes import classify
+from tasks.bench_outcomes import Fault, classify, fault_row
 from tasks.corpus import load_prompts
 
 if TYPE_CHECKING:
@@ -146,19 +146,6 @@ RAW_SCHEMA = pa.schema([
     ("resumed_events", pa.int32()), ("finish_reason", pa.string()), ("first_event_ms", pa.float64()),
     ("total_ms", pa.float64()), ("max_gap_ms", pa.float64()),
 ])
-
-
-@dataclass
-class Fault:
-    """One injected worker kill and whether the server got a new worker afterwards."""
-
-    kind: Literal["kill-idle", "kill-mid"]
-    wave: int
-    pid: int | None = None
-    new_pid: int | None = None
-    recover_s: float | None = None
-    error: str | None = None
-    watcher: asyncio.Task[None] | None = None
 
 
 class _Soak:
@@ -330,29 +317,8 @@ def _main_row(rows: list[dict[str, Any]], end: dict[str, Any], common: dict[str,
                       n_samples=len(rows), metrics=metrics)
 
 
-def _fault_row(f: Fault, rows: list[dict[str, Any]], common: dict[str, Any]) -> SummaryRow:
-    """A kill passes when a new worker came up, and (mid-request) the request under it ended explicitly."""
-    metrics = {**common, "pid": f.pid, "new_pid": f.new_pid, "recover_s": f.recover_s, "wave": f.wave}
-    name = f"fault:{f.kind}"
-    if f.error:
-        return SummaryRow(baseline=name, verdict="fail", detail=f.error, metrics=metrics)
-    back = f"worker {f.pid} killed; new worker {f.new_pid} up after {f.recover_s:.1f} s" if f.new_pid \
-        else f"worker {f.pid} killed; no new worker came up"
-    if f.kind == "kill-idle":  # the worker was idle: a request should wait for its successor, not fail
-        died = [r["index"] for r in rows if r["wave"] == f.wave and r.get("error_code") == "worker_died"]
-        metrics["worker_died_requests"] = died
-        back += f"; {len(died)} requests sent after the kill got worker_died" if died else ""
-    victim = next((r for r in rows if r["behavior"] == "victim"), None) if f.kind == "kill-mid" else None
-    ok = f.new_pid is not None
-    if victim is not None:
-        metrics["victim"] = {k: victim.get(k) for k in ("rid", "outcome", "error_code", "detail")}
-        ok = ok and victim["outcome"] in ("errored", "resumed") and bool(victim.get("error_code"))
-        back += f"; the request under it: {victim['outcome']} ({victim.get('error_code')})"
-    return SummaryRow(baseline=name, verdict="pass" if ok else "fail", detail=back, metrics=metrics)
-
-
 def _fault_rows(soak: _Soak, common: dict[str, Any]) -> list[SummaryRow]:
-    rows = [_fault_row(f, soak.rows, common) for f in soak.faults]
+    rows = [fault_row(f, soak.rows, common) for f in soak.faults]
     for kind in ("kill-idle", "kill-mid"):
         if soak.opts.faults and not any(f.kind == kind for f in soak.faults):
             why = "the soak ended before its wave (raise --seconds)" if soak.skipped else \

@@ -12,15 +12,13 @@ from bench_support import bench_settings, make_plan, session_cache
 from tasks.bench_common import open_bench, save_run
 from tasks.bench_conformance import (
     CHECKS,
-    EXPLAINED,
     NEAR_TIE,
     TIE_NATS,
     ConformanceOptions,
-    Finding,
     bench_conformance,
-    explain,
     near_tie,
 )
+from tasks.conformance_rules import EXPLAINED, Finding, explain
 
 OPTS = ConformanceOptions(n_gen=8, prompts=(32,), conversations=2, corpus_chars=300)
 
