@@ -91,13 +91,14 @@ def _buffer_type(device: str) -> int:
 
 
 @contextlib.contextmanager
-def _tensor_overrides(overrides: Sequence[TensorOverride]) -> Iterator[Any]:
-    """Make llama_model_load_from_file see ``overrides`` as ``tensor_buft_overrides`` (``-ot``).
+def _tensor_overrides(overrides: Sequence[TensorOverride], no_host: bool = False) -> Iterator[Any]:
+    """Make llama_model_load_from_file see ``overrides`` as ``tensor_buft_overrides`` (``-ot``) and,
+    with ``no_host``, set ``no_host`` (``--no-host``: CPU weights repacked, not in pinned host memory).
 
-    The high-level ``Llama`` has no parameter for them, so the load call is wrapped for the duration
+    The high-level ``Llama`` has no parameter for either, so the load call is wrapped for the duration
     of the constructor; the array must outlive the model, so it is returned to the caller to keep.
     """
-    if not overrides:
+    if not overrides and not no_host:
         yield None
         return
     arr = (_BuftOverride * (len(overrides) + 1))()
@@ -108,7 +109,9 @@ def _tensor_overrides(overrides: Sequence[TensorOverride]) -> Iterator[Any]:
     original = llama_cpp.llama_cpp.llama_model_load_from_file
 
     def load(path: bytes, params: Any) -> Any:
-        params.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p)
+        if overrides:
+            params.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p)
+        params.no_host = no_host
         return original(path, params)
 
     llama_cpp.llama_cpp.llama_model_load_from_file = load
@@ -149,7 +152,7 @@ class NativeModel:
         self.params = params
         if not model_path.is_file():
             raise EngineError("model_missing", f"{model_path}: no such model file")
-        with _tensor_overrides(params.tensor_overrides) as keep:
+        with _tensor_overrides(params.tensor_overrides, params.no_host) as keep:
             try:
                 self.llm = Llama(
                     model_path=str(model_path), n_ctx=params.n_ctx, n_batch=params.n_batch,

@@ -55,6 +55,10 @@ class EngineParams(BaseModel):
     type_k: KvType = "f16"
     type_v: KvType = "f16"
     load_mode: LoadMode = "mmap"
+    no_host: bool = Field(False, description=(
+        "CPU-resident weights in the CPU backend's repacked layout (llama.cpp --no-host), not in the GPU's pinned "
+        "host buffer: faster CPU matmuls at batch 1, but ops on them are never offloaded to a GPU, so prefill "
+        "computes them on the CPU. Without a GPU, CPU weights are repacked either way."))
     offload_kqv: bool = True
     op_offload: bool = True
     offload_min_batch: int | None = Field(None, ge=1, description="GGML_OP_OFFLOAD_MIN_BATCH")
@@ -81,6 +85,8 @@ class EngineParams(BaseModel):
             args.append("--no-mmap")
         if self.load_mode == "mlock":
             args.append("--mlock")
+        if self.no_host:
+            args.append("--no-host")
         if not self.offload_kqv:
             args.append("-nkvo")
         if not self.op_offload:

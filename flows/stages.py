@@ -186,6 +186,7 @@ def prune_stage(ctx: PlanContext, hw: HardwareReport, space: PlacementSpace) -> 
     create_table_artifact(key="finalists", description="Finalists and their predicted speed", table=[
         {"candidate": c.id, "family": c.family, "threads": f"{c.params.n_threads}/{c.params.n_threads_batch}",
          "ubatch": c.params.n_ubatch, "flash_attn": c.params.flash_attn, "load": c.params.load_mode,
+         "host": "repacked" if c.params.no_host else "gpu-host",
          "pred_prefill_tps": round(p.prefill_tps, 1), "pred_decode_tps": round(p.decode_tps, 1)}
         for c, p in zip(fin.finalists, fin.predictions, strict=True)])
     return state

@@ -52,10 +52,11 @@ from tasks.probe import probe  # noqa: E402
 from tasks.prune import prune  # noqa: E402
 
 GIB = 2**30
-PROMPTS: dict[str, list[int]] = {}  # 'pp' and 'agent': corpus text in the model's own tokens
+PROMPTS: dict[str, list[int]] = {}  # 'pp', 'agent' and 'chat': corpus text in the model's own tokens
 CTX = 4096
 PP, TG = 512, 128
 AGENT_PROMPT, AGENT_GEN = 2048, 32
+CHAT_PROMPT, CHAT_GEN = 128, 512  # a chat turn with a cached history: a short new message, a long reply
 
 
 def gib(n: int | None) -> str:
@@ -273,10 +274,15 @@ def plan(model: Path, info: ModelInfo, hw: HardwareReport, budget_gib: float, ar
     req = PlanRequest(model=str(model), ctx=CTX, gpu_mem_budget_gib=[budget_gib] if budget_gib > 0 else None,
                       finalists=args.finalists, repeats=args.repeats, budget_s=args.plan_budget_s)
     space = enumerate_placements(info, hw, req, 10)
-    work = Workload(prefill_tokens=PP + AGENT_PROMPT, decode_tokens=TG + AGENT_GEN, mean_prompt_tokens=(PP + AGENT_PROMPT) / 2)
+    if args.workload == "chat":  # decode-heavy: what the plan optimises is one chat turn
+        work = Workload(prefill_tokens=CHAT_PROMPT, decode_tokens=CHAT_GEN, mean_prompt_tokens=CHAT_PROMPT)
+        prompts, n_gen = [PROMPTS["chat"]], CHAT_GEN
+    else:  # prefill-heavy, as a coding agent's
+        work = Workload(prefill_tokens=PP + AGENT_PROMPT, decode_tokens=TG + AGENT_GEN,
+                        mean_prompt_tokens=(PP + AGENT_PROMPT) / 2)
+        prompts, n_gen = [PROMPTS["pp"], PROMPTS["agent"]], TG
     fin = prune(space, info, hw, work, args.finalists)
-    prompts = [PROMPTS["pp"], PROMPTS["agent"]]
-    sums, _, _, _ = measure(fin.finalists, model, prompts, TG, budget_s=args.plan_budget_s, repeats=args.repeats,
+    sums, _, _, _ = measure(fin.finalists, model, prompts, n_gen, budget_s=args.plan_budget_s, repeats=args.repeats,
                             timeout_s=600, log_path=log_path, seed=1, gpu_budgets=gpu_limits(hw, req) if budget_gib > 0 else None)
     ok = [s for s in sums if s.workload_s]
     if not ok:
@@ -291,14 +297,16 @@ def plan(model: Path, info: ModelInfo, hw: HardwareReport, budget_gib: float, ar
 
 
 def race(model: Path, entries: dict[str, Candidate], server: LlamaServerFit | None, rounds: int,
-         log_path: Path) -> dict[str, dict[str, list[float]]]:
-    """Paired randomized rounds: every entry runs pp512+tg128 and the agent prompt once per round.
+         log_path: Path, chat: bool = False) -> dict[str, dict[str, list[float]]]:
+    """Paired randomized rounds: every entry runs pp512+tg128 and the agent prompt (and, with ``chat``,
+    a chat turn) once per round.
 
     Every configuration stays loaded in its own worker for the whole race (each fits its budget alone,
     and the card holds them all), so rounds measure steady state, not loads.
     """
     names = [*entries, *(["fit"] if server else [])]
-    out: dict[str, dict[str, list[float]]] = {k: {"pp": [], "tg": [], "agent_s": []} for k in names}
+    out: dict[str, dict[str, list[float]]] = {k: {"pp": [], "tg": [], "agent_s": [], **({"chat_s": []} if chat else {})}
+                                              for k in names}
     workers: dict[str, WorkerClient] = {}
     rng = random.Random(3)
     pp_prompt, agent = PROMPTS["pp"], PROMPTS["agent"]
@@ -321,6 +329,10 @@ def race(model: Path, entries: dict[str, Candidate], server: LlamaServerFit | No
                 out[name]["pp"].append(a["prompt_tokens"] / a["prompt_ms"] * 1e3)
                 out[name]["tg"].append(a["gen_tokens"] / a["gen_ms"] * 1e3)
                 out[name]["agent_s"].append((b["prompt_ms"] + b["gen_ms"]) / 1e3)
+                if chat:
+                    c = (server.run(PROMPTS["chat"], CHAT_GEN) if name == "fit" and server is not None else
+                         workers[name].call("timed_run", {"prompt": PROMPTS["chat"], "n_gen": CHAT_GEN}, timeout=600))
+                    out[name]["chat_s"].append((c["prompt_ms"] + c["gen_ms"]) / 1e3)
     finally:
         for w in workers.values():
             w.close()
@@ -361,7 +373,7 @@ class ModelSetup:
             r = synthesize(preset, self.model, quant="Q4_0")
             log(f"synthesized {preset}: {r.file_bytes / 1e9:.2f} GB in {r.seconds:.1f} s")
         self.info = model_info(self.model)
-        self.prompts = tune_prompts(self.model, [PP, AGENT_PROMPT], 0, log_path)
+        self.prompts = tune_prompts(self.model, [PP, AGENT_PROMPT, CHAT_PROMPT], 0, log_path)
         self.hw = probe(self.model, "bench", load_settings(), "bench")
         log(f"probe {preset}: {[g.name for g in self.hw.gpus]}, RAM {self.hw.ram_read_gbs:.0f} GB/s, "
             f"H2D {[(g.h2d_pinned_gbs, g.h2d_pageable_gbs) for g in self.hw.gpus]}, kernels {[k.device for k in self.hw.kernels]}")
@@ -371,11 +383,11 @@ def one_budget(ms: ModelSetup, b: float, args: argparse.Namespace, threads: int,
                finalists: list[dict[str, Any]]) -> dict[str, Any]:
     """Plan under one budget, find the baselines, race them; one result row."""
     model, info, hw, preset = ms.model, ms.info, ms.hw, ms.preset
-    PROMPTS["pp"], PROMPTS["agent"] = ms.prompts
+    PROMPTS["pp"], PROMPTS["agent"], PROMPTS["chat"] = ms.prompts
     budget = int(b * GIB)
-    log(f"{preset} budget {b:g} GiB: planning")
+    log(f"{preset} budget {b:g} GiB: planning for the {args.workload} workload")
     chosen, plan_s, rows = plan(model, info, hw, b, args, log_path)
-    finalists += [{"model": preset, "budget_gib": b, **r} for r in rows]
+    finalists += [{"model": preset, "budget_gib": b, "workload": args.workload, **r} for r in rows]
     used, _ = probe_vram(model, chosen.params, log_path)
     log(f"  plan {chosen.family} in {plan_s:.0f} s; peak VRAM {vram(used)} GiB; flags {' '.join(chosen.params.cli_args())}")
     entries = {"plan": chosen}
@@ -391,13 +403,13 @@ def one_budget(ms: ModelSetup, b: float, args: argparse.Namespace, threads: int,
     fit_vram = server.vram() if server else None
     log(f"  llama-server --fit: VRAM {vram(fit_vram)} GiB")
     try:
-        res = race(model, entries, server, args.rounds, log_path)
+        res = race(model, entries, server, args.rounds, log_path, chat=args.workload == "chat")
     finally:
         if server:
             server.close()
     med: dict[str, dict[str, float]] = {k: {m: statistics.median(v) for m, v in d.items() if v} for k, d in res.items()}
     row: dict[str, Any] = {
-        "model": preset, "model_gib": info.weight_bytes / GIB, "budget_gib": b, "plan_s": plan_s,
+        "model": preset, "model_gib": info.weight_bytes / GIB, "budget_gib": b, "workload": args.workload, "plan_s": plan_s,
         "plan_family": chosen.family, "plan_flags": " ".join(chosen.params.cli_args()),
         "n_gpus": n_gpus if hw.gpus else 0, "plan_vram_gib": used and sum(used) / GIB,
         "plan_vram_max_gib": used and max(used) / GIB, "plan_within_budget": None if used is None else within(used, budget),
@@ -412,8 +424,10 @@ def one_budget(ms: ModelSetup, b: float, args: argparse.Namespace, threads: int,
             row[f"tg_vs_{base}"] = med["plan"]["tg"] / med[base]["tg"]
             row[f"pp_vs_{base}"] = med["plan"]["pp"] / med[base]["pp"]
             row[f"agent_vs_{base}"] = med[base]["agent_s"] / med["plan"]["agent_s"]
+            if "chat_s" in med["plan"] and "chat_s" in med[base]:
+                row[f"chat_vs_{base}"] = med[base]["chat_s"] / med["plan"]["chat_s"]
     log("  " + ", ".join(f"{k}={v:.3f}" for k, v in row.items()
-                         if k.startswith(("tg_vs", "pp_vs", "agent_vs", "plan_tg", "plan_pp")) and v))
+                         if k.startswith(("tg_vs", "pp_vs", "agent_vs", "chat_vs", "plan_tg", "plan_pp")) and v))
     return row
 
 
@@ -428,6 +442,9 @@ def main() -> int:
     ap.add_argument("--finalists", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workload", choices=("agent", "chat"), default="agent",
+                    help="the mix the plan optimises: agent (2,560 prompt + 160 generated tokens, prefill-heavy) or "
+                         "chat (128 + 512, decode-heavy); chat also races a chat turn")
     ap.add_argument("--plan-budget-s", type=float, default=120)
     ap.add_argument("--stop-after-s", type=float, default=0, help="start no new budget after this many seconds")
     ap.add_argument("--import", dest="import_only", action="store_true",

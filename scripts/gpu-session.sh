@@ -23,17 +23,13 @@ FLUX_SRC_DIR=.carry/src FLUX_OFFLINE=1 FLUX_ONE_BUILD=1 CUDA_ARCHS=${CUDA_ARCHS:
 echo "backend built in $(( $(date +%s) - start )) s" | tee -a "$OUTDIR/build.log"
 wait "$synth"; cat "$OUTDIR/synth.log"
 python3 -c 'import llama_cpp, sys; print("llama_cpp", llama_cpp.__version__, file=sys.stderr)'
-# FLUX_DIAG_NCMOE=N: llama-bench's own pp512/tg64 at --n-cpu-moe N (weights loaded, not mapped) with all,
-# half and a quarter of the cores: the C++ reference for the worker's figures at that placement
-# (docs/benchmarks/h200/llama-bench-run3.md); then pinned host weights against repacked ones
-# (--no-host 1): the decode-vs-prefill trade-off docs/benchmarks/h200.md names as the next lever.
+# FLUX_DIAG_NCMOE=N[,M]: llama-bench's own pp512/tg64 at --n-cpu-moe N with every host-weight layout: mapped,
+# loaded into pinned host memory, and repacked for the CPU (--no-host 1): the decode-vs-prefill trade-off of
+# where the CPU's experts live (docs/benchmarks/h200.md), measured in C++ before Flux's own figures.
 if [ -n "${FLUX_DIAG_NCMOE:-}" ]; then
   bench=$(python3 -c 'from engine_bridge.backend import llama_server_path; from artifacts.config import load_settings
 p = llama_server_path(load_settings().cache_dir); print(p.parent / "llama-bench" if p else "")')
-  n=$(nproc)
-  "$bench" -m "$MODELS/qwen3-30b-a3b-Q4_0.gguf" -ngl 999 -ncmoe "$FLUX_DIAG_NCMOE" -fa 1 -lm none \
-    -t "$n,$((n / 2)),$((n / 4))" -p 512 -n 64 -r 3 -o md 2>&1 | grep '^|' | tee "$OUTDIR/diag.log" || true
-  "$bench" -m "$MODELS/qwen3-30b-a3b-Q4_0.gguf" -ngl 999 -ncmoe "$FLUX_DIAG_NCMOE" -fa 1 -lm none \
-    -t "$n" --no-host 0,1 -p 512 -n 64 -r 3 -o md 2>&1 | grep '^|' | tee -a "$OUTDIR/diag.log" || true
+  "$bench" -m "$MODELS/qwen3-30b-a3b-Q4_0.gguf" -ngl 999 -ncmoe "$FLUX_DIAG_NCMOE" -fa 1 -lm mmap,none \
+    --no-host 0,1 -t "$(nproc)" -p 512 -n 64 -r 3 -o md 2>&1 | grep '^|' | tee "$OUTDIR/diag.log" || true
 fi
 exec python3 scripts/bench_gpu.py --out "$OUTDIR" --model-dir "$MODELS" "$@"

@@ -93,6 +93,12 @@ def _load_mode(c: Candidate, d: EngineParams) -> EngineParams | str:
     return _with(c.params, load_mode=d.load_mode)
 
 
+def _host_layout(c: Candidate, d: EngineParams) -> EngineParams | str:
+    if c.params.no_host == d.no_host:
+        return "not chosen by the plan (host weights in the GPU's pinned buffer are the default)"
+    return _with(c.params, no_host=d.no_host)
+
+
 def _kv_offload(c: Candidate, d: EngineParams) -> EngineParams | str:
     if c.params.offload_kqv == d.offload_kqv:
         return "not chosen by the plan (KV offload is the default)"
@@ -117,7 +123,8 @@ def _experts(c: Candidate, d: EngineParams) -> EngineParams | str:
 
 VARIANTS: dict[str, Variant] = {
     "default-threads": _threads, "ubatch-512": _ubatch, "flash-attn-default": _flash_attn,
-    "load-mmap": _load_mode, "kv-offload-default": _kv_offload, "offload-threshold-default": _offload_threshold,
+    "load-mmap": _load_mode, "host-pinned": _host_layout, "kv-offload-default": _kv_offload,
+    "offload-threshold-default": _offload_threshold,
     "experts-on-cpu": _experts,
 }
 

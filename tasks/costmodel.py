@@ -3,7 +3,8 @@
 It ranks and prunes; it never decides. Decode at batch 1 is modelled as a fixed per-token cost plus the
 bytes each device reads per token over that device's measured bandwidth; prefill as compute scaled from
 the model's own prefill kernel timed by the probe, plus PCIe copies of host-resident weights for
-micro-batches that llama.cpp offloads to a GPU (``GGML_OP_OFFLOAD_MIN_BATCH``).
+micro-batches that llama.cpp offloads to a GPU (``GGML_OP_OFFLOAD_MIN_BATCH``). Host weights in the CPU's
+repacked layout (``no_host``) decode faster and are never offloaded: their prefill is CPU compute.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ GPU_HBM_GBS = 3000.0  # used only until a GPU kernel timing calibrates it (H200:
 GPU_TOKEN_OVERHEAD_MS = 3.0  # measured on the H200: batch-1 decode is bound by per-token launch cost
 HYBRID_LAYER_SYNC_MS = 0.05  # per host<->GPU hand-over in a layer (notes: ~0.48 ms per CPU expert layer)
 DEFAULT_OFFLOAD_MIN_BATCH = 32
+# CPU matmuls on weights in the GPU's host buffer (pinned or mapped: the plain layout) against the CPU
+# backend's repacked layout, which the probe's CPU-only kernel timing uses (notes: 23.0 vs 30.5 tok/s on the
+# H200 box with every weight on the CPU). Hybrids with ``no_host`` get the repacked speed.
+PLAIN_LAYOUT_SLOWDOWN = 30.5 / 23.0
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,8 @@ def predict(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: Workload
     cpu_read += kv_read if kv_on_cpu else 0.0
     gpu_read += 0.0 if kv_on_cpu else kv_read
     decode_ms = cpu_read / (cpu_bandwidth(hw, p.n_threads) * eff) * 1e3
+    if gpu_read and not p.no_host:
+        decode_ms *= PLAIN_LAYOUT_SLOWDOWN
     if gpu_read:
         decode_ms += gpu_fixed + gpu_read / gpu_bw * 1e3 + _transitions(cand.placement) * HYBRID_LAYER_SYNC_MS
     if p.flash_attn and gpu_read:
@@ -147,7 +154,7 @@ def _prefill_ms(info: ModelInfo, hw: HardwareReport, cand: Candidate, per_dev: d
     if not gpu_resident:
         return cpu_ms
     threshold = p.offload_min_batch or DEFAULT_OFFLOAD_MIN_BATCH
-    if p.n_ubatch < threshold or not p.op_offload:
+    if p.n_ubatch < threshold or not p.op_offload or p.no_host:  # repacked weights are never offloaded
         return cpu_ms + 0.02
     gpu = next((g for g in hw.gpus), None)
     pinned = p.load_mode != "mmap"

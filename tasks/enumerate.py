@@ -3,7 +3,7 @@
 On a CPU-only machine the space is threads (decode and batch), n_batch/n_ubatch, flash attention,
 mmap vs loaded weights and the requested KV type. With GPUs it adds where weights live: all on a GPU,
 llama.cpp's last-N layers, and per-layer expert tensors (gate/up/down separately) chosen by the MILP in
-:mod:`tasks.expert_select` under each GPU's budget, with pinned host weights and the offload threshold.
+:mod:`tasks.expert_select` under each GPU's budget, with pinned or repacked host weights and the offload threshold.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import itertools
 import logging
 
 from artifacts.model_info import ModelInfo
-from engine_bridge.params import EngineParams, TensorOverride
+from engine_bridge.params import EngineParams, LoadMode, TensorOverride
 from tasks import expert_select
 from tasks.costmodel import EXPERT_PARTS, all_on, layer_bytes
 from tasks.errors import ImpossiblePlan
@@ -187,19 +187,25 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, n_ctx: 
     on_gpu = placement.gpu_layers() > 0 or placement.output_device != "CPU"
     threads = _thread_choices(hw)
     ubatches = [256, 512, 2048] if on_gpu else [128, 512]
-    loads = ["mmap", "load"]
+    hybrid = on_gpu and any(d == "CPU" for d in placement.layer_device + [
+        e for ex in placement.expert_device for e in ex.values()])
+    # (load mode, no_host): mapped, loaded into pinned host memory, or (hybrids only: without a GPU the CPU
+    # weights are repacked anyway) loaded in the CPU's repacked layout: faster decode, CPU-bound prefill.
+    loads: list[tuple[LoadMode, bool]] = [("mmap", False), ("load", False)]
+    if hybrid:
+        loads.append(("load", True))
     fas = [True, False] if req.kv in ("f16", "f32") else [True]
-    offload = [None, 4096] if on_gpu and any(d == "CPU" for d in placement.layer_device + [
-        e for ex in placement.expert_device for e in ex.values()]) else [None]
+    offload = [None, 4096] if hybrid else [None]
     overrides = _overrides(placement) if on_gpu else []
     out = []
-    for t, tb, ub, load, fa, omb in itertools.product(threads, threads, ubatches, loads, fas, offload):
-        if ub > n_ctx or (on_gpu and t != tb):
+    for t, tb, ub, (load, no_host), fa, omb in itertools.product(threads, threads, ubatches, loads, fas, offload):
+        if ub > n_ctx or (on_gpu and t != tb) or (no_host and omb is not None):
             continue
         out.append(EngineParams(
             n_ctx=n_ctx, n_seq_max=req.concurrency, n_batch=max(ub, 512 if not on_gpu else ub), n_ubatch=ub,
             n_threads=t, n_threads_batch=tb, n_gpu_layers=999 if on_gpu else 0, flash_attn=fa, type_k=req.kv,
-            type_v=req.kv, load_mode=load, offload_min_batch=omb, tensor_overrides=tuple(overrides), seed=req.seed))
+            type_v=req.kv, load_mode=load, no_host=no_host, offload_min_batch=omb, tensor_overrides=tuple(overrides),
+            seed=req.seed))
     return out
 
 

@@ -5,8 +5,10 @@ to knobs whose effect is kernel-specific (flash attention on a CPU, mmap vs load
 size) and to how many threads a hybrid GPU+CPU placement wants: its CPU speed is calibrated on CPU-only
 kernels (repacked weights), not on a hybrid's small expert matmuls between GPU hand-overs (on the H200,
 16 threads decoded 1.3-1.5x faster than 8 there; the model predicted 1.07-1.17x). So the finalists are
-the best-predicted candidate, then (when it is hybrid) the same candidate with the other thread counts,
-then the best of each micro-batch size (on the H200 the same all-GPU placement prefilled at 4,500 tok/s
+the best-predicted candidate, then (when it is hybrid) the same candidate with the next thread count and
+the best hybrid with the other host-weight layout (pinned for offloaded prefill, or repacked for CPU decode:
+the model predicts which the workload's mix favours, measurement confirms), then the best of each
+micro-batch size (on the H200 the same all-GPU placement prefilled at 4,500 tok/s
 with -ub 256 and 7,300 with -ub 512, which the model ranked equal), then of each group of the other
 uncertain knobs, then the next best overall: measurement settles what the model cannot. Diversity stops
 at candidates predicted more than ``PLAUSIBLE`` times slower than the best: the model is never that
@@ -28,7 +30,7 @@ PLAUSIBLE = 3.0  # diversity picks only candidates predicted within this factor 
 
 def _group(c: Candidate) -> tuple[object, ...]:
     """The knobs the cost model cannot rank: one finalist per combination first."""
-    return (c.family, c.params.flash_attn, c.params.load_mode)
+    return (c.family, c.params.flash_attn, c.params.load_mode, c.params.no_host)
 
 
 def _hybrid(c: Candidate) -> bool:
@@ -64,7 +66,11 @@ def prune(space: PlacementSpace, info: ModelInfo, hw: HardwareReport, work: Work
     if ranked and _hybrid(ranked[0]):
         chosen.append(ranked[0])
         seen.add(_group(ranked[0]))
-        chosen.extend(_thread_siblings(ranked[0], ranked)[:max(0, n_finalists - 2)])
+        chosen.extend(_thread_siblings(ranked[0], ranked)[:1])
+        layout = next((c for c in plausible if _hybrid(c) and c.params.no_host != ranked[0].params.no_host), None)
+        if layout is not None and len(chosen) < n_finalists:
+            chosen.append(layout)
+            seen.add(_group(layout))
     for ub in sorted({c.params.n_ubatch for c in plausible}, key=lambda u: min(
             preds[c.id].score_s for c in plausible if c.params.n_ubatch == u)):
         if len(chosen) >= n_finalists:

@@ -249,8 +249,10 @@ def test_parking_is_bounded_and_restores_into_another_sequence(ctx_model: Path) 
 
 def test_moe_with_tensor_overrides_serves_the_same_tokens(tiny_moe: Path) -> None:
     outs = []
-    for overrides in [(), (TensorOverride(pattern=r"^blk\.(0|2)\.ffn_(gate|up)_exps\.", device="CPU"),)]:
-        engine, rec = make(tiny_moe, n_seq_max=2, tensor_overrides=overrides)
+    # no_host (--no-host) goes through the same load-call wrapper; without a GPU it changes no buffer
+    cpu_experts = (TensorOverride(pattern=r"^blk\.(0|2)\.ffn_(gate|up)_exps\.", device="CPU"),)
+    for overrides, no_host in [((), False), (cpu_experts, True)]:
+        engine, rec = make(tiny_moe, n_seq_max=2, tensor_overrides=overrides, no_host=no_host)
         run(engine, 1, engine.vocab.tokenize(text(12, 20)), n=12)
         outs.append(rec.tokens(1))
         engine.close()

@@ -62,6 +62,9 @@ def test_overrides_load_and_match_plain_outputs(worker: WorkerClient, tiny_moe: 
     params = PARAMS.model_copy(update={"tensor_overrides": (TensorOverride(pattern=r"^blk\.(0|2)\.ffn_(gate|up)_exps\.", device="CPU"),)})
     worker.call("load", {"model": str(tiny_moe), "params": params.model_dump()})
     assert worker.call("greedy", {"prompt": toks, "n_gen": 6, "stop_eog": False})["tokens"] == plain
+    repacked = params.model_copy(update={"no_host": True, "load_mode": "load"})  # --no-host --no-mmap
+    worker.call("load", {"model": str(tiny_moe), "params": repacked.model_dump()})
+    assert worker.call("greedy", {"prompt": toks, "n_gen": 6, "stop_eog": False})["tokens"] == plain
 
 
 def test_unknown_device_is_a_typed_error(worker: WorkerClient, tiny_moe: Path) -> None:

@@ -25,15 +25,16 @@ def test_bench_gpu_runs_on_a_cpu_and_stores_its_rows(tiny_moe: Path, tmp_path: P
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "bench_gpu.py"), "--out", str(out), "--model-dir", str(models),
-         "--pairs", "tiny-moe:0", "--finalists", "2", "--rounds", "1", "--plan-budget-s", "20"],
+         "--pairs", "tiny-moe:0", "--finalists", "2", "--rounds", "1", "--plan-budget-s", "20", "--workload", "chat"],
         env=flux_env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (row,) = pq.read_table(out / "h200_results.parquet").to_pylist()
     assert row["model"] == "tiny-moe" and row["plan_family"] == "cpu" and row["plan_tg"] > 0 and row["plan_pp"] > 0
     assert row["plan_agent_s"] > 0 and row["plan_s"] > 0
+    assert row["workload"] == "chat" and row["plan_chat_s"] > 0, "the decode-heavy mix races a chat turn too"
     assert row["ncmoe"] is None and row["lcp_ngl"] is None, "no GPU: the GPU baselines are not raced"
     finalists = pq.read_table(out / "h200_finalists.parquet").to_pylist()
-    assert len(finalists) == 2 and all(f["meas_decode"] for f in finalists)
+    assert len(finalists) == 2 and all(f["meas_decode"] and f["workload"] == "chat" for f in finalists)
     assert "stored" in proc.stdout and "bench_gpu/" in proc.stdout
     data = Path(flux_env["XDG_DATA_HOME"]) / "flux"
     tables = list(data.rglob("bench_gpu/*.parquet"))

@@ -29,7 +29,7 @@ def test_a_plan_with_default_choices_has_nothing_to_undo() -> None:
 
 def test_each_variant_undoes_exactly_one_choice() -> None:
     plan = EngineParams(n_ctx=1024, n_batch=256, n_ubatch=128, n_threads=3, n_threads_batch=3, flash_attn=True,
-                        load_mode="load", offload_kqv=False, offload_min_batch=64, n_gpu_layers=99,
+                        load_mode="load", no_host=True, offload_kqv=False, offload_min_batch=64, n_gpu_layers=99,
                         tensor_overrides=(TensorOverride(pattern=r"blk\.[0-1]\.ffn_.*_exps", device="CPU"),))
     experts = [{"gate": "CUDA0", "up": "CUDA0", "down": "CPU"}] * 4
     found = variants(_cand(plan, experts), cpu_count=4)
@@ -38,7 +38,8 @@ def test_each_variant_undoes_exactly_one_choice() -> None:
                for name, p in found.items() if isinstance(p, EngineParams)}
     assert changed == {
         "default-threads": {"n_threads", "n_threads_batch"}, "ubatch-512": {"n_ubatch", "n_batch"},
-        "flash-attn-default": {"flash_attn"}, "load-mmap": {"load_mode"}, "kv-offload-default": {"offload_kqv"},
+        "flash-attn-default": {"flash_attn"}, "load-mmap": {"load_mode"}, "host-pinned": {"no_host"},
+        "kv-offload-default": {"offload_kqv"},
         "offload-threshold-default": {"offload_min_batch"}, "experts-on-cpu": {"tensor_overrides"}}
     ex = found["experts-on-cpu"]
     assert isinstance(ex, EngineParams) and ex.tensor_overrides == (EXPERTS_ON_CPU,)

@@ -204,3 +204,53 @@ def test_finalists_skip_candidates_predicted_far_slower(moe: ModelInfo) -> None:
             (c.family, p.score_s / best) for c, p in zip(fin.finalists, fin.predictions, strict=True)]
         assert not any(c.family == "cpu" for c in fin.finalists)
         assert len(fin.finalists) == 6
+
+
+def test_hybrids_offer_repacked_host_weights(moe: ModelInfo) -> None:
+    # --no-host: the CPU's repacked layout for host weights, only where a GPU shares the work (without one,
+    # CPU weights are repacked anyway); never with an offload threshold, since those ops never offload.
+    from tasks.prune import _hybrid
+
+    budget = [(moe.weight_bytes * 0.5 + GPU_MARGIN) / 2**30]
+    space = enumerate_placements(moe, h200_report(1), PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=budget), 10)
+    repacked = [c for c in space.candidates if c.params.no_host]
+    assert repacked and all(_hybrid(c) for c in repacked)
+    assert all(c.params.load_mode == "load" and c.params.offload_min_batch is None for c in repacked)
+    assert all("--no-host" in c.params.cli_args() for c in repacked)
+    assert not any(c.params.no_host for c in space.candidates if not _hybrid(c))
+    whole = enumerate_placements(moe, h200_report(1), PlanRequest(model="m", ctx=512), 10)
+    assert not any(c.params.no_host for c in whole.candidates if not _hybrid(c))
+
+
+def test_the_workload_mix_decides_the_host_layout(moe: ModelInfo) -> None:
+    # Repacked host weights decode faster but prefill on the CPU: a prefill-heavy agent workload keeps the
+    # pinned layout (offloaded prefill); a decode-heavy chat makes a repacked candidate a finalist to measure.
+    from tasks.prune import prune
+
+    budget = [(moe.weight_bytes * 0.5 + GPU_MARGIN) / 2**30]
+    hw = h200_report(1)
+    space = enumerate_placements(moe, hw, PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=budget), 10)
+    pinned = next(c for c in space.candidates if c.params.load_mode == "load" and not c.params.no_host
+                  and c.params.offload_min_batch is None and c.family.startswith("milp"))
+    twin = next(c for c in space.candidates if c.placement == pinned.placement and c.params == pinned.params.model_copy(
+        update={"no_host": True}))
+    a, b = predict(moe, hw, pinned, WORK), predict(moe, hw, twin, WORK)
+    assert b.decode_tps > a.decode_tps and b.prefill_tps < a.prefill_tps
+    # at a real model's scale (tiny-moe's bytes x 2000: 4.9 GB), where the GPU's fixed cost per token is small
+    big = scaled(moe, 2000)
+    budget = [(big.weight_bytes * 0.5 + GPU_MARGIN) / 2**30]
+    space = enumerate_placements(big, hw, PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=budget), 10)
+    agent = prune(space, big, hw, WORK, 4)
+    assert not agent.finalists[0].params.no_host
+    assert not any(c.params.no_host for c in agent.finalists), "a CPU-bound prefill is far off for an agent"
+    chat = prune(space, big, hw, Workload(prefill_tokens=64, decode_tokens=2048, mean_prompt_tokens=64), 4)
+    assert chat.finalists[0].params.no_host
+    assert {c.params.no_host for c in chat.finalists} == {True, False}, "measurement sees both layouts"
+
+
+def scaled(info: ModelInfo, k: int) -> ModelInfo:
+    """``info`` with every tensor ``k`` times larger (same layers, experts and shapes of the byte budget)."""
+    layers = [layer.model_copy(update={"bytes_by_role": {r: b * k for r, b in layer.bytes_by_role.items()}})
+              for layer in info.layers]
+    return info.model_copy(update={"layers": layers,
+                                   "bytes_by_role": {r: b * k for r, b in info.bytes_by_role.items()}})
