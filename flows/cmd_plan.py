@@ -33,6 +33,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--gpu-mem-budget", type=str, help="GiB per GPU, e.g. 12 or 12,24")
     p.add_argument("--allow-storage-streaming", action="store_true",
                    help="allow placements that read weights beyond RAM from the drive")
+    p.add_argument("--workload", choices=("agent", "chat"), default="agent",
+                   help="what the plan is timed on: agent (long prompts, short replies; the default) or chat "
+                        "(a short message on a cached history, a long reply: decode-heavy)")
     p.add_argument("--replan", action="store_true", help="measure again even if a matching plan exists")
     p.add_argument("--reprobe", action="store_true", help="measure the hardware again")
     p.add_argument("--seed", type=int, default=0)
@@ -80,8 +83,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     req = PlanRequest(model=str(model), ctx=args.ctx, concurrency=args.concurrency, kv=args.kv,
                       budget_s=args.budget_s or settings.plan.tuning_budget_s,
                       gpu_mem_budget_gib=_gpu_budget(args.gpu_mem_budget),
-                      allow_storage_streaming=args.allow_storage_streaming, finalists=settings.plan.finalists,
-                      repeats=settings.plan.repeats, seed=args.seed)
+                      allow_storage_streaming=args.allow_storage_streaming, workload=args.workload,
+                      finalists=settings.plan.finalists, repeats=settings.plan.repeats, seed=args.seed)
     t0 = time.monotonic()
     pctx = stages.context(req, settings)
     trained = pctx.info.n_ctx_train
@@ -99,7 +102,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan_id = plan_model(model=str(model), ctx=args.ctx, concurrency=args.concurrency, kv=args.kv,
                          budget_s=req.budget_s, gpu_mem_budget_gib=req.gpu_mem_budget_gib,
                          allow_storage_streaming=args.allow_storage_streaming, replan=args.replan,
-                         reprobe=args.reprobe, seed=args.seed)
+                         reprobe=args.reprobe, seed=args.seed, workload=args.workload)
     con.print(f"planned in {time.monotonic() - t0:.0f} s; `flux show {plan_id[:12]}` prints it, "
               f"`flux serve {plan_id[:12]}` serves it")
     console().print(plan_id)

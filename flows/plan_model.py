@@ -7,6 +7,7 @@ that returns its stored output when the inputs hash to one (the task's state mes
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from prefect import flow, get_run_logger
 
@@ -19,14 +20,14 @@ from tasks.models import PlanRequest
 def plan_model(model: str, ctx: int | None = None, concurrency: int = 1, kv: str = "f16",
                budget_s: float | None = None, gpu_mem_budget_gib: list[float] | None = None,
                allow_storage_streaming: bool = False, replan: bool = False, reprobe: bool = False,
-               seed: int = 0) -> str:
+               seed: int = 0, workload: Literal["agent", "chat"] = "agent") -> str:
     """Plan a model on this machine and return the plan id."""
     settings = load_settings()
     log = get_run_logger()
     req = PlanRequest(model=str(Path(model).expanduser().resolve()), ctx=ctx, concurrency=concurrency, kv=kv,
                       budget_s=budget_s or settings.plan.tuning_budget_s, gpu_mem_budget_gib=gpu_mem_budget_gib,
-                      allow_storage_streaming=allow_storage_streaming, finalists=settings.plan.finalists,
-                      repeats=settings.plan.repeats, seed=seed)
+                      allow_storage_streaming=allow_storage_streaming, workload=workload,
+                      finalists=settings.plan.finalists, repeats=settings.plan.repeats, seed=seed)
     ctx_ = stages.context(req, settings)
     if not replan:
         existing = stages.existing_plan(ctx_)

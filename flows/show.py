@@ -54,7 +54,7 @@ def print_plan(plan: Plan, con: Console | None = None) -> None:
     con.print(f"model {plan.model_name}  {plan.model_path}")
     con.print(f"request: ctx {plan.candidate.params.n_ctx}, concurrency {r.concurrency}, kv {r.kv}, "
               f"budget {r.budget_s:.0f} s; quality profile {plan.quality_profile}")
-    con.print(f"workload mix: {plan.workload_prefill_share:.0%} prefill tokens")
+    con.print(f"workload mix: {r.workload}, {plan.workload_prefill_share:.0%} prefill tokens")
     for line in _placement_lines(plan):
         con.print("  " + line, markup=False)
     con.print(f"measured: prefill {m.prefill_tps or 0:.1f} tok/s{_spread(m.prefill_iqr)}, decode "

@@ -17,6 +17,9 @@ from tasks.models import Candidate, HardwareReport, PlanRequest
 
 LENGTHS = (64, 256, 1024, 2048, 4096)
 N_GEN = 32
+# --workload chat: a turn on a cached history times only the new message and a long reply
+CHAT_LENGTHS = (64, 128, 256)
+CHAT_N_GEN = 256
 VALIDATION_CAP = 512  # longest validation prompt (tokens): agent chats are cut to their last part
 
 
@@ -26,15 +29,17 @@ def prompt_lengths(hw: HardwareReport, info: ModelInfo, n_ctx: int, req: PlanReq
     pre_ms = k.prefill_ms_per_token if k else 1.0
     dec_ms = k.decode_ms_per_token if k else 10.0
     visit_budget_s = req.budget_s / (1.5 * req.finalists * req.repeats)
+    candidates, n_gen = (CHAT_LENGTHS, CHAT_N_GEN) if req.workload == "chat" else (LENGTHS, N_GEN)
+    n_gen = min(n_gen, max(1, n_ctx // 2))
     lengths: list[int] = []
-    for n in LENGTHS:
-        if n + N_GEN >= n_ctx:
+    for n in candidates:
+        if n + n_gen >= n_ctx:
             break
-        cost_s = (sum(lengths) + n) * pre_ms / 1e3 + (len(lengths) + 1) * N_GEN * dec_ms / 1e3
+        cost_s = (sum(lengths) + n) * pre_ms / 1e3 + (len(lengths) + 1) * n_gen * dec_ms / 1e3
         if lengths and cost_s > visit_budget_s:
             break
         lengths.append(n)
-    return lengths or [min(32, n_ctx // 2)], N_GEN
+    return lengths or [min(32, n_ctx // 2)], n_gen
 
 
 def visit_seconds(hw: HardwareReport, lengths: list[int], n_gen: int) -> float:

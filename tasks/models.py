@@ -28,6 +28,9 @@ class PlanRequest(_Model):
     budget_s: float = Field(600.0, gt=0)
     gpu_mem_budget_gib: list[float] | None = None
     allow_storage_streaming: bool = False
+    workload: Literal["agent", "chat"] = Field("agent", description=(
+        "the mix the plan is timed on: agent (long prompts, short replies: prefill-heavy) or chat (a short new "
+        "message on a cached history, a long reply: decode-heavy)"))
     finalists: int = Field(6, ge=1)
     repeats: int = Field(3, ge=1)
     seed: int = 0

@@ -35,6 +35,8 @@ def plan_key(model_hash: str, hw: HardwareReport, backend_build: str, req: PlanR
              settings_view: dict[str, Any]) -> dict[str, Any]:
     """The facts a plan is valid for (its identity minus the time it was made)."""
     flags = req.model_dump(exclude={"model"})
+    if flags["workload"] == "agent":  # the default before there was a choice: plans saved then still match
+        del flags["workload"]
     return {"model_hash": model_hash, "hardware": hw.fingerprint, "backend_build": backend_build,
             "driver": hw.driver, "flags": flags, "settings": settings_view}
 

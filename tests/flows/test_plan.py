@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from artifacts.store import Store
-from tasks.models import Plan
+from tasks.models import Plan, PlanRequest
 
 REPO = Path(__file__).resolve().parents[2]
 BUDGET = 25
@@ -96,3 +96,30 @@ def test_budget_too_small_for_one_finalist(planned: dict[str, object], tiny_moe:
     out = flux(planned["env"], "plan", str(tiny_moe), "--ctx", "512", "--budget-s", "0.01", "--replan")  # type: ignore[arg-type]
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "below one finalist's measurement" in out.stderr and "use --budget-s" in out.stderr
+
+
+def test_chat_workload_is_its_own_plan_timed_on_long_replies(planned: dict[str, object], tiny_moe: Path) -> None:
+    out = flux(planned["env"], "plan", str(tiny_moe), "--budget-s", "15", "--ctx", "512", "--workload", "chat")  # type: ignore[arg-type]
+    assert out.returncode == 0, out.stderr[-3000:]
+    chat_id = out.stdout.strip().splitlines()[-1]
+    assert chat_id != planned["id"], "another workload is another plan, not the saved agent plan"
+    store = Store(Path(str(planned["data"])))
+    agent = Plan.model_validate(store.get_json("plan", str(planned["id"])))
+    chat = Plan.model_validate(store.get_json("plan", chat_id))
+    assert (agent.request.workload, chat.request.workload) == ("agent", "chat")
+    assert chat.workload_prefill_share < 0.5 < agent.workload_prefill_share
+    shown = flux(planned["env"], "show", chat_id[:12])  # type: ignore[arg-type]
+    assert "workload mix: chat" in shown.stdout
+    bad = flux(planned["env"], "plan", str(tiny_moe), "--workload", "batch")  # type: ignore[arg-type]
+    assert bad.returncode == 2 and "invalid choice: 'batch'" in bad.stderr and "agent" in bad.stderr
+
+
+def test_agent_plans_keep_the_key_they_had_before_workloads(tiny_moe: Path) -> None:
+    # plans saved before --workload existed were keyed without it: the default must still find them
+    from tasks.persist import plan_key
+    from tasks.testing import h200_report
+
+    hw = h200_report(0)
+    agent = plan_key("m", hw, "b", PlanRequest(model=str(tiny_moe)), {})
+    chat = plan_key("m", hw, "b", PlanRequest(model=str(tiny_moe), workload="chat"), {})
+    assert "workload" not in agent["flags"] and chat["flags"]["workload"] == "chat"
