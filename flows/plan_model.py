@@ -7,7 +7,6 @@ that returns its stored output when the inputs hash to one (the task's state mes
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 from prefect import flow, get_run_logger
 
@@ -20,7 +19,7 @@ from tasks.models import PlanRequest
 def plan_model(model: str, ctx: int | None = None, concurrency: int = 1, kv: str = "f16",
                budget_s: float | None = None, gpu_mem_budget_gib: list[float] | None = None,
                allow_storage_streaming: bool = False, replan: bool = False, reprobe: bool = False,
-               seed: int = 0, workload: Literal["agent", "chat"] = "agent") -> str:
+               seed: int = 0, workload: str = "agent") -> str:
     """Plan a model on this machine and return the plan id."""
     settings = load_settings()
     log = get_run_logger()

@@ -4,6 +4,9 @@
 # llama-server and llama-bench) while the twins are synthesized into RAM, then runs scripts/bench_gpu.py.
 #
 #   scripts/gpu-session.sh OUT [bench_gpu.py arguments...]
+#
+# FLUX_PACK_BACKEND=1 also packs the build into OUT/backend/ (15 MiB pieces: scripts/backend-pack.sh); copied
+# to .carry/backend/, the next session unpacks it and skips the build.
 set -euo pipefail
 OUTDIR=${1:?usage: scripts/gpu-session.sh OUT [bench_gpu.py args]}; shift
 mkdir -p "$OUTDIR"
@@ -18,9 +21,12 @@ r = synthesize(sys.argv[1], Path(sys.argv[2]), quant='Q4_0'); print(f'synthesize
   done ) > "$OUTDIR/synth.log" 2>&1 &
 synth=$!
 start=$(date +%s)
+# a build packed by an earlier session (FLUX_PACK_BACKEND=1, pieces copied to .carry/backend/) is a cache hit
+if [ -d .carry/backend ]; then scripts/backend-pack.sh unpack .carry/backend 2>&1 | tee -a "$OUTDIR/build.log" || true; fi
 FLUX_SRC_DIR=.carry/src FLUX_OFFLINE=1 FLUX_ONE_BUILD=1 CUDA_ARCHS=${CUDA_ARCHS:-90} JOBS=$(nproc) \
   scripts/build-backend.sh > "$OUTDIR/build.log" 2>&1
 echo "backend built in $(( $(date +%s) - start )) s" | tee -a "$OUTDIR/build.log"
+if [ "${FLUX_PACK_BACKEND:-0}" = 1 ]; then scripts/backend-pack.sh pack "$OUTDIR/backend" 2>&1 | tee -a "$OUTDIR/build.log"; fi
 wait "$synth"; cat "$OUTDIR/synth.log"
 python3 -c 'import llama_cpp, sys; print("llama_cpp", llama_cpp.__version__, file=sys.stderr)'
 # FLUX_DIAG_NCMOE=N[,M]: llama-bench's own pp512/tg64 at --n-cpu-moe N with every host-weight layout: mapped,

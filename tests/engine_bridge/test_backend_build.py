@@ -105,3 +105,30 @@ def test_build_id_is_stable_and_names_the_libraries(tmp_path: Path) -> None:
     assert a.build_id == b.build_id and len(a.build_id) == 16
     assert "libllama.so" in a.libraries
     assert a.pin["LLAMA_CPP_PYTHON_SHA256"] == "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+
+
+def test_a_packed_build_unpacks_whole_in_small_pieces(tmp_path: Path) -> None:
+    # The real build in the cache, packed (tar | xz | split) and unpacked into another cache: every file
+    # comes back byte for byte, no piece is over the size asked for, and pieces of two builds are refused.
+    current = (CACHE / "backend" / "current").resolve()
+    if not (current / "build.json").exists():
+        pytest.skip("no built backend: run scripts/build-backend.sh")
+    env = {**os.environ, "PIECE_MB": "4"}
+    pieces = tmp_path / "pieces"
+    subprocess.run([str(REPO / "scripts" / "backend-pack.sh"), "pack", str(pieces)], env=env, check=True,
+                   capture_output=True, text=True)
+    parts = sorted(pieces.iterdir())
+    assert parts and all(p.name.startswith(f"backend-{current.name}.tar.xz.") for p in parts)
+    assert all(p.stat().st_size <= 4 * 2**20 for p in parts)
+    other = tmp_path / "other"
+    out = subprocess.run([str(REPO / "scripts" / "backend-pack.sh"), "unpack", str(pieces)],
+                         env={**env, "XDG_CACHE_HOME": str(other)}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    got = other / "flux" / "backend" / current.name
+    want = {p.relative_to(current): p for p in current.rglob("*") if p.is_file() and "src" not in p.relative_to(current).parts}
+    assert {p.relative_to(got) for p in got.rglob("*") if p.is_file()} == set(want)
+    assert all((got / rel).read_bytes() == p.read_bytes() for rel, p in want.items())
+    (pieces / "backend-0123456789abcdef.tar.xz.00").write_bytes(b"x")
+    mixed = subprocess.run([str(REPO / "scripts" / "backend-pack.sh"), "unpack", str(pieces)],
+                           env={**env, "XDG_CACHE_HOME": str(other)}, capture_output=True, text=True)
+    assert mixed.returncode == 2 and "several builds" in mixed.stderr

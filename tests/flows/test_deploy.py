@@ -72,7 +72,7 @@ def test_deployment_runs_fails_and_retries_from_the_store(prefect_server: dict[s
         first = prefect(env, "deployment", "run", "plan-model/default", *params, "--watch", "--watch-timeout", "400",
                         timeout=450)
         assert first.returncode == 1, first.stdout + first.stderr  # the injected validation failure
-        assert marker.exists()
+        assert marker.exists(), (tmp_path / "deploy.log").read_text()[-4000:]
         run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", first.stdout)
         assert run_id, first.stdout
         retry = prefect(env, "flow-run", "retry", run_id.group(1))
