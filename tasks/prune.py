@@ -66,7 +66,7 @@ def prune(space: PlacementSpace, info: ModelInfo, hw: HardwareReport, work: Work
     if ranked and _hybrid(ranked[0]):
         chosen.append(ranked[0])
         seen.add(_group(ranked[0]))
-        chosen.extend(_thread_siblings(ranked[0], ranked)[:1])
+        chosen.extend(_thread_siblings(ranked[0], ranked)[:1 if n_finalists >= 3 else 0])
         layout = next((c for c in plausible if _hybrid(c) and c.params.no_host != ranked[0].params.no_host), None)
         if layout is not None and len(chosen) < n_finalists:
             chosen.append(layout)

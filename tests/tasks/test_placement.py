@@ -246,6 +246,8 @@ def test_the_workload_mix_decides_the_host_layout(moe: ModelInfo) -> None:
     chat = prune(space, big, hw, Workload(prefill_tokens=64, decode_tokens=2048, mean_prompt_tokens=64), 4)
     assert chat.finalists[0].params.no_host
     assert {c.params.no_host for c in chat.finalists} == {True, False}, "measurement sees both layouts"
+    for n in (1, 2, 3):
+        assert len(prune(space, big, hw, WORK, n).finalists) == n
 
 
 def scaled(info: ModelInfo, k: int) -> ModelInfo:
