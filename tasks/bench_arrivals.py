@@ -47,7 +47,7 @@ from tasks.bench_common import (
     fit_server_args,
     load_avg,
 )
-from tasks.bench_http import Exchange, FluxServe, error_body, exchange, json_object
+from tasks.bench_http import Exchange, FluxServe, client_limits, error_body, exchange, json_object
 from tasks.corpus import load_conversations, sized_prompts
 
 if TYPE_CHECKING:
@@ -203,7 +203,7 @@ async def _chat(client: httpx.AsyncClient, base: str, turns: list[list[dict[str,
 async def replay(base: str, schedule: list[tuple[float, list[int]]], turns: list[list[dict[str, str]]],
                  opts: ArrivalsOptions) -> list[dict[str, Any]]:
     """Send every arrival at its time, and the chat's turns one after another, all from t=0; their rows."""
-    limits = httpx.Limits(max_connections=len(schedule) + 4)
+    limits = client_limits(max_connections=len(schedule) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(opts.hang_s, connect=10.0), limits=limits) as client:
         t0 = time.perf_counter()
         chat = asyncio.create_task(_chat(client, base, turns, t0, opts))
@@ -214,7 +214,7 @@ async def replay(base: str, schedule: list[tuple[float, list[int]]], turns: list
 async def _one_at_a_time(base: str, prompts: list[list[int]], opts: ArrivalsOptions) -> list[dict[str, Any]]:
     """Each prompt alone, one after another (capacity and warm-up)."""
     rows = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(opts.hang_s, connect=10.0)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(opts.hang_s, connect=10.0), limits=client_limits()) as client:
         for i, p in enumerate(prompts):
             ex = await exchange(client, "POST", f"{base}/v1/completions",
                                 body=_stream_body(opts.n_gen, opts.seed + i, prompt=p))

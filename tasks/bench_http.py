@@ -33,6 +33,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
+# llama-server (cpp-httplib) closes a keep-alive connection after 5 s idle, and httpx keeps one 5 s by
+# default: a request sent on a pooled connection as the server closes it fails at once with "Server
+# disconnected without sending a response" (seen in 1 of 30 arrivals runs). Clients drop idle connections first.
+KEEPALIVE_S = 1.0
+
+
+def client_limits(max_connections: int | None = None, max_keepalive: int | None = None) -> httpx.Limits:
+    """Connection limits for a benchmark client: pooled connections expire before a peer server drops them."""
+    return httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_keepalive,
+                        keepalive_expiry=KEEPALIVE_S)
 START_ATTEMPTS = 3
 Outcome = Literal["completed", "errored", "cancelled", "resumed", "hung", "lost"]
 OUTCOMES: tuple[Outcome, ...] = ("completed", "errored", "cancelled", "resumed", "hung", "lost")
