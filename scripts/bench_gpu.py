@@ -323,18 +323,17 @@ def race(model: Path, entries: dict[str, Candidate], server: LlamaServerFit | No
         for _ in range(rounds):
             rng.shuffle(names)
             for name in names:
-                if name == "fit" and server is not None:
-                    a, b = server.run(pp_prompt, TG), server.run(agent, AGENT_GEN)
-                else:
-                    w = workers[name]
-                    a = w.call("timed_run", {"prompt": pp_prompt, "n_gen": TG}, timeout=600)
-                    b = w.call("timed_run", {"prompt": agent, "n_gen": AGENT_GEN}, timeout=600)
+                def turn(prompt: list[int], n_gen: int, name: str = name) -> dict[str, Any]:
+                    if name == "fit" and server is not None:
+                        return server.run(prompt, n_gen)
+                    return workers[name].call("timed_run", {"prompt": prompt, "n_gen": n_gen}, timeout=600)
+
+                a, b = turn(pp_prompt, TG), turn(agent, AGENT_GEN)
                 out[name]["pp"].append(a["prompt_tokens"] / a["prompt_ms"] * 1e3)
                 out[name]["tg"].append(a["gen_tokens"] / a["gen_ms"] * 1e3)
                 out[name]["agent_s"].append((b["prompt_ms"] + b["gen_ms"]) / 1e3)
                 if chat:
-                    c = (server.run(PROMPTS["chat"], CHAT_GEN) if name == "fit" and server is not None else
-                         workers[name].call("timed_run", {"prompt": PROMPTS["chat"], "n_gen": CHAT_GEN}, timeout=600))
+                    c = turn(PROMPTS["chat"], CHAT_GEN)
                     out[name]["chat_s"].append((c["prompt_ms"] + c["gen_ms"]) / 1e3)
     finally:
         for w in workers.values():

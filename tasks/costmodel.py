@@ -131,9 +131,9 @@ def predict(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: Workload
     cpu_read += kv_read if kv_on_cpu else 0.0
     gpu_read += 0.0 if kv_on_cpu else kv_read
     decode_ms = cpu_read / (cpu_bandwidth(hw, p.n_threads) * eff) * 1e3
-    if gpu_read and not p.no_host:
-        decode_ms *= PLAIN_LAYOUT_SLOWDOWN
     if gpu_read:
+        if not p.no_host:
+            decode_ms *= PLAIN_LAYOUT_SLOWDOWN
         decode_ms += gpu_fixed + gpu_read / gpu_bw * 1e3 + _transitions(cand.placement) * HYBRID_LAYER_SYNC_MS
     if p.flash_attn and gpu_read:
         decode_ms *= 0.85

@@ -187,8 +187,7 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, n_ctx: 
     on_gpu = placement.gpu_layers() > 0 or placement.output_device != "CPU"
     threads = _thread_choices(hw)
     ubatches = [256, 512, 2048] if on_gpu else [128, 512]
-    hybrid = on_gpu and any(d == "CPU" for d in placement.layer_device + [
-        e for ex in placement.expert_device for e in ex.values()])
+    hybrid = placement.is_hybrid()
     # (load mode, no_host): mapped, loaded into pinned host memory, or (hybrids only: without a GPU the CPU
     # weights are repacked anyway) loaded in the CPU's repacked layout: faster decode, CPU-bound prefill.
     loads: list[tuple[LoadMode, bool]] = [("mmap", False), ("load", False)]

@@ -34,10 +34,8 @@ def _group(c: Candidate) -> tuple[object, ...]:
 
 
 def _hybrid(c: Candidate) -> bool:
-    """A GPU placement that leaves per-token weights (a layer or an expert tensor) to the CPU."""
-    p = c.placement
-    on_cpu = any(d == "CPU" for d in p.layer_device) or any(d == "CPU" for ex in p.expert_device for d in ex.values())
-    return on_cpu and (p.gpu_layers() > 0 or p.output_device != "CPU")
+    """A GPU placement that leaves per-token weights to the CPU (:meth:`Placement.is_hybrid`)."""
+    return c.placement.is_hybrid()
 
 
 def _thread_siblings(best: Candidate, ranked: list[Candidate]) -> list[Candidate]:
