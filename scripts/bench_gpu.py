@@ -294,7 +294,11 @@ def plan(model: Path, info: ModelInfo, hw: HardwareReport, budget_gib: float, ar
     chosen = next(c for c in fin.finalists if c.id == best.candidate_id)
     rows = [{"candidate": c.id, "family": c.family, "flags": " ".join(c.params.cli_args()), "pred_decode": p.decode_tps,
              "pred_prefill": p.prefill_tps, "meas_decode": s.decode_tps, "meas_prefill": s.prefill_tps,
-             "meas_workload_s": s.workload_s, "gpu_gib": s.gpu_bytes and s.gpu_bytes / GIB, "error": s.error}
+             "meas_workload_s": s.workload_s, "gpu_gib": s.gpu_bytes and s.gpu_bytes / GIB, "error": s.error,
+             "gpus_used": len({d for d in c.placement.layer_device if d != "CPU"}),
+             "pred_gpu_gib": json.dumps({d: round((c.weights_bytes.get(d, 0) + c.kv_bytes.get(d, 0)
+                                                   + c.compute_bytes.get(d, 0)) / GIB, 2)
+                                         for d in sorted(set(c.weights_bytes) | set(c.kv_bytes)) if d != "CPU"})}
             for c, p, s in zip(fin.finalists, fin.predictions, sums, strict=True)]
     return chosen, time.monotonic() - t0, rows
 
@@ -416,6 +420,8 @@ def one_budget(ms: ModelSetup, b: float, args: argparse.Namespace, threads: int,
         "n_gpus": n_gpus if hw.gpus else 0, "plan_vram_gib": used and sum(used) / GIB,
         "plan_vram_max_gib": used and max(used) / GIB, "plan_within_budget": None if used is None else within(used, budget),
         "fit_vram_gib": fit_vram and sum(fit_vram) / GIB, "fit_vram_max_gib": fit_vram and max(fit_vram) / GIB,
+        "plan_vram_by_gpu": used and json.dumps([round(u / GIB, 2) for u in used]),
+        "fit_vram_by_gpu": fit_vram and json.dumps([round(u / GIB, 2) for u in fit_vram]),
         "ncmoe": sw[0] if sw else None,
         "lcp_ngl": lcp.n_gpu_layers if lcp else None, "rounds": args.rounds, "raw": json.dumps(res)}
     for k, d in med.items():

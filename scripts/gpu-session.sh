@@ -38,4 +38,14 @@ p = llama_server_path(load_settings().cache_dir); print(p.parent / "llama-bench"
   "$bench" -m "$MODELS/qwen3-30b-a3b-Q4_0.gguf" -ngl 999 -ncmoe "$FLUX_DIAG_NCMOE" -fa 1 -lm mmap,none \
     --no-host 0,1 -t "$(nproc)" -p 512 -n 64 -r 3 -o md 2>&1 | grep '^|' | tee "$OUTDIR/diag.log" || true
 fi
+# FLUX_DIAG_SPLIT=1 (several GPUs): llama-bench's own pp512/tg64 of every layer on the first GPU vs llama.cpp's
+# layer split over the first two (-ts 1/0 vs 1/1): what the pipeline between GPUs costs, in C++.
+if [ "${FLUX_DIAG_SPLIT:-0}" = 1 ]; then
+  bench=$(python3 -c 'from engine_bridge.backend import llama_server_path; from artifacts.config import load_settings
+p = llama_server_path(load_settings().cache_dir); print(p.parent / "llama-bench" if p else "")')
+  for m in qwen3-30b-a3b llama3-8b; do
+    "$bench" -m "$MODELS/$m-Q4_0.gguf" -ngl 999 -sm layer -ts 1/0,1/1 -fa 1 -t "$(nproc)" -p 512 -n 64 -r 3 \
+      -o md 2>&1 | grep '^|' | tee -a "$OUTDIR/diag-split.log" || true
+  done
+fi
 exec python3 scripts/bench_gpu.py --out "$OUTDIR" --model-dir "$MODELS" "$@"

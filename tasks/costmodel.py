@@ -40,6 +40,12 @@ class Workload:
         return self.prefill_tokens / total if total else 0.0
 
 
+def head_bytes(info: ModelInfo) -> int:
+    """Bytes of the output head: the output matrix and the final norm, all read for every token."""
+    return int(info.bytes_by_role.get("output", 0) + info.bytes_by_role.get("norm", 0) - sum(
+        layer.bytes_by_role.get("norm", 0) for layer in info.layers))
+
+
 def layer_bytes(info: ModelInfo, placement: Placement) -> dict[str, tuple[float, float]]:
     """Per device: (bytes read per decoded token, bytes resident).
 
@@ -62,8 +68,7 @@ def layer_bytes(info: ModelInfo, placement: Placement) -> dict[str, tuple[float,
             if b:
                 dev = placement.expert_device[layer.index][part] if placement.expert_device else placement.layer_device[layer.index]
                 add(dev, b * frac, b)
-    head = info.bytes_by_role.get("output", 0) + info.bytes_by_role.get("norm", 0) - sum(
-        layer.bytes_by_role.get("norm", 0) for layer in info.layers)
+    head = head_bytes(info)
     add(placement.output_device, head, head)
     emb = info.bytes_by_role.get("embeddings", 0)
     add("CPU", 0.0, emb)  # the token embedding stays on the host; one row per token is read
@@ -108,14 +113,14 @@ def _gpu_bandwidth(hw: HardwareReport) -> tuple[float, float]:
 
 
 def _transitions(placement: Placement) -> int:
-    """Host<->GPU hand-overs per token along the layer sequence (each costs a synchronisation)."""
+    """Device hand-overs per token along the layer sequence, host<->GPU or GPU<->GPU (each a synchronisation)."""
     seq: list[str] = []
     for i, dev in enumerate(placement.layer_device):
         seq.append(dev)
         if placement.expert_device:
             seq.extend(placement.expert_device[i][p] for p in EXPERT_PARTS)
     seq.append(placement.output_device)
-    return sum(1 for a, b in zip(seq, seq[1:], strict=False) if (a == "CPU") != (b == "CPU"))
+    return sum(1 for a, b in zip(seq, seq[1:], strict=False) if a != b)
 
 
 def predict(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: Workload) -> Prediction:

@@ -4,6 +4,8 @@ On a CPU-only machine the space is threads (decode and batch), n_batch/n_ubatch,
 mmap vs loaded weights and the requested KV type. With GPUs it adds where weights live: all on a GPU,
 llama.cpp's last-N layers, and per-layer expert tensors (gate/up/down separately) chosen by the MILP in
 :mod:`tasks.expert_select` under each GPU's budget, with pinned or repacked host weights and the offload threshold.
+With several GPUs it adds llama.cpp's even layer split, and every GPU placement carries the tensor split
+that makes llama.cpp put each layer's KV cache where the placement computes its attention.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import logging
 
 from artifacts.model_info import ModelInfo
 from engine_bridge.params import EngineParams, LoadMode, TensorOverride
-from tasks import expert_select
-from tasks.costmodel import EXPERT_PARTS, all_on, layer_bytes
+from tasks import expert_select, layer_split
+from tasks.costmodel import EXPERT_PARTS, all_on, head_bytes, layer_bytes
 from tasks.errors import ImpossiblePlan
 from tasks.models import Candidate, HardwareReport, Placement, PlacementSpace, PlanRequest
 
@@ -69,6 +71,7 @@ def _overrides(p: Placement) -> list[TensorOverride]:
     is pinned to its device too, since -ngl alone would spread layers by llama.cpp's own split.
     """
     multi = len({d for d in p.layer_device if d != "CPU"}) > 1
+    head = [TensorOverride(pattern=r"^output\.", device="CPU")] if p.output_device == "CPU" else []
     by_dev: dict[tuple[str, str], list[int]] = {}
     for i, dev in enumerate(p.layer_device):
         parts = {q: p.expert_device[i][q] for q in EXPERT_PARTS} if p.expert_device else {}
@@ -82,18 +85,20 @@ def _overrides(p: Placement) -> list[TensorOverride]:
         ids = "|".join(str(i) for i in layers)
         pat = rf"^blk\.({ids})\." if what == "block" else rf"^blk\.({ids})\.{what}\."
         out.append(TensorOverride(pattern=pat, device=dev))
-    return out
+    return out + head
 
 
-def _memory(info: ModelInfo, p: Placement, params: EngineParams, n_seq: int) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+def _memory(info: ModelInfo, p: Placement, params: EngineParams, n_seq: int,
+            gpus: list[str]) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     weights = {d: int(res) for d, (_, res) in layer_bytes(info, p).items()}
-    kv_total = info.kv_bytes_per_token[params.type_k] * params.n_ctx * n_seq
+    kv_layer = info.kv_bytes_per_token[params.type_k] * params.n_ctx * n_seq / max(1, info.n_layer)
     gpu_layers = [d for d in p.layer_device if d != "CPU"]
+    # With -ngl 999 every layer's KV cache is on the GPU llama.cpp's split gives it, even when the
+    # layer's weights are overridden to the CPU.
+    offloaded = params.n_gpu_layers > 0 and params.offload_kqv
     kv: dict[str, int] = {}
-    for d in set(p.layer_device):
-        share = sum(1 for x in p.layer_device if x == d) / max(1, info.n_layer)
-        dev = d if (d != "CPU" and params.offload_kqv) else "CPU"
-        kv[dev] = kv.get(dev, 0) + int(kv_total * share)
+    for dev in layer_split.kv_devices(p, gpus if offloaded else []):
+        kv[dev] = kv.get(dev, 0) + int(kv_layer)
     comp = {"CPU": compute_bytes(info, params.n_ubatch, params.n_ctx, params.flash_attn)}
     for d in set(gpu_layers) | ({p.output_device} - {"CPU"}):
         comp[d] = compute_bytes(info, params.n_ubatch, params.n_ctx, params.flash_attn)
@@ -101,25 +106,43 @@ def _memory(info: ModelInfo, p: Placement, params: EngineParams, n_seq: int) -> 
 
 
 def _gpu_placements(info: ModelInfo, budgets: list[int]) -> list[tuple[str, Placement]]:
-    """Structural placements for the GPUs: all on GPU, llama.cpp's last-N layers, MILP expert sets."""
+    """Structural placements for the GPUs: all on GPU, an even layer split over several GPUs, MILP
+    expert sets, llama.cpp's last-N layers. A placement two families reach is kept once, under the first."""
     if not budgets:
         return []
     out: list[tuple[str, Placement]] = []
     full = all_on(info, "CUDA0")
     if sum(res for _, res in layer_bytes(info, full).values()) - info.bytes_by_role.get("embeddings", 0) <= budgets[0]:
         out.append(("all-gpu", full))
-    head = info.bytes_by_role.get("output", 0)
-    room = [max(0, b - (head if i == 0 else 0)) for i, b in enumerate(budgets)]
+    split = _even_split(info, budgets)
+    if split is not None:
+        out.append(("split-layers", split))
     for weight, bias, name in ((0.0, 1.0, "milp-decode"), (0.5, 1.0, "milp-mixed"), (0.9, -1.0, "milp-prefill")):
-        p = expert_select.select(info, room, prefill_weight=weight, bias_late=bias)
-        out.append((name, p.model_copy(update={"output_device": "CUDA0"})))
+        out.append((name, expert_select.select(info, budgets, prefill_weight=weight, bias_late=bias)))
     per_layer = max(1, max(layer.total_bytes for layer in info.layers))
-    n_fit = min(info.n_layer, room[0] // per_layer)
+    n_fit = min(info.n_layer, max(0, budgets[0] - head_bytes(info)) // per_layer)
     if 0 < n_fit < info.n_layer:
         last = ["CPU"] * (info.n_layer - n_fit) + ["CUDA0"] * n_fit
         out.append((f"last-{n_fit}-layers", Placement(layer_device=last, expert_device=[
             dict.fromkeys(EXPERT_PARTS, d) for d in last] if info.is_moe else [], output_device="CUDA0")))
-    return out
+    unique: dict[str, tuple[str, Placement]] = {}
+    for name, p in out:
+        unique.setdefault(p.model_dump_json(), (name, p))
+    return list(unique.values())
+
+
+def _even_split(info: ModelInfo, budgets: list[int]) -> Placement | None:
+    """Every layer on a GPU, consecutive runs in proportion to the GPUs' budgets (llama.cpp's ``-sm layer``
+    with its default split by free memory); None with one GPU or when a run would exceed its budget."""
+    if len(budgets) < 2 or not sum(budgets):
+        return None
+    sizes = expert_select.position_bytes(info)
+    devs = [f"CUDA{j}" for j in layer_split.runs(sizes, budgets)]
+    used = [sum(size for size, d in zip(sizes, devs, strict=True) if d == f"CUDA{j}") for j in range(len(budgets))]
+    if any(u > b for u, b in zip(used, budgets, strict=True)):
+        return None
+    return Placement(layer_device=devs[:-1], expert_device=[dict.fromkeys(EXPERT_PARTS, d) for d in devs[:-1]]
+                     if info.is_moe else [], output_device=devs[-1])
 
 
 def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest,
@@ -132,13 +155,14 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest,
     n_ctx, capped = resolve_context(info, hw, req, reserve_percent)
     host = host_budget(hw, reserve_percent)
     per_gpu = gpu_limits(hw, req)
+    gpus = [name for name, _ in gpu_devices(hw)]
     limits = {"CPU": host, **{f"CUDA{i}": b for i, b in enumerate(per_gpu)}}
     placements = [("cpu", all_on(info, "CPU"))] + _gpu_placements(info, [max(0, b - GPU_MARGIN) for b in per_gpu])
     rejected: dict[str, int] = {}
     cands: list[Candidate] = []
     for family, placement in placements:
-        for params in _runtime_grid(info, hw, req, n_ctx, placement):
-            weights, kv, comp = _memory(info, placement, params, req.concurrency)
+        for params in _runtime_grid(info, hw, req, n_ctx, placement, gpus):
+            weights, kv, comp = _memory(info, placement, params, req.concurrency, gpus)
             over = _over_limit(limits, weights, kv, comp, params, req)
             if over:
                 rejected[over] = rejected.get(over, 0) + 1
@@ -183,7 +207,7 @@ def gpu_limits(hw: HardwareReport, req: PlanRequest) -> list[int]:
 
 
 def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, n_ctx: int,
-                  placement: Placement) -> list[EngineParams]:
+                  placement: Placement, gpus: list[str]) -> list[EngineParams]:
     on_gpu = placement.gpu_layers() > 0 or placement.output_device != "CPU"
     threads = _thread_choices(hw)
     ubatches = [256, 512, 2048] if on_gpu else [128, 512]
@@ -196,6 +220,7 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, n_ctx: 
     fas = [True, False] if req.kv in ("f16", "f32") else [True]
     offload = [None, 4096] if hybrid else [None]
     overrides = _overrides(placement) if on_gpu else []
+    split = layer_split.tensor_split(placement, gpus) if on_gpu else None
     out = []
     for t, tb, ub, (load, no_host), fa, omb in itertools.product(threads, threads, ubatches, loads, fas, offload):
         if ub > n_ctx or (on_gpu and t != tb) or (no_host and omb is not None):
@@ -204,7 +229,7 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, n_ctx: 
             n_ctx=n_ctx, n_seq_max=req.concurrency, n_batch=max(ub, 512 if not on_gpu else ub), n_ubatch=ub,
             n_threads=t, n_threads_batch=tb, n_gpu_layers=999 if on_gpu else 0, flash_attn=fa, type_k=req.kv,
             type_v=req.kv, load_mode=load, no_host=no_host, offload_min_batch=omb, tensor_overrides=tuple(overrides),
-            seed=req.seed))
+            tensor_split=split, seed=req.seed))
     return out
 
 

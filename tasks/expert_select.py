@@ -4,7 +4,14 @@ Items are each layer's non-expert block and each layer's routed-expert tensors (
 separately), one binary variable per (item, GPU). The value of an item on a GPU is the time per token
 it saves there (decode reads + prefill copies, weighted by the workload's mix); the constraints are one
 device per item and each GPU's byte budget. An expert tensor may only go to the GPU that holds its
-layer's attention (activations stay on one device inside a layer).
+layer's attention (activations stay on one device inside a layer). The output head is an item too, at
+position n_layer after the last layer.
+
+With several GPUs, each GPU may only take items from one run of consecutive positions, the runs in GPU
+order and sized in proportion to the budgets: the pipeline llama.cpp's layer split builds, with one
+hand-over per GPU boundary and each layer's KV cache on the GPU of its attention (``tasks/layer_split.py``).
+The knapsack then decides, inside each run, what stays on the host. (Letting the MILP choose the
+boundaries too found the same splits with two GPUs but did not converge in seconds with four.)
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from artifacts.model_info import ModelInfo
-from tasks.costmodel import EXPERT_PARTS
+from tasks import layer_split
+from tasks.costmodel import EXPERT_PARTS, head_bytes
 from tasks.models import Placement
 
 
@@ -23,8 +31,8 @@ from tasks.models import Placement
 class Item:
     """A placeable unit of weights."""
 
-    layer: int
-    part: str  # "block" (attention, norms, dense FFN, router, shared experts) or an expert part
+    layer: int  # position: the layer's index, or n_layer for the output head
+    part: str  # "block" (attention, norms, dense FFN, router, shared experts), an expert part, or "output"
     bytes: int
     read_per_token: float
 
@@ -41,7 +49,19 @@ def items(info: ModelInfo) -> list[Item]:
             b = roles.get(f"experts_{part}", 0)
             if b:
                 out.append(Item(layer.index, part, b, b * frac))
+    head = head_bytes(info)
+    if head > 0:
+        out.append(Item(info.n_layer, "output", head, float(head)))
     return out
+
+
+# Value per byte of the head relative to a block's: both are read whole for every token, but a head on
+# the host makes every token's logits a CPU matmul, so it goes to a GPU first.
+HEAD_PRIORITY = 2.0
+# Many near-equal items make proving optimality slow (10 s limits were hit with one GPU and a mixed
+# workload); the best solution found in a few seconds is within 1% of the bound and the measure stage
+# decides between candidates anyway.
+MILP_TIME_LIMIT_S = 3.0
 
 
 def select(info: ModelInfo, budgets: list[int], prefill_weight: float = 0.5,
@@ -60,7 +80,8 @@ def select(info: ModelInfo, budgets: list[int], prefill_weight: float = 0.5,
     n, g = len(its), len(budgets)
     if g == 0 or n == 0:
         return _to_placement(info, its, np.zeros((n, 0)))
-    value = np.array([(1 - prefill_weight) * it.read_per_token + prefill_weight * it.bytes for it in its])
+    value = np.array([((1 - prefill_weight) * it.read_per_token + prefill_weight * it.bytes)
+                      * (HEAD_PRIORITY if it.part == "output" else 1.0) for it in its])
     value = value / max(value.max(), 1.0) + bias_late * np.array([it.layer for it in its]) / (info.n_layer * 1e3)
     c = -np.repeat(value, g)  # milp minimises; x[i*g + j] = item i on GPU j
     size = np.array([it.bytes for it in its], dtype=float)
@@ -74,10 +95,19 @@ def select(info: ModelInfo, budgets: list[int], prefill_weight: float = 0.5,
         cap[j, j::g] = size
     cons.append(LinearConstraint(cap, 0, np.array(budgets, dtype=float)))
     cons.extend(_same_gpu_as_block(its, g))
-    res = milp(c, constraints=cons, integrality=np.ones(n * g), bounds=Bounds(0, 1),
-               options={"time_limit": 10})
+    upper = np.ones((n, g))
+    if g > 1:  # each position may only use the GPU whose run covers it
+        run = layer_split.runs(position_bytes(info), budgets)
+        upper = np.array([[1.0 if j == run[it.layer] else 0.0 for j in range(g)] for it in its])
+    res = milp(c, constraints=cons, integrality=np.ones(n * g), bounds=Bounds(0, upper.ravel()),
+               options={"time_limit": MILP_TIME_LIMIT_S, "mip_rel_gap": 1e-3})
     x = np.zeros((n, g)) if res.x is None else np.round(res.x).reshape(n, g)
     return _to_placement(info, its, x)
+
+
+def position_bytes(info: ModelInfo) -> list[int]:
+    """Bytes of each position: every layer's weights, then the output head."""
+    return [layer.total_bytes for layer in info.layers] + [head_bytes(info)]
 
 
 def _same_gpu_as_block(its: list[Item], g: int) -> list[LinearConstraint]:
@@ -85,7 +115,7 @@ def _same_gpu_as_block(its: list[Item], g: int) -> list[LinearConstraint]:
     block_at = {it.layer: i for i, it in enumerate(its) if it.part == "block"}
     rows = []
     for i, it in enumerate(its):
-        if it.part == "block":
+        if it.part in ("block", "output"):
             continue
         for j in range(g):
             row = np.zeros(len(its) * g)
@@ -98,11 +128,14 @@ def _same_gpu_as_block(its: list[Item], g: int) -> list[LinearConstraint]:
 def _to_placement(info: ModelInfo, its: list[Item], x: np.ndarray) -> Placement:
     layer_dev = ["CPU"] * info.n_layer
     experts: list[dict[str, str]] = [dict.fromkeys(EXPERT_PARTS, "CPU") for _ in range(info.n_layer)]
+    output = "CPU"
     for i, it in enumerate(its):
         gpus: list[int] = [int(j) for j in np.flatnonzero(x[i] > 0.5)] if x.shape[1] else []
         dev = f"CUDA{gpus[0]}" if gpus else "CPU"
         if it.part == "block":
             layer_dev[it.layer] = dev
+        elif it.part == "output":
+            output = dev
         else:
             experts[it.layer][it.part] = dev
-    return Placement(layer_device=layer_dev, expert_device=experts if info.is_moe else [], output_device="CPU")
+    return Placement(layer_device=layer_dev, expert_device=experts if info.is_moe else [], output_device=output)

@@ -7,7 +7,9 @@ kernels (repacked weights), not on a hybrid's small expert matmuls between GPU h
 16 threads decoded 1.3-1.5x faster than 8 there; the model predicted 1.07-1.17x). So the finalists are
 the best-predicted candidate, then (when it is hybrid) the same candidate with the next thread count and
 the best hybrid with the other host-weight layout (pinned for offloaded prefill, or repacked for CPU decode:
-the model predicts which the workload's mix favours, measurement confirms), then the best of each
+the model predicts which the workload's mix favours, measurement confirms), then, with several GPUs, the
+best placement spread over another number of GPUs (the model cannot price the hand-overs of llama.cpp's
+layer pipeline between GPUs against one GPU's bandwidth), then the best of each
 micro-batch size (on the H200 the same all-GPU placement prefilled at 4,500 tok/s
 with -ub 256 and 7,300 with -ub 512, which the model ranked equal), then of each group of the other
 uncertain knobs, then the next best overall: measurement settles what the model cannot. Diversity stops
@@ -36,6 +38,13 @@ def _group(c: Candidate) -> tuple[object, ...]:
 def _hybrid(c: Candidate) -> bool:
     """A GPU placement that leaves per-token weights to the CPU (:meth:`Placement.is_hybrid`)."""
     return c.placement.is_hybrid()
+
+
+def _gpus_used(c: Candidate) -> int:
+    """How many GPUs hold a part of the placement."""
+    p = c.placement
+    return len({d for d in [*p.layer_device, p.output_device, *(d for ex in p.expert_device for d in ex.values())]
+                if d != "CPU"})
 
 
 def _thread_siblings(best: Candidate, ranked: list[Candidate]) -> list[Candidate]:
@@ -69,6 +78,11 @@ def prune(space: PlacementSpace, info: ModelInfo, hw: HardwareReport, work: Work
         if layout is not None and len(chosen) < n_finalists:
             chosen.append(layout)
             seen.add(_group(layout))
+    if ranked and _gpus_used(ranked[0]):
+        spread = next((c for c in plausible if _gpus_used(c) not in (0, _gpus_used(ranked[0]))), None)
+        if spread is not None and spread not in chosen and len(chosen) < n_finalists:
+            chosen.append(spread)
+            seen.add(_group(spread))
     for ub in sorted({c.params.n_ubatch for c in plausible}, key=lambda u: min(
             preds[c.id].score_s for c in plausible if c.params.n_ubatch == u)):
         if len(chosen) >= n_finalists:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from artifacts.model_info import ModelInfo, model_info, read_tensors
 from tasks import expert_select
-from tasks.costmodel import Workload, all_on, layer_bytes, predict
+from tasks.costmodel import Workload, all_on, head_bytes, layer_bytes, predict
 from tasks.enumerate import GPU_MARGIN, _overrides, enumerate_placements
 from tasks.errors import ImpossiblePlan
 from tasks.models import Candidate, Placement, PlanRequest
@@ -61,10 +61,11 @@ def test_milp_more_budget_never_less_on_gpu(moe: ModelInfo) -> None:
 def test_milp_splits_gate_up_down(moe: ModelInfo) -> None:
     layer = moe.layers[0]
     block = sum(v for k, v in layer.bytes_by_role.items() if not k.startswith("experts_"))
-    budget = moe.n_layer * block + layer.bytes_by_role["experts_gate"] + 10
+    budget = moe.n_layer * block + head_bytes(moe) + layer.bytes_by_role["experts_gate"] + 10
     p = expert_select.select(moe, [budget])
     parts_on_gpu = sum(1 for ex in p.expert_device for d in ex.values() if d != "CPU")
-    assert parts_on_gpu == 1, "exactly one expert tensor fits beside the blocks: the MILP picks a single part"
+    assert parts_on_gpu == 1, "exactly one expert tensor fits beside the blocks and the head: the MILP picks a single part"
+    assert p.output_device == "CUDA0" and "CPU" not in p.layer_device
 
 
 def test_two_gpus_split_the_model(moe: ModelInfo) -> None:
