@@ -22,6 +22,7 @@ from tasks.models import Candidate, HardwareReport, Placement, PlacementSpace, P
 
 log = logging.getLogger(__name__)
 GIB = 2**30
+PIPELINE_BATCH = 2048  # tokens per llama_decode call when micro-batches are pipelined over GPUs
 GPU_MARGIN = 1536 * 2**20  # CUDA context, cuBLAS workspace, fragmentation (H200: finalists ran 0.6-0.9 GiB over a 512 MiB margin)
 
 
@@ -64,28 +65,32 @@ def resolve_context(info: ModelInfo, hw: HardwareReport, req: PlanRequest, reser
     return int(fit // 256 * 256), True
 
 
-def _overrides(p: Placement) -> list[TensorOverride]:
+def _overrides(p: Placement, gpus: list[str]) -> list[TensorOverride]:
     """tensor_buft_overrides that realise a placement when llama.cpp offloads every layer (-ngl 999).
 
-    With one GPU, only what leaves it needs naming (to the CPU); with several, every GPU-resident tensor
-    is pinned to its device too, since -ngl alone would spread layers by llama.cpp's own split.
+    Under the placement's tensor split (:mod:`tasks.layer_split`) llama.cpp already puts each layer, and
+    the head, on the GPU the placement gives it; only what differs is named: a layer whose block is
+    elsewhere (the CPU), and an expert tensor away from its layer's block. A placement with nothing on the
+    CPU over several GPUs thus has no overrides, which keeps llama.cpp's pipeline parallelism (micro-batches
+    of one batch in flight on every GPU at once) that any tensor override turns off.
     """
-    multi = len({d for d in p.layer_device if d != "CPU"}) > 1
-    head = [TensorOverride(pattern=r"^output\.", device="CPU")] if p.output_device == "CPU" else []
+    home = layer_split.llama_devices(p, gpus) if gpus else []
     by_dev: dict[tuple[str, str], list[int]] = {}
     for i, dev in enumerate(p.layer_device):
         parts = {q: p.expert_device[i][q] for q in EXPERT_PARTS} if p.expert_device else {}
         for q, qdev in parts.items():
-            if qdev != dev or dev == "CPU" or multi:
+            if qdev != dev:
                 by_dev.setdefault((qdev, f"ffn_{q}_exps"), []).append(i)
-        if dev == "CPU" or multi:
+        if home and dev != home[i]:
             by_dev.setdefault((dev, "block"), []).append(i)
     out = []
     for (dev, what), layers in sorted(by_dev.items(), key=lambda kv: (kv[0][1] == "block", kv[0])):
         ids = "|".join(str(i) for i in layers)
         pat = rf"^blk\.({ids})\." if what == "block" else rf"^blk\.({ids})\.{what}\."
         out.append(TensorOverride(pattern=pat, device=dev))
-    return out + head
+    if home and p.output_device != home[-1]:
+        out.append(TensorOverride(pattern=r"^output\.", device=p.output_device))
+    return out
 
 
 def _memory(info: ModelInfo, p: Placement, params: EngineParams, n_seq: int,
@@ -219,14 +224,18 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, n_ctx: 
         loads.append(("load", True))
     fas = [True, False] if req.kv in ("f16", "f32") else [True]
     offload = [None, 4096] if hybrid else [None]
-    overrides = _overrides(placement) if on_gpu else []
+    overrides = _overrides(placement, gpus) if on_gpu else []
     split = layer_split.tensor_split(placement, gpus) if on_gpu else None
+    # Spread over several GPUs without overrides, llama.cpp pipelines the micro-batches of a batch: give it
+    # several (its own default is -b 2048 -ub 512).
+    pipelined = len({d for d in placement.layer_device if d != "CPU"}) > 1 and not overrides
     out = []
     for t, tb, ub, (load, no_host), fa, omb in itertools.product(threads, threads, ubatches, loads, fas, offload):
         if ub > n_ctx or (on_gpu and t != tb) or (no_host and omb is not None):
             continue
         out.append(EngineParams(
-            n_ctx=n_ctx, n_seq_max=req.concurrency, n_batch=max(ub, 512 if not on_gpu else ub), n_ubatch=ub,
+            n_ctx=n_ctx, n_seq_max=req.concurrency, n_ubatch=ub,
+            n_batch=max(ub, min(n_ctx, PIPELINE_BATCH) if pipelined else 512 if not on_gpu else ub),
             n_threads=t, n_threads_batch=tb, n_gpu_layers=999 if on_gpu else 0, flash_attn=fa, type_k=req.kv,
             type_v=req.kv, load_mode=load, no_host=no_host, offload_min_batch=omb, tensor_overrides=tuple(overrides),
             tensor_split=split, seed=req.seed))

@@ -81,12 +81,18 @@ def llama_gpu(split: Sequence[float], n_layer: int, pos: int) -> int:
     return len(split) - 1
 
 
+def llama_devices(placement: Placement, gpus: Sequence[str]) -> list[str]:
+    """The GPU llama.cpp gives each position (every layer, then the head) under the placement's split."""
+    n = len(placement.layer_device)
+    split = tensor_split(placement, gpus)
+    if split is None:
+        return [gpus[0]] * (n + 1)
+    return [gpus[llama_gpu(split, n, pos)] for pos in range(n + 1)]
+
+
 def kv_devices(placement: Placement, gpus: Sequence[str], offload_kqv: bool = True) -> list[str]:
     """The device of each layer's KV cache when every layer is offloaded (``-ngl 999``)."""
     n = len(placement.layer_device)
     if not offload_kqv or not gpus:
         return ["CPU"] * n
-    split = tensor_split(placement, gpus)
-    if split is None:
-        return [gpus[0]] * n
-    return [gpus[llama_gpu(split, n, il)] for il in range(n)]
+    return llama_devices(placement, gpus)[:n]

@@ -118,6 +118,9 @@ def test_unlimited_two_gpus_measure_one_gpu_against_the_layer_split(moe: ModelIn
     split = by_family["split-layers"]
     assert set(split.placement.layer_device) == {"CUDA0", "CUDA1"} and split.placement.output_device == "CUDA1"
     assert "-ts" in split.params.cli_args()
+    for c in space.candidates:
+        if c.family == "split-layers":  # no overrides and several micro-batches per batch: pipelined
+            assert not c.params.tensor_overrides and c.params.n_batch == 512 >= c.params.n_ubatch
 
 
 def test_finalists_race_one_gpu_against_two(moe: ModelInfo) -> None:

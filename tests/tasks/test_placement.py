@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from artifacts.model_info import ModelInfo, model_info, read_tensors
-from tasks import expert_select
+from tasks import expert_select, layer_split
 from tasks.costmodel import Workload, all_on, head_bytes, layer_bytes, predict
 from tasks.enumerate import GPU_MARGIN, _overrides, enumerate_placements
 from tasks.errors import ImpossiblePlan
@@ -76,10 +76,10 @@ def test_two_gpus_split_the_model(moe: ModelInfo) -> None:
 
 def test_overrides_match_exactly_the_cpu_tensors(moe: ModelInfo, tiny_moe: Path) -> None:
     p = expert_select.select(moe, [moe.weight_bytes // 3])
-    rules = [(re.compile(o.pattern), o.device) for o in _overrides(p)]
-    for name, layer, want in wanted_devices(p, tiny_moe):
+    rules = [(re.compile(o.pattern), o.device) for o in _overrides(p, ["CUDA0"])]
+    for name, _, want in wanted_devices(p, tiny_moe):
         got = next((dev for rx, dev in rules if rx.search(name)), None)
-        assert (got or p.layer_device[layer]) == want, name
+        assert (got or "CUDA0") == want, name
 
 
 def test_cpu_machine_space_is_real(moe: ModelInfo) -> None:
@@ -149,13 +149,20 @@ def test_budgets_follow_the_devices_llama_cpp_sees(moe: ModelInfo) -> None:
         assert all(o.device in ("CPU", "CUDA0") for o in c.params.tensor_overrides)
 
 
-def test_two_gpu_placements_pin_every_gpu_tensor(moe: ModelInfo, tiny_moe: Path) -> None:
-    half = moe.weight_bytes // 2
-    p = expert_select.select(moe, [half, half])
-    rules = [(re.compile(o.pattern), o.device) for o in _overrides(p)]
-    assert {"CUDA0", "CUDA1"} <= {d for _, d in rules}
-    for name, _, want in wanted_devices(p, tiny_moe):
-        assert next(dev for rx, dev in rules if rx.search(name)) == want, name
+def test_two_gpu_placements_put_every_tensor_where_they_say(moe: ModelInfo, tiny_moe: Path) -> None:
+    # llama.cpp puts an unnamed tensor on the GPU the tensor split gives its layer (tasks/layer_split.py)
+    gpus = ["CUDA0", "CUDA1"]
+    for frac in (0.3, 0.6):  # a hybrid over both GPUs; everything on the GPUs
+        p = expert_select.select(moe, [int(moe.weight_bytes * frac)] * 2)
+        home = layer_split.llama_devices(p, gpus)
+        overrides = _overrides(p, gpus)
+        rules = [(re.compile(o.pattern), o.device) for o in overrides]
+        assert {"CUDA0", "CUDA1"} <= set(p.layer_device)
+        for name, layer, want in wanted_devices(p, tiny_moe):
+            assert next((dev for rx, dev in rules if rx.search(name)), home[layer]) == want, name
+        assert next((dev for rx, dev in rules if rx.search("output.weight")), home[-1]) == p.output_device
+        if frac == 0.6:
+            assert not overrides, "nothing to name: llama.cpp's pipeline parallelism stays on"
 
 
 def test_gpu_finalists_span_micro_batch_sizes(moe: ModelInfo) -> None:
