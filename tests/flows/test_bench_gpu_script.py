@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import pyarrow.parquet as pq
@@ -43,15 +44,20 @@ def test_bench_gpu_runs_on_a_cpu_and_stores_its_rows(tiny_moe: Path, tmp_path: P
     assert got == [("tiny-moe", row["plan_tg"])]
 
 
-def test_budgets_are_per_gpu_and_the_fullest_gpu_decides() -> None:
-    # With two GPUs llama.cpp splits the layers its own way; a baseline fits only if no GPU holds more
-    # than the per-GPU budget (an 8 GiB budget on two cards is not 16 GiB on one).
+def load_script() -> Any:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "scripts" / "bench_gpu.py")
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_budgets_are_per_gpu_and_the_fullest_gpu_decides() -> None:
+    # With two GPUs llama.cpp splits the layers its own way; a baseline fits only if no GPU holds more
+    # than the per-GPU budget (an 8 GiB budget on two cards is not 16 GiB on one).
+    bench = load_script()
     gib = 2**30
     assert bench.within([7 * gib, 8 * gib], 8 * gib)
     assert not bench.within([5 * gib, 9 * gib], 8 * gib), "14 GiB in all, but one card is over"
@@ -59,3 +65,22 @@ def test_budgets_are_per_gpu_and_the_fullest_gpu_decides() -> None:
     assert not bench.within(None, 8 * gib), "an unknown use never fits"
     assert bench.vram([7 * gib, 0]) == "7.00"
     assert bench.vram([7 * gib, 8 * gib]) == "15.00 (7.00 + 8.00)"
+
+
+def test_rescore_drops_the_cold_first_round(tmp_path: Path) -> None:
+    # run 3's whole-model row: llama-server's first pp512 ran cold at 3,470 tok/s, then 7,729
+    import json
+
+    bench = load_script()
+    raw = {"plan": {"pp": [7678.0, 7586.0], "tg": [308.0, 303.9], "agent_s": [0.29, 0.28]},
+           "fit": {"pp": [3470.0, 7729.0], "tg": [275.4, 282.1], "agent_s": [0.41, 0.40]}}
+    assert abs(bench.ratios(raw)["pp_vs_fit"] - 7632 / 5599.5) < 1e-9, "the median of two rounds is their mean"
+    warm = bench.ratios(raw, skip=1)
+    assert abs(warm["pp_vs_fit"] - 7586 / 7729) < 1e-9 and abs(warm["agent_vs_fit"] - 0.40 / 0.28) < 1e-9
+    path = tmp_path / "h200_results.parquet"
+    bench.write_rows([{"run": "run3", "model": "qwen3-30b-a3b", "budget_gib": 0.0, "raw": json.dumps(raw),
+                       **bench.ratios(raw)}, {"run": "run1", "model": "llama3-8b", "budget_gib": 0.0, "raw": None}], path)
+    bench.rescore(path)
+    rows = pq.read_table(path).to_pylist()
+    assert rows[0]["pp_vs_fit_warm"] == warm["pp_vs_fit"] and rows[0]["pp_vs_fit"] > 1.3 > rows[0]["pp_vs_fit_warm"]
+    assert rows[1]["pp_vs_fit_warm"] is None, "a row without raw rounds has nothing to rescore"
