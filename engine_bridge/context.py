@@ -97,7 +97,6 @@ def load_model_and_context(path: Path, p: EngineParams) -> tuple[Any, Any, list[
     mp = llama_cpp.llama_model_default_params()
     mp.n_gpu_layers = 0x7FFFFFFF if p.n_gpu_layers == -1 else p.n_gpu_layers
     mp.split_mode, mp.main_gpu, mp.load_mode = _SPLIT_MODES[p.split_mode], p.main_gpu, _LOAD_MODES[p.load_mode]
-    mp.no_host = p.no_host
     keep: list[Any] = []
     if p.tensor_split:
         split = (ctypes.c_float * llama_cpp.LLAMA_MAX_DEVICES)(*p.tensor_split)

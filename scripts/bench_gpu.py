@@ -295,7 +295,7 @@ def plan(model: Path, info: ModelInfo, hw: HardwareReport, budget_gib: float, ar
     rows = [{"candidate": c.id, "family": c.family, "flags": " ".join(c.params.cli_args()), "pred_decode": p.decode_tps,
              "pred_prefill": p.prefill_tps, "meas_decode": s.decode_tps, "meas_prefill": s.prefill_tps,
              "meas_workload_s": s.workload_s, "gpu_gib": s.gpu_bytes and s.gpu_bytes / GIB, "error": s.error,
-             "gpus_used": len({d for d in c.placement.layer_device if d != "CPU"}),
+             "gpus_used": len(c.placement.gpus()),
              "pred_gpu_gib": json.dumps({d: round((c.weights_bytes.get(d, 0) + c.kv_bytes.get(d, 0)
                                                    + c.compute_bytes.get(d, 0)) / GIB, 2)
                                          for d in sorted(set(c.weights_bytes) | set(c.kv_bytes)) if d != "CPU"})}
@@ -349,9 +349,14 @@ def race(model: Path, entries: dict[str, Candidate], server: LlamaServerFit | No
     return out
 
 
+def medians(raw: dict[str, dict[str, list[float]]], skip: int = 0) -> dict[str, dict[str, float]]:
+    """Each contender's median of each measure over the rounds after the first ``skip``."""
+    return {k: {m: statistics.median(v[skip:]) for m, v in d.items() if v[skip:]} for k, d in raw.items()}
+
+
 def ratios(raw: dict[str, dict[str, list[float]]], skip: int = 0) -> dict[str, float]:
     """plan ÷ baseline medians (times inverted: higher is better) over the rounds after the first ``skip``."""
-    med = {k: {m: statistics.median(v[skip:]) for m, v in d.items() if v[skip:]} for k, d in raw.items()}
+    med = medians(raw, skip)
     out: dict[str, float] = {}
     plan = med.get("plan", {})
     for base in ("fit", "ncmoe", "lcp"):
@@ -450,8 +455,7 @@ def one_budget(ms: ModelSetup, b: float, args: argparse.Namespace, threads: int,
     finally:
         if server:
             server.close()
-    med: dict[str, dict[str, float]] = {k: {m: statistics.median(v) for m, v in d.items() if v} for k, d in res.items()}
-    row_ratios = ratios(res)
+    med = medians(res)
     row: dict[str, Any] = {
         "model": preset, "model_gib": info.weight_bytes / GIB, "budget_gib": b, "workload": args.workload, "plan_s": plan_s,
         "plan_family": chosen.family, "plan_flags": " ".join(chosen.params.cli_args()),
@@ -465,7 +469,7 @@ def one_budget(ms: ModelSetup, b: float, args: argparse.Namespace, threads: int,
     for k, d in med.items():
         for m, v in d.items():
             row[f"{k}_{m}"] = v
-    row.update(row_ratios)
+    row.update(ratios(res))
     log("  " + ", ".join(f"{k}={v:.3f}" for k, v in row.items()
                          if k.startswith(("tg_vs", "pp_vs", "agent_vs", "chat_vs", "plan_tg", "plan_pp")) and v))
     return row

@@ -97,7 +97,6 @@ def _memory(info: ModelInfo, p: Placement, params: EngineParams, n_seq: int,
             gpus: list[str]) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     weights = {d: int(res) for d, (_, res) in layer_bytes(info, p).items()}
     kv_layer = info.kv_bytes_per_token[params.type_k] * params.n_ctx * n_seq / max(1, info.n_layer)
-    gpu_layers = [d for d in p.layer_device if d != "CPU"]
     # With -ngl 999 every layer's KV cache is on the GPU llama.cpp's split gives it, even when the
     # layer's weights are overridden to the CPU.
     offloaded = params.n_gpu_layers > 0 and params.offload_kqv
@@ -105,7 +104,7 @@ def _memory(info: ModelInfo, p: Placement, params: EngineParams, n_seq: int,
     for dev in layer_split.kv_devices(p, gpus if offloaded else []):
         kv[dev] = kv.get(dev, 0) + int(kv_layer)
     comp = {"CPU": compute_bytes(info, params.n_ubatch, params.n_ctx, params.flash_attn)}
-    for d in set(gpu_layers) | ({p.output_device} - {"CPU"}):
+    for d in p.gpus():
         comp[d] = compute_bytes(info, params.n_ubatch, params.n_ctx, params.flash_attn)
     return weights, kv, comp
 
@@ -228,7 +227,7 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, n_ctx: 
     split = layer_split.tensor_split(placement, gpus) if on_gpu else None
     # Spread over several GPUs without overrides, llama.cpp pipelines the micro-batches of a batch: give it
     # several (its own default is -b 2048 -ub 512).
-    pipelined = len({d for d in placement.layer_device if d != "CPU"}) > 1 and not overrides
+    pipelined = len(placement.gpus()) > 1 and not overrides
     out = []
     for t, tb, ub, (load, no_host), fa, omb in itertools.product(threads, threads, ubatches, loads, fas, offload):
         if ub > n_ctx or (on_gpu and t != tb) or (no_host and omb is not None):

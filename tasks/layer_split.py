@@ -90,9 +90,10 @@ def llama_devices(placement: Placement, gpus: Sequence[str]) -> list[str]:
     return [gpus[llama_gpu(split, n, pos)] for pos in range(n + 1)]
 
 
-def kv_devices(placement: Placement, gpus: Sequence[str], offload_kqv: bool = True) -> list[str]:
-    """The device of each layer's KV cache when every layer is offloaded (``-ngl 999``)."""
+def kv_devices(placement: Placement, gpus: Sequence[str]) -> list[str]:
+    """The device of each layer's KV cache when every layer is offloaded (``-ngl 999``) to ``gpus``;
+    the CPU for every layer when ``gpus`` is empty (no GPU, or the KV cache kept on the host)."""
     n = len(placement.layer_device)
-    if not offload_kqv or not gpus:
+    if not gpus:
         return ["CPU"] * n
     return llama_devices(placement, gpus)[:n]

@@ -113,6 +113,11 @@ class Placement(_Model):
         """Layers whose non-expert weights are not on the CPU."""
         return sum(1 for d in self.layer_device if d != "CPU")
 
+    def gpus(self) -> set[str]:
+        """The devices other than the CPU that hold a part of the placement."""
+        experts = (d for ex in self.expert_device for d in ex.values())
+        return {d for d in (*self.layer_device, self.output_device, *experts) if d != "CPU"}
+
     def is_hybrid(self) -> bool:
         """A GPU placement that leaves per-token weights (a layer or an expert tensor) to the CPU."""
         on_cpu = "CPU" in self.layer_device or any(d == "CPU" for ex in self.expert_device for d in ex.values())

@@ -42,9 +42,7 @@ def _hybrid(c: Candidate) -> bool:
 
 def _gpus_used(c: Candidate) -> int:
     """How many GPUs hold a part of the placement."""
-    p = c.placement
-    return len({d for d in [*p.layer_device, p.output_device, *(d for ex in p.expert_device for d in ex.values())]
-                if d != "CPU"})
+    return len(c.placement.gpus())
 
 
 def _thread_siblings(best: Candidate, ranked: list[Candidate]) -> list[Candidate]:
