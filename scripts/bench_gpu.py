@@ -236,10 +236,10 @@ class LlamaServerFit:
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         import httpx
 
-        # idle connections go before llama-server's 5 s keep-alive close (tasks.bench_http.KEEPALIVE_S; that
-        # module needs duckdb, which a bare GPU machine lacks): the race rounds leave it idle for longer
+        # a connection per request, as tasks.bench_http.client_limits (that module needs duckdb, which a bare
+        # GPU machine lacks): llama-server can drop a pooled connection; its own timings are what count
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=600,
-                                 limits=httpx.Limits(keepalive_expiry=1.0))
+                                 limits=httpx.Limits(max_keepalive_connections=0))
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             try:

@@ -33,16 +33,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
-# llama-server (cpp-httplib) closes a keep-alive connection after 5 s idle, and httpx keeps one 5 s by
-# default: a request sent on a pooled connection as the server closes it fails at once with "Server
-# disconnected without sending a response" (seen in 1 of 30 arrivals runs). Clients drop idle connections first.
-KEEPALIVE_S = 1.0
+# Benchmark clients open a connection per request. llama-server (cpp-httplib) sometimes drops a pooled
+# connection after a streamed chat reply: the next request on it fails at once with "Server disconnected
+# without sending a response". On this 2-core VM, under load, 8 of 80 two-turn chats beside five arrivals
+# failed so with pooling (with idle connections dropped after 1 s, too), and 0 of 80 without. A localhost
+# connect costs both engines the same fraction of a millisecond.
 
 
-def client_limits(max_connections: int | None = None, max_keepalive: int | None = None) -> httpx.Limits:
-    """Connection limits for a benchmark client: pooled connections expire before a peer server drops them."""
-    return httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_keepalive,
-                        keepalive_expiry=KEEPALIVE_S)
+def client_limits(max_connections: int | None = None) -> httpx.Limits:
+    """Connection limits for a benchmark client: at most ``max_connections`` at once, none kept for reuse."""
+    return httpx.Limits(max_connections=max_connections, max_keepalive_connections=0)
 START_ATTEMPTS = 3
 Outcome = Literal["completed", "errored", "cancelled", "resumed", "hung", "lost"]
 OUTCOMES: tuple[Outcome, ...] = ("completed", "errored", "cancelled", "resumed", "hung", "lost")

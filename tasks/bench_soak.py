@@ -170,7 +170,7 @@ class _Soak:
     async def run(self, waves: list[list[SoakRequest]]) -> None:
         """Every wave (until the time is up), faults between and within them, then the checks."""
         deadline = time.monotonic() + self.opts.seconds
-        limits = client_limits(max_connections=3 * len(waves[0]) + 8, max_keepalive=8)
+        limits = client_limits(max_connections=3 * len(waves[0]) + 8)
         async with httpx.AsyncClient(timeout=httpx.Timeout(self.hang_s, connect=10.0), limits=limits) as client:
             self._client = client
             for w, wave in enumerate(waves):
