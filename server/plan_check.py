@@ -13,8 +13,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from artifacts.config import Settings
 from artifacts.errors import FluxError, ModelFileError
 from artifacts.filehash import model_hash
@@ -23,9 +21,7 @@ from artifacts.model_info import shard_paths
 from artifacts.store import Store
 from engine_bridge.backend import backend_info
 from tasks.models import Plan
-from tasks.probe import hardware_fingerprint
-from tasks.probe_gpu import nvml_inventory
-from tasks.probe_host import cpu_info
+from tasks.probe import facts_fingerprint, machine_facts
 
 log = logging.getLogger(__name__)
 PLAN_KIND = "plan"
@@ -73,12 +69,11 @@ def _model_hash(plan: Plan, settings: Settings) -> str | None:
 
 def current_facts(plan: Plan, settings: Settings) -> dict[str, object]:
     """This machine's values of the fields a plan is keyed by (cheap: no measurement)."""
-    nvml = nvml_inventory()
+    facts = machine_facts()
     return {
         "backend_build": backend_info(settings.cache_dir).build_id,
-        "driver": nvml.driver,
-        "hardware_fingerprint": hardware_fingerprint(cpu_info(), int(psutil.virtual_memory().total), nvml.gpus,
-                                                     nvml.driver),
+        "driver": facts.driver,
+        "hardware_fingerprint": facts_fingerprint(facts),
         "model_hash": _model_hash(plan, settings),
     }
 

@@ -21,8 +21,8 @@ from artifacts.model_info import ModelInfo, model_info
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.params import EngineParams
-from tasks.models import CpuInfo, GpuInfo, HardwareReport, KernelTiming
-from tasks.probe_gpu import host_to_device_bandwidth, nvml_inventory
+from tasks.models import CpuInfo, GpuInfo, HardwareReport, KernelTiming, MachineFacts
+from tasks.probe_gpu import cuda_runtime_name, host_to_device_bandwidth, nvml_inventory
 from tasks.probe_host import cpu_info, ram_read_bandwidth, storage_read_speed, usable_cpus
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,38 @@ def hardware_fingerprint(cpu: CpuInfo, ram_total: int, gpus: Sequence[GpuInfo], 
                  for g in gpus],
         "driver": driver,
     })
+
+
+def machine_facts() -> MachineFacts:
+    """This machine's identity, cheaply: host, CPU, RAM, GPUs (NVML, no CUDA context), driver, CUDA."""
+    import platform
+
+    nvml = nvml_inventory()
+    mid = Path("/etc/machine-id")
+    return MachineFacts(node=platform.node(), machine_id=mid.read_text().strip() if mid.exists() else "",
+                        cpu=cpu_info(), ram_total=int(psutil.virtual_memory().total), gpus=nvml.gpus,
+                        driver=nvml.driver, cuda_driver=nvml.cuda_driver,
+                        cuda_runtime=cuda_runtime_name() if nvml.gpus else None)
+
+
+def facts_fingerprint(facts: MachineFacts) -> str:
+    """The hardware fingerprint of ``facts`` (see :func:`hardware_fingerprint`)."""
+    return hardware_fingerprint(facts.cpu, facts.ram_total, facts.gpus, facts.driver)
+
+
+def probe_key(facts: MachineFacts, model_hash: str, backend_build: str) -> dict[str, Any]:
+    """Key of the probe report: everything a measurement of this machine depends on, read before measuring.
+
+    Host (name, machine id, CPU, RAM), every GPU (name, UUID, memory, compute capability), the driver,
+    the CUDA driver and runtime versions, the model and the backend build: a swapped GPU, a new driver or
+    another build is a new probe, so ``flux plan --replan`` never reuses a stale one.
+    """
+    return {"stage": "probe", "model": model_hash, "backend": backend_build, "host": {
+        "node": facts.node, "machine_id": facts.machine_id, "cpu": facts.cpu.model,
+        "cpus": facts.cpu.logical_cores, "ram_gib": round(facts.ram_total / GIB),
+        "gpus": [{"name": g.name, "uuid": g.uuid, "memory_total": g.memory_total,
+                  "compute_capability": g.compute_capability} for g in facts.gpus],
+        "driver": facts.driver, "cuda_driver": facts.cuda_driver, "cuda_runtime": facts.cuda_runtime}}
 
 
 def _with_copy_bandwidth(gpus: list[GpuInfo], bus_ids: list[str]) -> list[GpuInfo]:
@@ -173,7 +205,8 @@ def probe(model_path: Path, model_hash: str, settings: Settings, backend_build: 
         EngineError: the engine worker could not load or run the model on the CPU.
     """
     info = model_info(model_path)
-    cpu = cpu_info()
+    facts = machine_facts()
+    cpu = facts.cpu
     vm = psutil.virtual_memory()
     ram = ram_read_bandwidth(int(vm.available), threads=usable_cpus())
     storage = storage_read_speed(model_path)
@@ -181,10 +214,10 @@ def probe(model_path: Path, model_hash: str, settings: Settings, backend_build: 
     gpus = _with_copy_bandwidth(nvml.gpus, nvml.bus_ids) if nvml.gpus else []
     devices, kernels = engine_probe(model_path, info, cpu.physical_cores, settings)
     report = HardwareReport(
-        fingerprint=hardware_fingerprint(cpu, int(vm.total), gpus, nvml.driver), cpu=cpu,
-        ram_total=int(vm.total), ram_available=int(vm.available), ram_read_gbs=ram.gbs,
+        fingerprint=facts_fingerprint(facts), cpu=cpu,
+        ram_total=facts.ram_total, ram_available=int(vm.available), ram_read_gbs=ram.gbs,
         ram_read_gbs_1thread=ram.gbs_1thread, storage_read_gbs=storage.gbs, storage_method=storage.method,
-        gpus=gpus, driver=nvml.driver, ggml_devices=devices, kernels=kernels, model_hash=model_hash,
+        gpus=gpus, driver=facts.driver, ggml_devices=devices, kernels=kernels, model_hash=model_hash,
         backend_build=backend_build)
     log.info("probe: fingerprint %s (%s, %d cores, %d GiB, %d GPU(s))", report.fingerprint[:12], cpu.model,
              cpu.logical_cores, round(vm.total / GIB), len(gpus))

@@ -46,6 +46,7 @@ class NvmlReport(NamedTuple):
     gpus: list[GpuInfo]
     driver: str | None
     bus_ids: list[str]
+    cuda_driver: str | None = None
 
 
 class CudaError(Exception):
@@ -83,9 +84,10 @@ def _nvml_gpu(nvml: Any, index: int) -> tuple[GpuInfo, str]:
              _optional(nvml, "nvmlDeviceGetCurrPcieLinkGeneration", h),
              _optional(nvml, "nvmlDeviceGetCurrPcieLinkWidth", h))
     pci = _optional(nvml, "nvmlDeviceGetPciInfo", h)
+    uuid = _optional(nvml, "nvmlDeviceGetUUID", h)
     info = GpuInfo(index=index, name=name, memory_total=int(mem.total),
                    memory_free=int(mem.free), pcie_gen=gen, pcie_width=width,
-                   compute_capability=f"{cc[0]}.{cc[1]}" if cc else None)
+                   compute_capability=f"{cc[0]}.{cc[1]}" if cc else None, uuid=_text(uuid) if uuid else None)
     return info, _text(pci.busId) if pci is not None else ""
 
 
@@ -108,13 +110,15 @@ def nvml_inventory() -> NvmlReport:
         return NvmlReport([], None, [])
     try:
         driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        cuda = _optional(pynvml, "nvmlSystemGetCudaDriverVersion")
         pairs = [_nvml_gpu(pynvml, i) for i in range(pynvml.nvmlDeviceGetCount())]
     except pynvml.NVMLError as exc:
         log.warning("probe: NVML query failed (%s): no NVIDIA GPUs reported", exc)
         return NvmlReport([], None, [])
     finally:
         pynvml.nvmlShutdown()
-    return NvmlReport([g for g, _ in pairs], driver, [b for _, b in pairs])
+    cuda_driver = f"{cuda // 1000}.{cuda % 1000 // 10}" if isinstance(cuda, int) else None
+    return NvmlReport([g for g, _ in pairs], driver, [b for _, b in pairs], cuda_driver)
 
 
 def normalize_bus_id(bus_id: str) -> str:
@@ -153,6 +157,19 @@ def cudart_candidates() -> list[str]:
     for d in dirs:
         out += [str(d / n) for n in CUDART_NAMES if (d / n).exists()]
     return list(dict.fromkeys(out))
+
+
+def cuda_runtime_name() -> str | None:
+    """The file name of the libcudart a CUDA build would load (its version), without loading it.
+
+    The first candidate that exists as a file, resolved through its links (``libcudart.so.13.0.96``);
+    None where no runtime is installed (a CPU machine).
+    """
+    for cand in cudart_candidates():
+        path = Path(cand)
+        if path.is_absolute() and path.exists():
+            return path.resolve().name
+    return None
 
 
 def _declare(rt: ctypes.CDLL) -> None:

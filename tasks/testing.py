@@ -59,18 +59,14 @@ def stored_plan(settings: Settings, model: Path, params: EngineParams, *, finali
     """
     import datetime as dt
 
-    import psutil
-
     from artifacts.filehash import model_hash
     from artifacts.ids import content_id
     from artifacts.store import Store
     from engine_bridge.backend import backend_info
-    from tasks.probe import hardware_fingerprint
-    from tasks.probe_gpu import nvml_inventory
-    from tasks.probe_host import cpu_info
+    from tasks.probe import facts_fingerprint, machine_facts
 
-    nvml = nvml_inventory()
-    fingerprint = hardware_fingerprint(cpu_info(), int(psutil.virtual_memory().total), nvml.gpus, nvml.driver)
+    facts = machine_facts()
+    fingerprint = facts_fingerprint(facts)
     mh = model_hash([model], settings.cache_dir)
     build = backend_info(settings.cache_dir).build_id
     req = PlanRequest(model=str(model), ctx=params.n_ctx, concurrency=params.n_seq_max)
@@ -80,11 +76,11 @@ def stored_plan(settings: Settings, model: Path, params: EngineParams, *, finali
     summaries = [MeasureSummary(candidate_id=f"c{i:03d}", prefill_tps=500.0 - 50 * i, decode_tps=50.0 - 5 * i,
                                 workload_s=1.0 + i, n_trials=3) for i in range(finalists)]
     body: dict[str, Any] = {
-        "key": {"model_hash": mh, "hardware": fingerprint, "backend_build": build, "driver": nvml.driver,
+        "key": {"model_hash": mh, "hardware": fingerprint, "backend_build": build, "driver": facts.driver,
                 "flags": req.model_dump(exclude={"model"}), "settings": {"hand_built": True, **(key_extra or {})}},
         "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "model_path": str(model), "model_name": model.stem, "model_hash": mh, "hardware_fingerprint": fingerprint,
-        "backend_build": build, "driver": nvml.driver, "request": req.model_dump(), "candidate": cand.model_dump(),
+        "backend_build": build, "driver": facts.driver, "request": req.model_dump(), "candidate": cand.model_dump(),
         "measured": summaries[0].model_dump(),
         "predicted": Prediction(candidate_id=cand.id, prefill_tps=400.0, decode_tps=40.0, score_s=1.2).model_dump(),
         "validation": ValidationResult(candidate_id=cand.id, mean_kl=0.0, max_kl=0.0, top1_agreement=1.0,

@@ -11,9 +11,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from artifacts.config import Settings, load_settings
+from artifacts.ids import content_id
 from artifacts.model_info import model_info
-from tasks.models import CpuInfo, GpuInfo, HardwareReport
-from tasks.probe import PREFILL_BATCH, hardware_fingerprint, probe
+from tasks.models import CpuInfo, GpuInfo, HardwareReport, MachineFacts
+from tasks.probe import (
+    PREFILL_BATCH,
+    facts_fingerprint,
+    hardware_fingerprint,
+    machine_facts,
+    probe,
+    probe_key,
+)
 from tasks.probe_gpu import (
     host_to_device_bandwidth,
     load_cudart,
@@ -178,12 +186,12 @@ def test_arm64_cpuinfo_is_understood(tmp_path: Path) -> None:
 # -- GPU parts without a GPU ---------------------------------------------------------------------------
 def test_nvml_absent_means_no_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)  # how Python spells "not installed"
-    assert nvml_inventory() == ([], None, [])
+    assert nvml_inventory() == ([], None, [], None)
 
 
 @no_gpu_here
 def test_nvml_without_a_driver_means_no_gpus() -> None:
-    assert nvml_inventory() == ([], None, [])
+    assert nvml_inventory() == ([], None, [], None)
 
 
 @no_gpu_here
@@ -212,3 +220,45 @@ def test_gpus_are_probed(report: HardwareReport) -> None:
         assert g.h2d_pageable_gbs is not None and g.h2d_pageable_gbs > 0.5
     gpu_kernels = [k for k in report.kernels if k.device != "CPU"]
     assert gpu_kernels and all(k.decode_ms_per_token > 0 for k in gpu_kernels)
+
+
+# -- the probe report's key -------------------------------------------------------------------------------
+FACTS = MachineFacts(node="box", machine_id="m1", cpu=CPU, ram_total=64 * GIB,
+                     gpus=[GPU.model_copy(update={"uuid": "GPU-aaaa"})], driver="580.1", cuda_driver="13.0",
+                     cuda_runtime="libcudart.so.13.0.96")
+FACT_CHANGES: dict[str, dict[str, object]] = {
+    "gpu-name": {"gpus": [FACTS.gpus[0].model_copy(update={"name": "NVIDIA H100"})]},
+    "gpu-uuid": {"gpus": [FACTS.gpus[0].model_copy(update={"uuid": "GPU-bbbb"})]},
+    "gpu-memory": {"gpus": [FACTS.gpus[0].model_copy(update={"memory_total": 80 * GIB})]},
+    "second-gpu": {"gpus": [*FACTS.gpus, FACTS.gpus[0].model_copy(update={"index": 1, "uuid": "GPU-cccc"})]},
+    "no-gpu": {"gpus": []},
+    "driver": {"driver": "575.4"},
+    "cuda-driver": {"cuda_driver": "12.8"},
+    "cuda-runtime": {"cuda_runtime": "libcudart.so.12.8.90"},
+    "ram": {"ram_total": 128 * GIB},
+    "host": {"node": "other-box"},
+}
+
+
+@pytest.mark.parametrize("change", sorted(FACT_CHANGES))
+def test_probe_key_changes_with_the_gpus_driver_and_cuda(change: str) -> None:
+    base = content_id(probe_key(FACTS, "model", "build"))
+    changed = FACTS.model_copy(update=FACT_CHANGES[change])
+    assert content_id(probe_key(changed, "model", "build")) != base
+
+
+def test_probe_key_changes_with_the_backend_build_and_model() -> None:
+    base = content_id(probe_key(FACTS, "model", "build"))
+    assert content_id(probe_key(FACTS, "model", "build-2")) != base
+    assert content_id(probe_key(FACTS, "model-2", "build")) != base
+
+
+def test_probe_key_ignores_free_memory_and_measured_speeds() -> None:
+    busy = FACTS.gpus[0].model_copy(update={"memory_free": 3 * GIB, "h2d_pinned_gbs": 55.0})
+    assert probe_key(FACTS.model_copy(update={"gpus": [busy]}), "m", "b") == probe_key(FACTS, "m", "b")
+
+
+def test_machine_facts_on_this_machine_match_the_probe(report: HardwareReport) -> None:
+    facts = machine_facts()
+    assert facts_fingerprint(facts) == report.fingerprint
+    assert facts.cpu == report.cpu and facts.driver == report.driver
