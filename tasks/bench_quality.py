@@ -30,7 +30,8 @@ from engine_bridge.client import WorkerClient
 from engine_bridge.params import EngineParams
 from tasks.bench_common import BenchContext, BenchRun, Progress, SummaryRow, Verdict, load_avg
 from tasks.corpus import conversation_text, load_conversations, sized_prompts
-from tasks.validate import compare, reference_params
+from tasks.quality_gate import compare
+from tasks.validate import reference_params
 
 RAW_SCHEMA = pa.schema([
     ("source", pa.string()), ("item", pa.string()), ("prompt_tokens", pa.int32()), ("n_tokens", pa.int32()),
@@ -108,18 +109,26 @@ def _session(ctx: BenchContext, params: EngineParams, seqs: Sequence[tuple[list[
 
 
 def _verdict(ctx: BenchContext, mean_kl: float, top1: float) -> tuple[Verdict, str]:
-    limits = ctx.settings.plan
     if ctx.plan.quality_profile != "reference":
         return "info", f"quality profile {ctx.plan.quality_profile}: differences are expected, not enforced"
-    ok = mean_kl <= limits.max_kl and top1 >= limits.min_top1
-    return ("pass" if ok else "fail"), (f"mean KL {mean_kl:.2e} (max {limits.max_kl:g}), top-1 {top1:.3f} "
-                                        f"(min {limits.min_top1:g})")
+    max_kl, min_top1 = _limits(ctx)
+    ok = mean_kl <= max_kl and top1 >= min_top1
+    return ("pass" if ok else "fail"), (f"mean KL {mean_kl:.2e} (max {max_kl:.2e}), top-1 {top1:.3f} "
+                                        f"(min {min_top1:.3f})")
+
+
+def _limits(ctx: BenchContext) -> tuple[float, float]:
+    """The limits the plan was validated with (widened to its noise floor), else the settings' own."""
+    plan = ctx.plan
+    if plan.kl_limit is not None and plan.top1_limit is not None:
+        return plan.kl_limit, plan.top1_limit
+    return ctx.settings.plan.max_kl, ctx.settings.plan.min_top1
 
 
 def bench_quality(ctx: BenchContext, opts: QualityOptions, progress: Progress | None = None) -> BenchRun:
     """Compare the plan with the reference placement; one summary row (baseline ``reference``)."""
     n_tokens = opts.n_tokens or ctx.settings.plan.validate_tokens
-    ref = reference_params(ctx.params)
+    ref = reference_params(ctx.params.n_ctx, ctx.params.n_threads, ctx.params.seed)
     window = min(opts.ppl_tokens, ref.n_batch, ctx.params.n_batch, ctx.params.n_ctx - 2)
     t0, load0 = time.monotonic(), load_avg()
     inputs = _inputs(ctx, opts, n_tokens, window)
@@ -149,8 +158,8 @@ def bench_quality(ctx: BenchContext, opts: QualityOptions, progress: Progress | 
     detail += f"; perplexity {ppl_plan:.3f} vs reference {ppl_ref:.3f} (ratio {ppl_plan / ppl_ref:.4f})"
     metrics = {"mean_kl": mean_kl, "max_kl": float(kl_all.max()), "top1": top1, "n_tokens": int(kl_all.size),
                "ppl_plan": ppl_plan, "ppl_reference": ppl_ref, "ppl_ratio": ppl_plan / ppl_ref,
-               "ppl_tokens": window * len(inputs.windows), "max_kl_limit": ctx.settings.plan.max_kl,
-               "min_top1_limit": ctx.settings.plan.min_top1, "quality_profile": ctx.plan.quality_profile,
+               "ppl_tokens": window * len(inputs.windows), "max_kl_limit": _limits(ctx)[0],
+               "min_top1_limit": _limits(ctx)[1], "quality_profile": ctx.plan.quality_profile,
                "reference": ref.model_dump(mode="json"), "options": opts.model_dump(mode="json"),
                "greedy_tokens": n_tokens, "seconds": time.monotonic() - t0, "load_avg_start": load0,
                "load_avg_end": load_avg()}

@@ -1,17 +1,25 @@
-"""Validate: the top two finalists (more when both fail) against a reference placement, on held-out
-prompts and agent chats.
+"""Validate: the fastest finalists against a reference placement, on held-out prompts and agent chats.
 
 The reference is the plainest configuration (all weights on the CPU, f16 KV, no flash attention). For
-each validation sequence the reference writes a greedy continuation; both it and the candidate then
-score that same continuation, and Flux compares the two next-token distributions (mean KL divergence
-and top-1 agreement). A candidate must match unless the user asked for a different quality profile
-(e.g. ``--kv q8_0``), in which case the numbers are recorded in the plan, not enforced.
+each validation sequence the reference writes a greedy continuation; the reference, the noise-floor
+variants (the same reference with other correct kernels: :mod:`tasks.quality_gate`) and each candidate
+then score that same continuation, and the candidate's next-token distributions must match the
+reference's within the gate — unless the user asked for a different quality profile (e.g. ``--kv
+q8_0``), in which case the numbers are recorded in the plan, not enforced.
+
+The reference and the floor depend only on the model, the prompts and (for the floor) the machine and
+build, so they are kept in a cache directory and computed once per model: a second plan of the same
+model at another budget or context pays for its own candidates only.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,27 +28,60 @@ from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.params import EngineParams
 from tasks.models import Candidate, MeasureSummary, ValidationReport, ValidationResult
+from tasks.quality_gate import FloorResult, Gate, compare_all
 
 log = logging.getLogger(__name__)
+Seqs = list[tuple[list[int], list[int]]]
+Progress = Callable[[str], None]
+# A finalist holding less than the largest measured context must be this much faster to be chosen:
+# a shorter context is a loss for the user, worth it only for a real speed-up, not for noise.
+SHORTER_CONTEXT_GAIN = 0.05
 
 
-def reference_params(params: EngineParams) -> EngineParams:
-    """The reference placement for a candidate's context: everything on the CPU, f16 KV, defaults."""
-    return EngineParams(n_ctx=params.n_ctx, n_batch=512, n_ubatch=512, n_threads=params.n_threads,
-                        n_threads_batch=params.n_threads_batch, n_gpu_layers=0, flash_attn=False,
-                        type_k="f16", type_v="f16", load_mode="mmap", seed=params.seed)
+def reference_params(n_ctx: int, threads: int, seed: int = 0) -> EngineParams:
+    """The reference placement: everything on the CPU, f16 KV, no flash attention, mapped weights."""
+    return EngineParams(n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
+                        n_gpu_layers=0, flash_attn=False, type_k="f16", type_v="f16", load_mode="mmap", seed=seed)
 
 
-def compare(ref: np.ndarray, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-position KL(ref || cand) and top-1 agreement of two log-softmax arrays [n, vocab]."""
-    p = np.exp(ref)
-    kl = np.maximum((p * (ref - cand)).sum(axis=1), 0.0)
-    agree = ref.argmax(axis=1) == cand.argmax(axis=1)
-    return kl, agree
+def validation_context(prompts: Sequence[Sequence[int]], n_tokens: int) -> int:
+    """A context that holds the longest validation sequence (rounded up to 256 tokens)."""
+    need = max((len(p) for p in prompts), default=16) + n_tokens + 8
+    return (need + 255) // 256 * 256
 
 
-def _logprobs(w: WorkerClient, seqs: list[tuple[list[int], list[int]]], tmp: Path, tag: str,
-              timeout_s: float) -> list[np.ndarray]:
+def rank_measured(summaries: list[MeasureSummary], finalists: list[Candidate]) -> list[MeasureSummary]:
+    """Measured finalists, fastest first by workload time; one holding a shorter context than the longest
+    measured must be SHORTER_CONTEXT_GAIN faster than the longest-context ones to rank above them."""
+    ctx = {c.id: c.params.n_ctx for c in finalists}
+    ok = [s for s in summaries if s.workload_s is not None]
+    longest = max((ctx[s.candidate_id] for s in ok), default=0)
+
+    def key(s: MeasureSummary) -> float:
+        penalty = 1.0 + SHORTER_CONTEXT_GAIN if ctx[s.candidate_id] < longest else 1.0
+        return (s.workload_s or 0.0) * penalty
+
+    return sorted(ok, key=key)
+
+
+@dataclass(frozen=True)
+class Cache:
+    """Where the reference's and the noise floor's results are kept, under keys the caller derives."""
+
+    directory: Path
+    reference_key: str
+    floor_key: str
+
+    def reference(self) -> Path:
+        """File of the reference's continuations and log-probabilities."""
+        return self.directory / f"{self.reference_key}-reference.npz"
+
+    def floor(self) -> Path:
+        """File of the noise floor's statistics."""
+        return self.directory / f"{self.floor_key}-floor.json"
+
+
+def _logprobs(w: WorkerClient, seqs: Seqs, tmp: Path, tag: str, timeout_s: float) -> list[np.ndarray]:
     out = []
     for i, (prompt, cont) in enumerate(seqs):
         path = tmp / f"{tag}-{i}.npy"
@@ -50,17 +91,60 @@ def _logprobs(w: WorkerClient, seqs: list[tuple[list[int], list[int]]], tmp: Pat
     return out
 
 
+def _scored(model: Path, params: EngineParams, seqs: Seqs, tmp: Path, tag: str, log_path: Path,
+            timeout_s: float) -> list[np.ndarray]:
+    """Log-probabilities of ``seqs`` under ``params``, in a fresh worker."""
+    with WorkerClient(log_path=log_path, env=params.environment()) as w:
+        w.call("load", {"model": str(model), "params": params.model_dump()}, timeout=timeout_s)
+        return _logprobs(w, seqs, tmp, tag, timeout_s)
+
+
 def _reference(model: Path, params: EngineParams, prompts: list[list[int]], n_tokens: int, tmp: Path,
-               log_path: Path, timeout_s: float) -> tuple[list[tuple[list[int], list[int]]], list[np.ndarray]]:
+               log_path: Path, timeout_s: float, cache: Cache | None) -> tuple[Seqs, list[np.ndarray]]:
+    """The reference's greedy continuations and their log-probabilities (from the cache when there)."""
+    if cache is not None and cache.reference().exists():
+        with np.load(cache.reference()) as z:
+            conts = [z[f"cont{i}"].tolist() for i in range(len(prompts))]
+            return list(zip(prompts, conts, strict=True)), [z[f"lp{i}"] for i in range(len(prompts))]
     with WorkerClient(log_path=log_path) as w:
         w.call("load", {"model": str(model), "params": params.model_dump()}, timeout=timeout_s)
         seqs = [(p, w.call("greedy", {"prompt": p, "n_gen": n_tokens, "stop_eog": False}, timeout=timeout_s)["tokens"])
                 for p in prompts]
-        return seqs, _logprobs(w, seqs, tmp, "ref", timeout_s)
+        lps = _logprobs(w, seqs, tmp, "ref", timeout_s)
+    if cache is not None:
+        cache.directory.mkdir(parents=True, exist_ok=True)
+        part = cache.reference().with_suffix(f".{os.getpid()}.partial.npz")
+        arrays: dict[str, np.ndarray] = {f"lp{i}": lp for i, lp in enumerate(lps)}
+        arrays |= {f"cont{i}": np.asarray(c, dtype=np.int32) for i, (_, c) in enumerate(seqs)}
+        np.savez(part, **arrays)  # type: ignore[arg-type]
+        os.replace(part, cache.reference())
+    return seqs, lps
 
 
-def _candidate(cand: Candidate, model: Path, seqs: list[tuple[list[int], list[int]]], held_out: list[list[int]],
-               tmp: Path, log_path: Path, timeout_s: float) -> tuple[list[np.ndarray], float | None, float | None]:
+def noise_floor(model: Path, variants: Sequence[tuple[str, EngineParams]], seqs: Seqs, ref: list[np.ndarray],
+                tmp: Path, log_path: Path, timeout_s: float, cache: Cache | None,
+                progress: Progress = log.info) -> list[FloorResult]:
+    """The reference against itself with other correct kernels (from the cache when there)."""
+    if cache is not None and cache.floor().exists():
+        return [FloorResult.model_validate(x) for x in json.loads(cache.floor().read_text())]
+    out = []
+    for name, params in variants:
+        try:
+            stats = compare_all(ref, _scored(model, params, seqs, tmp, "floor", log_path, timeout_s))
+        except EngineError as exc:  # a variant that cannot run here (no room on the GPU) samples nothing
+            progress(f"validate: noise floor {name}: not measured ({exc})")
+            continue
+        out.append(FloorResult(name=name, stats=stats))
+        progress(f"validate: noise floor {name}: mean KL {stats.mean_kl:.2e}, p90 {stats.p90_kl:.2e}, "
+                 f"top-1 {stats.top1:.3f}")
+    if cache is not None:
+        cache.directory.mkdir(parents=True, exist_ok=True)
+        cache.floor().write_text(json.dumps([f.model_dump() for f in out]))
+    return out
+
+
+def _candidate(cand: Candidate, model: Path, seqs: Seqs, held_out: list[list[int]], tmp: Path, log_path: Path,
+               timeout_s: float) -> tuple[list[np.ndarray], float | None, float | None]:
     with WorkerClient(log_path=log_path, env=cand.params.environment()) as w:
         w.call("load", {"model": str(model), "params": cand.params.model_dump()}, timeout=timeout_s)
         lps = _logprobs(w, seqs, tmp, cand.id, timeout_s)
@@ -70,48 +154,54 @@ def _candidate(cand: Candidate, model: Path, seqs: list[tuple[list[int], list[in
     return lps, pre, dec
 
 
-def validate(ranked: list[Candidate], summaries: list[MeasureSummary], model: Path, prompts: list[list[int]],
-             held_out: list[list[int]], *, n_tokens: int, max_kl: float, min_top1: float, quality_profile: str,
-             log_path: Path, timeout_s: float) -> ValidationReport:
+def validate(ranked: list[Candidate], model: Path, prompts: list[list[int]], held_out: list[list[int]], *,
+             n_tokens: int, gate: Gate, quality_profile: str, log_path: Path, timeout_s: float,
+             reference: EngineParams, floor_variants: Sequence[tuple[str, EngineParams]] = (),
+             cache: Cache | None = None, progress: Progress = log.info) -> ValidationReport:
     """Check the two fastest measured finalists against the reference; the faster one that passes wins.
 
     When neither passes, the next finalists are checked in order until one does: a plan is the fastest
     finalist that matches the reference, not an error while a slower match exists.
 
     Args:
-        ranked: finalists ordered fastest first by measured workload time (failed ones excluded).
-        summaries: their measurements (for the log).
+        ranked: finalists ordered fastest first (:func:`rank_measured`; failed ones excluded).
         prompts: validation prompts (held-out prompts + agent conversations), already tokenized.
-        held_out: held-out prompts timed again on the top two.
+        held_out: held-out prompts timed again on the checked candidates.
+        reference: the reference's parameters (:func:`reference_params`).
+        floor_variants: named correct variants of the reference whose differences are the noise floor.
+        cache: where the reference and the floor are kept between plans.
     """
-    ref_params = reference_params(ranked[0].params)
     results: list[ValidationResult] = []
     with tempfile.TemporaryDirectory(prefix="flux-validate-") as d:
         tmp = Path(d)
-        seqs, ref = _reference(model, ref_params, prompts, n_tokens, tmp, log_path, timeout_s)
+        seqs, ref = _reference(model, reference, prompts, n_tokens, tmp, log_path, timeout_s, cache)
+        floor = noise_floor(model, floor_variants, seqs, ref, tmp, log_path, timeout_s, cache, progress)
+        kl_limit, top1_limit = gate.limits(floor)
         for i, cand in enumerate(ranked):
             if i >= 2 and any(r.passed for r in results):
                 break
             try:
                 lps, pre, dec = _candidate(cand, model, seqs, held_out, tmp, log_path, timeout_s)
             except EngineError as exc:
-                log.warning("validate: %s failed: %s", cand.id, exc)
+                progress(f"validate: {cand.id} failed: {exc}")
                 results.append(ValidationResult(candidate_id=cand.id, mean_kl=float("inf"), max_kl=float("inf"),
-                                                top1_agreement=0.0, n_tokens=0, passed=False))
+                                                top1_agreement=0.0, n_tokens=0, passed=False, reason=str(exc)))
                 continue
-            kls, agrees = zip(*(compare(r, c) for r, c in zip(ref, lps, strict=True)), strict=True)
-            kl, agree = np.concatenate(kls), np.concatenate(agrees)
-            mean_kl, top1 = float(kl.mean()), float(agree.mean())
-            ok = quality_profile != "reference" or (mean_kl <= max_kl and top1 >= min_top1)
-            results.append(ValidationResult(candidate_id=cand.id, mean_kl=mean_kl, max_kl=float(kl.max()),
-                                            top1_agreement=top1, n_tokens=int(kl.size), passed=ok,
-                                            held_out_prefill_tps=pre, held_out_decode_tps=dec))
-            log.info("validate: %s mean KL %.2e, top-1 %.3f over %d tokens -> %s", cand.id, mean_kl, top1,
-                     kl.size, "pass" if ok else "FAIL")
+            stats = compare_all(ref, lps)
+            ok, why = gate.verdict(stats, floor)
+            if quality_profile != "reference":
+                ok, why = True, f"{why}; recorded, not enforced (quality profile {quality_profile})"
+            results.append(ValidationResult(candidate_id=cand.id, mean_kl=stats.mean_kl, max_kl=stats.max_kl,
+                                            p90_kl=stats.p90_kl, top1_agreement=stats.top1, n_tokens=stats.n,
+                                            passed=ok, reason=why, held_out_prefill_tps=pre,
+                                            held_out_decode_tps=dec))
+            progress(f"validate: {cand.id} ({cand.family}) {why} over {stats.n} tokens -> {'pass' if ok else 'FAIL'}")
     winner = next((r.candidate_id for r in results if r.passed), None)
     if winner is None:
         raise EngineError("validation_failed",
                           f"none of the {len(results)} measured finalists matches the reference placement's outputs "
-                          f"({', '.join(f'{r.candidate_id}: KL {r.mean_kl:.2e}, top-1 {r.top1_agreement:.2f}' for r in results)}); "
+                          f"({', '.join(f'{r.candidate_id}: KL {r.mean_kl:.2e}, top-1 {r.top1_agreement:.2f}' for r in results)}; "
+                          f"limits: mean KL {kl_limit:.2e}, top-1 {top1_limit:.3f}); "
                           "run `flux plan --replan` or ask for a quality profile such as --kv q8_0")
-    return ValidationReport(results=results, winner_id=winner, quality_profile=quality_profile, reference=ref_params)
+    return ValidationReport(results=results, winner_id=winner, quality_profile=quality_profile, reference=reference,
+                            floor=floor, kl_limit=kl_limit, top1_limit=top1_limit)

@@ -10,7 +10,8 @@ from engine_bridge.errors import EngineError
 from engine_bridge.params import EngineParams, TensorOverride
 from flows.workload import validation_prompts
 from tasks.models import Candidate, MeasureSummary, Placement
-from tasks.validate import validate
+from tasks.quality_gate import Gate
+from tasks.validate import Cache, rank_measured, reference_params, validate
 
 PARAMS = EngineParams(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1, n_threads_batch=1)
 # A device this machine does not have: the worker cannot load the finalist (as a broken GPU placement).
@@ -26,11 +27,11 @@ def summary(cid: str, workload_s: float) -> MeasureSummary:
     return MeasureSummary(candidate_id=cid, prefill_tps=100.0, decode_tps=10.0, workload_s=workload_s, n_trials=1)
 
 
-def run(ranked: list[Candidate], tiny_moe: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
+def run(ranked: list[Candidate], tiny_moe: Path, tmp_path: Path, **kw):  # type: ignore[no-untyped-def]
     seqs, held = validation_prompts(tiny_moe, 256, 8, 0, tmp_path / "w.log")
-    return validate(ranked, [summary(c.id, i + 1.0) for i, c in enumerate(ranked)], tiny_moe, seqs[:3], held[:1],
-                    n_tokens=8, max_kl=0.01, min_top1=0.9, quality_profile="reference", log_path=tmp_path / "w.log",
-                    timeout_s=120)
+    return validate(ranked, tiny_moe, seqs[:3], held[:1], n_tokens=8, gate=Gate(max_kl=0.01, min_top1=0.9),
+                    quality_profile="reference", log_path=tmp_path / "w.log", timeout_s=120,
+                    reference=reference_params(256, 1), **kw)
 
 
 def test_when_the_two_fastest_fail_the_next_that_matches_wins(tiny_moe: Path, tmp_path: Path) -> None:
@@ -49,3 +50,29 @@ def test_the_two_fastest_are_always_both_checked(tiny_moe: Path, tmp_path: Path)
 def test_none_matching_is_one_clear_error(tiny_moe: Path, tmp_path: Path) -> None:
     with pytest.raises(EngineError, match="none of the 3 measured finalists matches"):
         run([cand("x", BROKEN), cand("y", BROKEN), cand("z", BROKEN)], tiny_moe, tmp_path)
+
+
+def test_the_reference_and_the_noise_floor_are_computed_once(tiny_moe: Path, tmp_path: Path) -> None:
+    cache = Cache(tmp_path / "cache", "ref-key", "floor-key")
+    fa = ("flash attention", reference_params(256, 1).model_copy(update={"flash_attn": True}))
+    first = run([cand("a", PARAMS)], tiny_moe, tmp_path, floor_variants=[fa], cache=cache)
+    assert cache.reference().exists() and cache.floor().exists()
+    assert [f.name for f in first.floor] == ["flash attention"] and first.floor[0].stats.n > 0
+    before = (cache.reference().stat().st_mtime_ns, cache.floor().stat().st_mtime_ns)
+    again = run([cand("a", PARAMS)], tiny_moe, tmp_path, floor_variants=[fa], cache=cache)
+    assert (cache.reference().stat().st_mtime_ns, cache.floor().stat().st_mtime_ns) == before
+    assert again.floor == first.floor and again.results[0].mean_kl == first.results[0].mean_kl
+    assert first.results[0].mean_kl == 0.0 and first.kl_limit is not None and first.kl_limit >= 0.01
+
+
+def _fin(cid: str, n_ctx: int) -> Candidate:
+    return cand(cid, PARAMS.model_copy(update={"n_ctx": n_ctx}))
+
+
+def test_a_shorter_context_must_be_clearly_faster_to_rank_first() -> None:
+    fins = [_fin("full", 4096), _fin("short", 2048), _fin("broken", 4096)]
+    close = [summary("full", 1.00), summary("short", 0.97), MeasureSummary(
+        candidate_id="broken", prefill_tps=None, decode_tps=None, workload_s=None, n_trials=0, error="x")]
+    assert [s.candidate_id for s in rank_measured(close, fins)] == ["full", "short"]
+    clear = [summary("full", 1.00), summary("short", 0.90)]
+    assert [s.candidate_id for s in rank_measured(clear, fins)] == ["short", "full"]
