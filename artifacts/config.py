@@ -40,6 +40,8 @@ class PlanSettings(_Section):
     # 0.90: random-weight twins have many near-tied top logits, which any change of summation order flips;
     # KL (max_kl) is the gate that catches real quality changes such as a q4_0 KV cache.
     min_top1: float = Field(0.90, ge=0, le=1, description="smallest top-1 agreement vs reference")
+    floor_factor: float = Field(4.0, ge=1, description=(
+        "a plan may differ from the reference this many times the noise floor's mean KL (correct kernels)"))
     measure_timeout_s: float = Field(300.0, gt=0, description="kill a finalist's worker after this long")
 
 

@@ -79,6 +79,10 @@ class SynthSpec(BaseModel):
     weight_std: float = Field(default=0.02, gt=0)
     attn_out_std: float = Field(default=5e-4, gt=0)
     router_std: float = Field(default=0.02, gt=0)
+    # Std of the FFN's and experts' down projections, the part of each layer that writes to the residual
+    # stream (None: weight_std). Deep random models amplify rounding when each layer's update is large
+    # next to the residual stream; a smaller one keeps a correct kernel change as small as in a real model.
+    down_std: float | None = Field(default=None, gt=0)
     # The output layer's std is logit_std / sqrt(n_embd): the logits get about this std, so the next-token
     # distribution is peaked (KL between configs is sensitive) yet finite.
     logit_std: float = Field(default=4.0, gt=0)
@@ -240,6 +244,7 @@ def plan_tensors(spec: SynthSpec, quant: Quant) -> list[PlannedTensor]:
     if not spec.tied:
         raw.append(("output.weight", (e, v), ot, spec.logit_std / float(np.sqrt(e))))
     w = spec.weight_std
+    down = spec.down_std or w
     for i in range(spec.n_layer):
         b = f"blk.{i}."
         raw += [
@@ -260,14 +265,14 @@ def plan_tensors(spec: SynthSpec, quant: Quant) -> list[PlannedTensor]:
             raw += [
                 (b + "ffn_gate_inp.weight", (e, nx), None, spec.router_std),
                 (b + "ffn_gate_exps.weight", (e, ff, nx), wt, w),
-                (b + "ffn_down_exps.weight", (ff, e, nx), wt, w),
+                (b + "ffn_down_exps.weight", (ff, e, nx), wt, down),
                 (b + "ffn_up_exps.weight", (e, ff, nx), wt, w),
             ]
         else:
             ff = spec.n_ff
             raw += [
                 (b + "ffn_gate.weight", (e, ff), wt, w),
-                (b + "ffn_down.weight", (ff, e), wt, w),
+                (b + "ffn_down.weight", (ff, e), wt, down),
                 (b + "ffn_up.weight", (e, ff), wt, w),
             ]
     return [_planned(name, shape, t, std) for name, shape, t, std in raw]

@@ -38,5 +38,5 @@ def plan_model(model: str, ctx: int | None = None, concurrency: int = 1, kv: str
     space = stages.enumerate_stage(ctx_, hw)
     finalists = stages.prune_stage(ctx_, hw, space)
     measured = stages.measure_stage(ctx_, hw, finalists)
-    report = stages.validate_stage(ctx_, finalists, measured)
+    report = stages.validate_stage(ctx_, hw, finalists, measured)
     return stages.persist_stage(ctx_, hw, space, finalists, measured, report)

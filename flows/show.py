@@ -22,8 +22,41 @@ def _placement_lines(plan: Plan) -> list[str]:
                 if dev != "CPU":
                     parts[part] = parts.get(part, 0) + 1
         lines.append("expert tensors on GPU: " + (", ".join(f"{k} {v}/{len(p.expert_device)}" for k, v in sorted(parts.items())) or "none"))
+    lines.append(kv_line(plan))
     lines.append("llama.cpp flags: " + " ".join(c.params.cli_args()))
     return lines
+
+
+def kv_line(plan: Plan) -> str:
+    """Where the plan's KV cache lives, and for how many tokens."""
+    c = plan.candidate
+    total = sum(c.kv_bytes.values())
+    where = ", ".join(f"{d} {b / GIB:.2f} GiB" for d, b in sorted(c.kv_bytes.items()) if b) or "none"
+    mode = ("every layer's with its attention on the GPU" if c.params.offload_kqv and c.params.n_gpu_layers > len(
+        c.placement.layer_device) else "on the host (attention computed by the CPU)" if not c.params.offload_kqv or
+        not c.placement.gpus() else f"the {c.params.n_gpu_layers - 1} offloaded layers' on the GPU, the rest on the host")
+    return (f"KV cache: {total / GIB:.2f} GiB for {c.params.n_ctx} tokens x {c.params.n_seq_max} sequence(s), "
+            f"{c.params.type_k}: {where} ({mode})")
+
+
+def ranking_line(plan: Plan) -> str:
+    """What the finalists were ranked on, with the winner's time and spread."""
+    m = plan.measured
+    work = (f"{len(plan.workload_lengths)} prompts of {'/'.join(map(str, plan.workload_lengths))} tokens + "
+            f"{plan.workload_n_gen} generated each" if plan.workload_lengths else "the measurement prompts")
+    spread = f" (spread {m.workload_iqr:.2f} s over {m.n_rounds} rounds)" if m.workload_iqr is not None else \
+        f" ({m.n_rounds or 1} round: no spread)"
+    return f"ranked by the workload's time, one round of {work}: chosen {m.candidate_id} {m.workload_s or 0:.2f} s{spread}"
+
+
+def depth_line(plan: Plan) -> str | None:
+    """What a deep conversation costs: measured decode speed by context depth."""
+    if len(plan.decode_by_depth) < 2:
+        return None
+    pairs = sorted(plan.decode_by_depth)
+    (d0, v0), (d1, v1) = pairs[0], pairs[-1]
+    return ("decode by context depth (measured): " + ", ".join(f"{d}: {v:.1f}" for d, v in pairs)
+            + f" tok/s; at {d1} tokens {v1 / v0:.0%} of the speed at {d0}")
 
 
 def _spread(lo: float | None) -> str:
@@ -34,16 +67,19 @@ def plan_markdown(plan: Plan) -> str:
     """The plan as markdown (Prefect artifact, docs)."""
     m, v = plan.measured, plan.validation
     rows = "\n".join(
-        f"| {s.candidate_id} | {s.prefill_tps or 0:.1f} | {s.decode_tps or 0:.1f} | {p.prefill_tps:.1f} | "
-        f"{p.decode_tps:.1f} | {s.error or ''} |"
+        f"| {s.candidate_id}{' (chosen)' if s.candidate_id == plan.candidate.id else ''} | {s.workload_s or 0:.2f} | "
+        f"{'' if s.workload_iqr is None else f'{s.workload_iqr:.2f}'} | {s.prefill_tps or 0:.1f} | "
+        f"{s.decode_tps or 0:.1f} | {p.prefill_tps:.1f} | {p.decode_tps:.1f} | {s.error or ''} |"
         for s, p in zip(plan.finalists, plan.predictions, strict=False))
     return (f"# Plan {plan.id[:12]}\n\nModel **{plan.model_name}** ({plan.model_hash[:12]}), hardware "
             f"{plan.hardware_fingerprint[:12]}, backend {plan.backend_build}\n\n"
             + "\n".join(f"- {x}" for x in _placement_lines(plan))
             + f"\n- measured: prefill {m.prefill_tps or 0:.1f} tok/s, decode {m.decode_tps or 0:.1f} tok/s"
+            f"\n- {ranking_line(plan)}"
             f"\n- quality vs reference: mean KL {v.mean_kl:.2e}, top-1 {v.top1_agreement:.3f} ({plan.quality_profile})"
-            "\n\n| candidate | prefill tok/s | decode tok/s | predicted prefill | predicted decode | error |"
-            "\n|---|---:|---:|---:|---:|---|\n" + rows + "\n")
+            + "".join(f"\n- note: {n}" for n in plan.notes)
+            + "\n\n| candidate | workload s | spread s | prefill tok/s | decode tok/s | predicted prefill | "
+            "predicted decode | error |\n|---|---:|---:|---:|---:|---:|---:|---|\n" + rows + "\n")
 
 
 def print_plan(plan: Plan, con: Console | None = None) -> None:
@@ -58,19 +94,29 @@ def print_plan(plan: Plan, con: Console | None = None) -> None:
     for line in _placement_lines(plan):
         con.print("  " + line, markup=False)
     con.print(f"measured: prefill {m.prefill_tps or 0:.1f} tok/s{_spread(m.prefill_iqr)}, decode "
-              f"{m.decode_tps or 0:.1f} tok/s{_spread(m.decode_iqr)} over {m.n_trials} trials")
+              f"{m.decode_tps or 0:.1f} tok/s{_spread(m.decode_iqr)} over {m.n_rounds or m.n_trials} rounds")
+    con.print(ranking_line(plan))
+    depth = depth_line(plan)
+    if depth:
+        con.print(depth)
     if plan.roofline_decode_tps and m.decode_tps:
         con.print(f"roofline: decode bound {plan.roofline_decode_tps:.1f} tok/s (bytes/bandwidth): "
                   f"{m.decode_tps / plan.roofline_decode_tps:.0%} of it")
     con.print(f"quality vs reference: mean KL {v.mean_kl:.2e}, max {v.max_kl:.2e}, top-1 {v.top1_agreement:.3f} "
-              f"over {v.n_tokens} tokens")
+              f"over {v.n_tokens} tokens" + (f" (limits: mean KL {plan.kl_limit:.2e}, top-1 {plan.top1_limit:.3f}, "
+                                             "from the noise floor of correct kernels)" if plan.kl_limit is not None
+                                             and plan.top1_limit is not None else ""))
+    for note in plan.notes:
+        con.print(f"note: {note}", markup=False)
     t = Table(title="finalists: predicted vs measured", show_edge=False)
-    for col in ("candidate", "pred prefill", "meas prefill", "pred decode", "meas decode", "trials", "error"):
-        t.add_column(col, justify="right" if col.startswith(("pred", "meas", "trials")) else "left")
+    for col in ("candidate", "workload s", "spread", "pred prefill", "meas prefill", "pred decode", "meas decode",
+                "rounds", "error"):
+        t.add_column(col, justify="left" if col in ("candidate", "error") else "right")
     for s, p in zip(plan.finalists, plan.predictions, strict=False):
         mark = "*" if s.candidate_id == plan.candidate.id else ""
-        t.add_row(s.candidate_id + mark, f"{p.prefill_tps:.1f}", f"{s.prefill_tps or 0:.1f}", f"{p.decode_tps:.1f}",
-                  f"{s.decode_tps or 0:.1f}", str(s.n_trials), s.error or "")
+        t.add_row(s.candidate_id + mark, f"{s.workload_s or 0:.2f}", "" if s.workload_iqr is None else
+                  f"{s.workload_iqr:.2f}", f"{p.prefill_tps:.1f}", f"{s.prefill_tps or 0:.1f}", f"{p.decode_tps:.1f}",
+                  f"{s.decode_tps or 0:.1f}", str(s.n_rounds), s.error or "")
     con.print(t)
     if plan.median_prediction_error is not None:
         con.print(f"cost model median error (workload time): {plan.median_prediction_error:.0%}")

@@ -28,24 +28,28 @@ from artifacts.ids import content_id
 from artifacts.model_info import ModelInfo
 from artifacts.store import Store
 from engine_bridge.backend import backend_info
+from engine_bridge.params import EngineParams
 from flows import workload as wl
 from tasks.costmodel import Workload
-from tasks.enumerate import enumerate_placements, gpu_limits
+from tasks.enumerate import enumerate_placements, gpu_devices, gpu_limits
 from tasks.measure import measure
 from tasks.models import (
     Finalists,
     HardwareReport,
+    MachineFacts,
     MeasureResults,
     PlacementSpace,
     PlanRequest,
     ValidationReport,
 )
-from tasks.persist import find_plan, persist, plan_key
-from tasks.probe import probe
+from tasks.persist import find_plan, persist, plan_key, plan_notes
+from tasks.probe import machine_facts, probe, probe_key
 from tasks.prune import prune
-from tasks.validate import validate
+from tasks.quality_gate import Gate
+from tasks.validate import Cache, rank_measured, reference_params, validate, validation_context
 
 M = TypeVar("M", bound=BaseModel)
+FLOOR_GPU_HEADROOM = 2 * 2**30  # KV cache, compute buffers and the CUDA context of the GPU floor variant
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class PlanContext:
     info: ModelInfo
     model_hash: str
     backend_build: str
+    facts: MachineFacts
 
     @property
     def model(self) -> Path:
@@ -82,19 +87,8 @@ def context(req: PlanRequest, settings: Settings) -> PlanContext:
     info = inspect_model(Path(req.model), settings.cache_dir, with_hash=False)
     mh = model_hash([Path(s) for s in info.shards], settings.cache_dir)
     return PlanContext(req=req, settings=settings, store=Store(settings.data_dir), info=info.model_copy(
-        update={"content_hash": mh}), model_hash=mh, backend_build=backend_info(settings.cache_dir).build_id)
-
-
-def probe_key(model_hash: str, backend_build: str) -> dict[str, Any]:
-    """Key of the probe report: this host (cheap identity, before measuring), the model and the build."""
-    import platform
-
-    import psutil
-
-    machine_id = Path("/etc/machine-id")
-    host = {"node": platform.node(), "machine_id": machine_id.read_text().strip() if machine_id.exists() else "",
-            "cpus": psutil.cpu_count(), "ram": psutil.virtual_memory().total}
-    return {"stage": "probe", "host": host, "model": model_hash, "backend": backend_build}
+        update={"content_hash": mh}), model_hash=mh, backend_build=backend_info(settings.cache_dir).build_id,
+        facts=machine_facts())
 
 
 def _flow_run_id() -> str:
@@ -138,7 +132,7 @@ def cached(store: Store, kind: str, key: dict[str, Any], model: type[M], compute
 
 def existing_plan(ctx: PlanContext) -> str | None:
     """Id of a stored plan whose key matches, if the probe report for this machine is stored."""
-    pk = probe_key(ctx.model_hash, ctx.backend_build)
+    pk = probe_key(ctx.facts, ctx.model_hash, ctx.backend_build)
     if not ctx.store.has("probe", content_id(pk)):
         return None
     hw = HardwareReport.model_validate(ctx.store.get_json("probe", content_id(pk)))
@@ -149,7 +143,7 @@ def existing_plan(ctx: PlanContext) -> str | None:
 @task(name="probe", cache_policy=NO_CACHE)
 def probe_stage(ctx: PlanContext, reprobe: bool) -> HardwareReport:
     """Measure this machine (reused unless --reprobe)."""
-    key = probe_key(ctx.model_hash, ctx.backend_build)
+    key = probe_key(ctx.facts, ctx.model_hash, ctx.backend_build)
     return cached(ctx.store, "probe", key, HardwareReport,
                   lambda: probe(ctx.model, ctx.model_hash, ctx.settings, ctx.backend_build), force=reprobe)
 
@@ -167,17 +161,15 @@ def enumerate_stage(ctx: PlanContext, hw: HardwareReport) -> PlacementSpace:
                   lambda: enumerate_placements(ctx.info, hw, ctx.req, ctx.settings.host_reserve_percent))
 
 
-def workload_for(ctx: PlanContext, hw: HardwareReport, space: PlacementSpace) -> Workload:
-    """Token counts of the measurement workload this request and budget allow."""
-    lengths, n_gen = wl.prompt_lengths(hw, ctx.info, space.n_ctx, ctx.req)
-    return Workload(prefill_tokens=sum(lengths), decode_tokens=n_gen * len(lengths),
-                    mean_prompt_tokens=sum(lengths) / len(lengths))
+def workload_for(ctx: PlanContext, space: PlacementSpace) -> Workload:
+    """Token counts of the workload the plan is ranked on: every prompt of the request's workload once."""
+    return wl.workload(*wl.nominal_lengths(space.n_ctx, ctx.req))
 
 
 @task(name="prune", cache_policy=NO_CACHE)
 def prune_stage(ctx: PlanContext, hw: HardwareReport, space: PlacementSpace) -> Finalists:
     """Cost-model ranking and the finalists."""
-    work = workload_for(ctx, hw, space)
+    work = workload_for(ctx, space)
     key = {"stage": "prune", "space": _space_key(ctx, hw), "work": [work.prefill_tokens, work.decode_tokens],
            "n": ctx.req.finalists}
     state = cached(ctx.store, "finalists", key, Finalists,
@@ -196,8 +188,10 @@ def prune_stage(ctx: PlanContext, hw: HardwareReport, space: PlacementSpace) -> 
 def measure_stage(ctx: PlanContext, hw: HardwareReport, fin: Finalists) -> MeasureResults:
     """Time the finalists in fresh workers within the budget."""
     log = get_run_logger()
-    lengths, n_gen = wl.prompt_lengths(hw, ctx.info, fin.finalists[0].params.n_ctx, ctx.req)
-    wl.check_budget(hw, lengths, n_gen, ctx.req.budget_s)
+    lengths, n_gen = wl.measurement_lengths(fin, min(c.params.n_ctx for c in fin.finalists), ctx.req)
+    wl.check_budget(fin, lengths, n_gen, ctx.req.budget_s)
+    log.info("measure: %d prompt(s) of %s tokens + %d generated each, %d finalists, up to %d rounds in %.0f s",
+             len(lengths), "/".join(map(str, lengths)), n_gen, len(fin.finalists), ctx.req.repeats, ctx.req.budget_s)
     key = {"stage": "measure", "finalists": content_id(fin), "run": _flow_run_id(), "budget": ctx.req.budget_s}
 
     def run() -> MeasureResults:
@@ -209,31 +203,66 @@ def measure_stage(ctx: PlanContext, hw: HardwareReport, fin: Finalists) -> Measu
         tid = content_id({"measure": content_id(key), "rows": table.num_rows})
         ctx.store.put_table("trials_raw", table, key=tid)
         return MeasureResults(summaries=summaries, trials_table=tid, budget_s=ctx.req.budget_s, spent_s=spent,
-                              stopped_by_budget=stopped)
+                              stopped_by_budget=stopped, lengths=lengths, n_gen=n_gen)
 
     return cached(ctx.store, "measured", key, MeasureResults, run, fault=ctx.settings.fault_inject)
 
 
+def _gate(settings: Settings) -> Gate:
+    plan = settings.plan
+    return Gate(max_kl=plan.max_kl, min_top1=plan.min_top1, floor_factor=plan.floor_factor)
+
+
+def floor_variants(ctx: PlanContext, hw: HardwareReport, ref: EngineParams) -> list[tuple[str, EngineParams]]:
+    """Correct variants of the reference whose differences from it are the noise floor on this machine: other
+    CPU kernels (flash attention, another micro-batch) and, with a GPU, the same layers computed on it (all
+    of them when the model fits the GPU's free memory, else as many of the last layers as do)."""
+    out = [("CPU, flash attention, n_ubatch 64", ref.model_copy(update={"flash_attn": True, "n_ubatch": 64,
+                                                                       "n_batch": 64}))]
+    devices = gpu_devices(hw)
+    if devices:
+        free = devices[0][1] - FLOOR_GPU_HEADROOM
+        per_layer = max(1, max(layer.total_bytes for layer in ctx.info.layers))
+        n = ctx.info.n_layer + 1 if ctx.info.file_bytes <= free else max(0, free // per_layer)
+        if n:
+            what = "every layer" if n > ctx.info.n_layer else f"the last {n - 1} layers"
+            out.append((f"{devices[0][0]}, {what}, flash attention", ref.model_copy(update={
+                "n_gpu_layers": int(n), "flash_attn": True, "tensor_split": (1.0,) + (0.0,) * (len(devices) - 1)
+                if len(devices) > 1 else None})))
+    return out
+
+
 @task(name="validate", cache_policy=NO_CACHE)
-def validate_stage(ctx: PlanContext, fin: Finalists, measured: MeasureResults) -> ValidationReport:
-    """The top two against the reference placement."""
-    ok = sorted((s for s in measured.summaries if s.workload_s is not None), key=lambda s: s.workload_s or 0)
+def validate_stage(ctx: PlanContext, hw: HardwareReport, fin: Finalists, measured: MeasureResults) -> ValidationReport:
+    """The fastest finalists against the reference placement, within the noise floor of correct kernels."""
+    log = get_run_logger()
+    ok = rank_measured(measured.summaries, fin.finalists)
     if not ok:
         from tasks.errors import NoMeasurement
 
         raise NoMeasurement("; ".join(f"{s.candidate_id}: {s.error}" for s in measured.summaries))
     by_id = {c.id: c for c in fin.finalists}
     ranked = [by_id[s.candidate_id] for s in ok]
+    log.info("validate: measured order %s", ", ".join(
+        f"{s.candidate_id} {s.workload_s:.2f} s" + (f" (ctx {by_id[s.candidate_id].params.n_ctx})" if len(
+            {c.params.n_ctx for c in ranked}) > 1 else "") for s in ok))
     key = {"stage": "validate", "measured": content_id(measured), "run": _flow_run_id()}
 
     def run() -> ValidationReport:
-        n_ctx = ranked[0].params.n_ctx
-        seqs, held = wl.validation_prompts(ctx.model, n_ctx, ctx.settings.plan.validate_tokens, ctx.req.seed,
+        n_tok = ctx.settings.plan.validate_tokens
+        seqs, held = wl.validation_prompts(ctx.model, min(c.params.n_ctx for c in ranked), n_tok, ctx.req.seed,
                                            ctx.worker_log)
-        return validate(ranked, ok, ctx.model, seqs, held, n_tokens=ctx.settings.plan.validate_tokens,
-                        max_kl=ctx.settings.plan.max_kl, min_top1=ctx.settings.plan.min_top1,
+        ref = reference_params(validation_context(seqs, n_tok), hw.cpu.physical_cores, ctx.req.seed)
+        variants = floor_variants(ctx, hw, ref)
+        ref_key = content_id({"model": ctx.model_hash, "prompts": seqs, "n_tokens": n_tok,
+                              "reference": ref.model_dump(exclude={"n_threads", "n_threads_batch"})})
+        cache = Cache(ctx.settings.cache_dir / "validation", ref_key, content_id({
+            "reference": ref_key, "variants": [(n, p.model_dump()) for n, p in variants],
+            "hardware": hw.fingerprint, "backend": ctx.backend_build}))
+        return validate(ranked, ctx.model, seqs, held, n_tokens=n_tok, gate=_gate(ctx.settings),
                         quality_profile=ctx.req.quality_profile, log_path=ctx.worker_log,
-                        timeout_s=ctx.settings.plan.measure_timeout_s)
+                        timeout_s=ctx.settings.plan.measure_timeout_s, reference=ref, floor_variants=variants,
+                        cache=cache, progress=log.info)
 
     return cached(ctx.store, "validation", key, ValidationReport, run, fault=ctx.settings.fault_inject)
 
@@ -243,12 +272,17 @@ def persist_stage(ctx: PlanContext, hw: HardwareReport, space: PlacementSpace, f
                   measured: MeasureResults, report: ValidationReport) -> str:
     """Write the immutable plan; returns its id."""
     trials = ctx.store.get_table("trials_raw", measured.trials_table)
-    work = workload_for(ctx, hw, space)
+    work = wl.workload(measured.lengths, measured.n_gen) if measured.lengths else workload_for(ctx, space)
+    winner = next(c for c in fin.finalists if c.id == report.winner_id)
     plan = persist(ctx.store, key=plan_key(ctx.model_hash, hw, ctx.backend_build, ctx.req, ctx.settings_view()),
                    model_path=ctx.req.model, model_name=ctx.info.name, hw=hw, req=ctx.req, finalists=fin,
-                   summaries=measured.summaries, trials=trials, validation=report,
-                   roofline_decode_tps=wl.roofline_decode(ctx.info, hw, next(c for c in fin.finalists if c.id == report.winner_id)),
-                   memory_limits=space.memory_limits, prefill_share=work.prefill_share)
+                   measured=measured, trials=trials, validation=report,
+                   roofline_decode_tps=wl.roofline_decode(ctx.info, hw, winner),
+                   memory_limits=space.memory_limits, prefill_share=work.prefill_share,
+                   notes=plan_notes(space, fin, measured, report))
+    log = get_run_logger()
+    for note in plan.notes:
+        log.info("persist: %s", note)
     from flows.show import plan_markdown
 
     create_markdown_artifact(key="plan", markdown=plan_markdown(plan), description="The chosen plan")

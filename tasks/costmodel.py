@@ -123,6 +123,29 @@ def _transitions(placement: Placement) -> int:
     return sum(1 for a, b in zip(seq, seq[1:], strict=False) if a != b)
 
 
+def kv_reads(info: ModelInfo, cand: Candidate, depth: float) -> tuple[float, float]:
+    """(host, GPU) bytes of KV cache one decoded token reads at ``depth`` tokens of context.
+
+    Each sequence reads its own cells: a device's share of the KV cache in proportion to the depth. A
+    candidate without a per-device KV budget (hand-made) reads it where its layers are.
+    """
+    p = cand.params
+    if not cand.kv_bytes:
+        per_tok = info.kv_bytes_per_token.get(p.type_k, 0) * depth
+        on_cpu = not any(d != "CPU" for d in cand.placement.layer_device) or not p.offload_kqv
+        return (per_tok, 0.0) if on_cpu else (0.0, per_tok)
+    scale = min(depth, p.n_ctx) / (p.n_ctx * max(1, p.n_seq_max))
+    cpu = cand.kv_bytes.get("CPU", 0) * scale
+    return cpu, sum(b for d, b in cand.kv_bytes.items() if d != "CPU") * scale
+
+
+def _host_attention_layers(cand: Candidate) -> int:
+    """Layers whose weights are on a GPU but whose KV cache (and so attention) is on the host."""
+    p, devs = cand.params, cand.placement.layer_device
+    first_offloaded = 0 if p.n_gpu_layers > len(devs) else len(devs) + 1 - p.n_gpu_layers
+    return sum(1 for i, d in enumerate(devs) if d != "CPU" and (not p.offload_kqv or i < first_offloaded))
+
+
 def predict(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: Workload) -> Prediction:
     """Predicted prefill/decode tokens per second of ``cand`` and seconds for ``work``."""
     eff, prefill_ms_per_byte, probe_threads = _cpu_calibration(info, hw)
@@ -131,15 +154,15 @@ def predict(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: Workload
     p = cand.params
     cpu_read = per_dev.get("CPU", (0.0, 0.0))[0]
     gpu_read = sum(r for d, (r, _) in per_dev.items() if d != "CPU")
-    kv_read = info.kv_bytes_per_token.get(p.type_k, 0) * work.mean_prompt_tokens
-    kv_on_cpu = not any(d != "CPU" for d in cand.placement.layer_device) or not p.offload_kqv
-    cpu_read += kv_read if kv_on_cpu else 0.0
-    gpu_read += 0.0 if kv_on_cpu else kv_read
+    kv_cpu, kv_gpu = kv_reads(info, cand, work.mean_prompt_tokens)
+    cpu_read += kv_cpu
+    gpu_read += kv_gpu
     decode_ms = cpu_read / (cpu_bandwidth(hw, p.n_threads) * eff) * 1e3
     if gpu_read:
         if not p.no_host:
             decode_ms *= PLAIN_LAYOUT_SLOWDOWN
-        decode_ms += gpu_fixed + gpu_read / gpu_bw * 1e3 + _transitions(cand.placement) * HYBRID_LAYER_SYNC_MS
+        syncs = _transitions(cand.placement) + 2 * _host_attention_layers(cand)
+        decode_ms += gpu_fixed + gpu_read / gpu_bw * 1e3 + syncs * HYBRID_LAYER_SYNC_MS
     if p.flash_attn and gpu_read:
         decode_ms *= 0.85
     prefill_ms = _prefill_ms(info, hw, cand, per_dev, prefill_ms_per_byte, probe_threads)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass
+from typing import Literal
 
 from artifacts.model_info import ModelInfo
 from engine_bridge.params import EngineParams, LoadMode, TensorOverride
@@ -23,7 +25,9 @@ from tasks.models import Candidate, HardwareReport, Placement, PlacementSpace, P
 log = logging.getLogger(__name__)
 GIB = 2**30
 PIPELINE_BATCH = 2048  # tokens per llama_decode call when micro-batches are pipelined over GPUs
-GPU_MARGIN = 1536 * 2**20  # CUDA context, cuBLAS workspace, fragmentation (H200: finalists ran 0.6-0.9 GiB over a 512 MiB margin)
+# CUDA context, cuBLAS workspace, fragmentation: what a GPU holds beyond the predicted weights, KV cache and
+# compute buffer (H200: finalists measured 0.5-0.9 GiB above that prediction).
+GPU_MARGIN = 1024 * 2**20
 
 
 def compute_bytes(info: ModelInfo, n_ubatch: int, n_ctx: int, flash_attn: bool) -> int:
@@ -96,22 +100,49 @@ def _overrides(p: Placement, gpus: list[str]) -> list[TensorOverride]:
 def _memory(info: ModelInfo, p: Placement, params: EngineParams, n_seq: int,
             gpus: list[str]) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     weights = {d: int(res) for d, (_, res) in layer_bytes(info, p).items()}
-    kv_layer = info.kv_bytes_per_token[params.type_k] * params.n_ctx * n_seq / max(1, info.n_layer)
-    # With -ngl 999 every layer's KV cache is on the GPU llama.cpp's split gives it, even when the
-    # layer's weights are overridden to the CPU.
-    offloaded = params.n_gpu_layers > 0 and params.offload_kqv
     kv: dict[str, int] = {}
-    for dev in layer_split.kv_devices(p, gpus if offloaded else []):
-        kv[dev] = kv.get(dev, 0) + int(kv_layer)
+    for dev in kv_placement(p, params, gpus):
+        kv[dev] = kv.get(dev, 0) + int(kv_layer_bytes(info, params.type_k, params.n_ctx, n_seq))
     comp = {"CPU": compute_bytes(info, params.n_ubatch, params.n_ctx, params.flash_attn)}
     for d in p.gpus():
         comp[d] = compute_bytes(info, params.n_ubatch, params.n_ctx, params.flash_attn)
     return weights, kv, comp
 
 
-def _gpu_placements(info: ModelInfo, budgets: list[int]) -> list[tuple[str, Placement]]:
-    """Structural placements for the GPUs: all on GPU, an even layer split over several GPUs, MILP
-    expert sets, llama.cpp's last-N layers. A placement two families reach is kept once, under the first."""
+def kv_at(info: ModelInfo, n_ctx: int, n_seq: int = 1, kv_type: str = "f16") -> float:
+    """KV cache bytes of every layer holding ``n_ctx`` tokens for each of ``n_seq`` sequences."""
+    return kv_layer_bytes(info, kv_type, n_ctx, n_seq) * info.n_layer
+
+
+def kv_layer_bytes(info: ModelInfo, kv_type: str, n_ctx: int, n_seq: int) -> float:
+    """KV cache bytes of one layer holding ``n_ctx`` tokens for each of ``n_seq`` sequences."""
+    return info.kv_bytes_per_token[kv_type] * n_ctx * n_seq / max(1, info.n_layer)
+
+
+def kv_placement(p: Placement, params: EngineParams, gpus: list[str]) -> list[str]:
+    """The device of each layer's KV cache, as llama.cpp places it.
+
+    Offloaded KV (``offload_kqv``) sits with the layer llama.cpp offloads: with ``-ngl`` above the layer
+    count every layer is offloaded, to the GPU the tensor split gives it, even when a layer's weights are
+    overridden to the CPU; with ``-ngl N`` only the last N-1 layers (the output head is the N-th). Without
+    offloaded KV (``-nkvo``) every layer's KV cache, and its attention, is on the host.
+    """
+    n = len(p.layer_device)
+    if params.n_gpu_layers <= 0 or not params.offload_kqv or not gpus:
+        return ["CPU"] * n
+    if params.n_gpu_layers > n:
+        return layer_split.kv_devices(p, gpus)
+    first_gpu = n + 1 - params.n_gpu_layers
+    return ["CPU" if i < first_gpu else dev for i, dev in enumerate(layer_split.kv_devices(p, gpus))]
+
+
+MILP_FAMILIES = (("milp-decode", 0.0, 1.0), ("milp-mixed", 0.5, 1.0), ("milp-prefill", 0.9, -1.0))
+
+
+def _gpu_placements(info: ModelInfo, budgets: list[int], families: tuple[tuple[str, float, float], ...] = MILP_FAMILIES,
+                    ) -> list[tuple[str, Placement]]:
+    """Structural placements for the GPUs under weight budgets: all on GPU, an even layer split over several
+    GPUs, MILP expert sets. A placement two families reach is kept once, under the first."""
     if not budgets:
         return []
     out: list[tuple[str, Placement]] = []
@@ -121,18 +152,24 @@ def _gpu_placements(info: ModelInfo, budgets: list[int]) -> list[tuple[str, Plac
     split = _even_split(info, budgets)
     if split is not None:
         out.append(("split-layers", split))
-    for weight, bias, name in ((0.0, 1.0, "milp-decode"), (0.5, 1.0, "milp-mixed"), (0.9, -1.0, "milp-prefill")):
+    for name, weight, bias in families:
         out.append((name, expert_select.select(info, budgets, prefill_weight=weight, bias_late=bias)))
-    per_layer = max(1, max(layer.total_bytes for layer in info.layers))
-    n_fit = min(info.n_layer, max(0, budgets[0] - head_bytes(info)) // per_layer)
-    if 0 < n_fit < info.n_layer:
-        last = ["CPU"] * (info.n_layer - n_fit) + ["CUDA0"] * n_fit
-        out.append((f"last-{n_fit}-layers", Placement(layer_device=last, expert_device=[
-            dict.fromkeys(EXPERT_PARTS, d) for d in last] if info.is_moe else [], output_device="CUDA0")))
     unique: dict[str, tuple[str, Placement]] = {}
     for name, p in out:
         unique.setdefault(p.model_dump_json(), (name, p))
     return list(unique.values())
+
+
+def _last_layers(info: ModelInfo, budget: int, kv_layer: float) -> tuple[str, Placement] | None:
+    """llama.cpp's own ``-ngl``: the last layers and the head on the GPU, each layer with its KV cache, as many
+    as ``budget`` holds; None when none or all fit."""
+    per_layer = max(1, max(layer.total_bytes for layer in info.layers)) + kv_layer
+    n_fit = min(info.n_layer, int(max(0, budget - head_bytes(info)) // per_layer))
+    if not 0 < n_fit < info.n_layer:
+        return None
+    last = ["CPU"] * (info.n_layer - n_fit) + ["CUDA0"] * n_fit
+    return f"last-{n_fit}-layers", Placement(layer_device=last, expert_device=[
+        dict.fromkeys(EXPERT_PARTS, d) for d in last] if info.is_moe else [], output_device="CUDA0")
 
 
 def _even_split(info: ModelInfo, budgets: list[int]) -> Placement | None:
@@ -149,6 +186,57 @@ def _even_split(info: ModelInfo, budgets: list[int]) -> Placement | None:
                      if info.is_moe else [], output_device=devs[-1])
 
 
+# Agent conversations reach 16-32k tokens: where the trained context is longer, a plan may hold this much
+# instead, with the KV cache it frees given to weights (llama.cpp's --fit shrinks the context the same way).
+WORKLOAD_DEPTH = 32768
+KvMode = Literal["gpu", "host", "layers"]
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """A placement with the context it holds and where its KV cache lives.
+
+    ``kv``: "gpu" (every layer's KV on the GPU of its attention, ``-ngl 999``), "host" (``-nkvo``: KV and
+    attention on the CPU), "layers" (``-ngl N``: the KV of the offloaded layers on the GPU, the rest on the host).
+    """
+
+    family: str
+    placement: Placement
+    n_ctx: int
+    kv: KvMode
+
+
+def gpu_overhead(info: ModelInfo, n_ctx: int, kv_bytes: float) -> int:
+    """What a GPU needs besides weights: the margin, a 512-token micro-batch's compute buffer, ``kv_bytes``."""
+    return int(GPU_MARGIN + compute_bytes(info, 512, n_ctx, True) + kv_bytes)
+
+
+def _contexts(n_ctx: int, req: PlanRequest, n_gpus: int) -> list[int]:
+    """The contexts a plan may hold: the requested (or trained) one, and the workload's depth when shorter
+    and unasked for (on GPUs, where a smaller KV cache leaves room for weights)."""
+    if req.ctx is None and n_gpus and WORKLOAD_DEPTH < n_ctx:
+        return [n_ctx, WORKLOAD_DEPTH]
+    return [n_ctx]
+
+
+def _gpu_shapes(info: ModelInfo, req: PlanRequest, per_gpu: list[int], n_ctx: int, tag: str) -> list[_Shape]:
+    """GPU placements at one context, each with its KV placement, the KV cache taken from the weights' budget."""
+    if not per_gpu:
+        return []
+    kv_total = kv_at(info, n_ctx, req.concurrency, req.kv)
+    # weights' room on each GPU with the KV cache on the host, then with it on the GPUs in their runs' shares
+    on_host = [max(0, b - gpu_overhead(info, n_ctx, 0.0)) for b in per_gpu]
+    shares = [b / sum(on_host) for b in on_host] if sum(on_host) else [1 / len(on_host)] * len(on_host)
+    on_gpu = [max(0, int(b - kv_total * sh)) for b, sh in zip(on_host, shares, strict=True)]
+    out = [_Shape(f + tag, pl, n_ctx, "gpu") for f, pl in _gpu_placements(info, on_gpu)]
+    out += [_Shape(f + "/kv-host" + tag, pl, n_ctx, "host")
+            for f, pl in _gpu_placements(info, on_host, MILP_FAMILIES[1:2])]
+    last = _last_layers(info, on_host[0], kv_layer_bytes(info, req.kv, n_ctx, req.concurrency))
+    if last is not None:
+        out.append(_Shape(last[0] + tag, last[1], n_ctx, "layers"))
+    return out
+
+
 def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest,
                          reserve_percent: float) -> PlacementSpace:
     """Every memory-feasible candidate for this model, machine and request.
@@ -161,24 +249,29 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest,
     per_gpu = gpu_limits(hw, req)
     gpus = [name for name, _ in gpu_devices(hw)]
     limits = {"CPU": host, **{f"CUDA{i}": b for i, b in enumerate(per_gpu)}}
-    placements = [("cpu", all_on(info, "CPU"))] + _gpu_placements(info, [max(0, b - GPU_MARGIN) for b in per_gpu])
+    shapes = [_Shape("cpu", all_on(info, "CPU"), n_ctx, "host")]
+    for ctx in _contexts(n_ctx, req, len(gpus)):
+        shapes += _gpu_shapes(info, req, per_gpu, ctx, "" if ctx == n_ctx else f"@{ctx}")
+    unique: dict[tuple[str, int, str], _Shape] = {}
+    for sh in shapes:
+        unique.setdefault((sh.placement.model_dump_json(), sh.n_ctx, sh.kv), sh)
     rejected: dict[str, int] = {}
     cands: list[Candidate] = []
-    for family, placement in placements:
-        for params in _runtime_grid(info, hw, req, n_ctx, placement, gpus):
-            weights, kv, comp = _memory(info, placement, params, req.concurrency, gpus)
+    for shape in unique.values():
+        for params in _runtime_grid(info, hw, req, shape, gpus):
+            weights, kv, comp = _memory(info, shape.placement, params, req.concurrency, gpus)
             over = _over_limit(limits, weights, kv, comp, params, req)
             if over:
                 rejected[over] = rejected.get(over, 0) + 1
                 continue
             cid = f"c{len(cands):03d}"
-            cands.append(Candidate(id=cid, family=family, placement=placement, params=params, weights_bytes=weights,
-                                   kv_bytes=kv, compute_bytes=comp,
+            cands.append(Candidate(id=cid, family=shape.family, placement=shape.placement, params=params,
+                                   weights_bytes=weights, kv_bytes=kv, compute_bytes=comp,
                                    needs_storage_streaming=weights.get("CPU", 0) > host and params.load_mode == "mmap"))
     if not cands:
         raise _explain(info, req, rejected, limits, n_ctx)
-    log.info("enumerate: %d candidates (%d placements), %d rejected, n_ctx %d", len(cands), len(placements),
-             sum(rejected.values()), n_ctx)
+    log.info("enumerate: %d candidates (%d placements), %d rejected, n_ctx %s", len(cands), len(unique),
+             sum(rejected.values()), "/".join(str(c) for c in sorted({s.n_ctx for s in unique.values()}, reverse=True)))
     return PlacementSpace(candidates=cands, rejected=rejected, memory_limits=limits, n_ctx=n_ctx,
                           n_seq=req.concurrency, ctx_capped_by_ram=capped)
 
@@ -210,8 +303,9 @@ def gpu_limits(hw: HardwareReport, req: PlanRequest) -> list[int]:
     return out
 
 
-def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, n_ctx: int,
-                  placement: Placement, gpus: list[str]) -> list[EngineParams]:
+def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, shape: _Shape,
+                  gpus: list[str]) -> list[EngineParams]:
+    placement, n_ctx = shape.placement, shape.n_ctx
     on_gpu = placement.gpu_layers() > 0 or placement.output_device != "CPU"
     threads = _thread_choices(hw)
     ubatches = [256, 512, 2048] if on_gpu else [128, 512]
@@ -223,7 +317,10 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, n_ctx: 
         loads.append(("load", True))
     fas = [True, False] if req.kv in ("f16", "f32") else [True]
     offload = [None, 4096] if hybrid else [None]
-    overrides = _overrides(placement, gpus) if on_gpu else []
+    by_layers = shape.kv == "layers"
+    # -ngl N offloads the last N-1 layers and the head: llama.cpp's own placement, nothing to override.
+    overrides = _overrides(placement, gpus) if on_gpu and not by_layers else []
+    n_gpu_layers = (placement.gpu_layers() + 1 if by_layers else 999) if on_gpu else 0
     split = layer_split.tensor_split(placement, gpus) if on_gpu else None
     # Spread over several GPUs without overrides, llama.cpp pipelines the micro-batches of a batch: give it
     # several (its own default is -b 2048 -ub 512).
@@ -235,9 +332,9 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, n_ctx: 
         out.append(EngineParams(
             n_ctx=n_ctx, n_seq_max=req.concurrency, n_ubatch=ub,
             n_batch=max(ub, min(n_ctx, PIPELINE_BATCH) if pipelined else 512 if not on_gpu else ub),
-            n_threads=t, n_threads_batch=tb, n_gpu_layers=999 if on_gpu else 0, flash_attn=fa, type_k=req.kv,
+            n_threads=t, n_threads_batch=tb, n_gpu_layers=n_gpu_layers, flash_attn=fa, type_k=req.kv,
             type_v=req.kv, load_mode=load, no_host=no_host, offload_min_batch=omb, tensor_overrides=tuple(overrides),
-            tensor_split=split, seed=req.seed))
+            tensor_split=split, offload_kqv=shape.kv != "host" or not on_gpu, seed=req.seed))
     return out
 
 

@@ -136,7 +136,13 @@ def _iqr(xs: list[float]) -> float | None:
 
 
 def summarize(cid: str, rows: list[dict[str, Any]]) -> MeasureSummary:
-    """Medians of one candidate's trials; workload seconds = sum over prompts of median prompt + gen time."""
+    """Medians over one candidate's rounds of its whole-round figures.
+
+    Each round runs every prompt once; its prefill speed is all its prompt tokens over all its prompt time,
+    its decode speed all generated tokens over all decode time, and its workload time the sum of both
+    times, so the displayed speeds and the ranking metric describe the same work (a candidate slower on
+    both speeds of a round takes longer on that round). Spreads are over rounds.
+    """
     mine = [r for r in rows if r["candidate_id"] == cid]
     ok = [r for r in mine if not r.get("error")]
     err = next((r["error"] for r in mine if r.get("error")), None)
@@ -144,14 +150,19 @@ def summarize(cid: str, rows: list[dict[str, Any]]) -> MeasureSummary:
     if not ok:
         return MeasureSummary(candidate_id=cid, prefill_tps=None, decode_tps=None, workload_s=None, n_trials=0,
                               error=err or "not measured (budget)", gpu_bytes=gpu)
-    pre = [r["prefill_tps"] for r in ok if r["prefill_tps"]]
-    dec = [r["decode_tps"] for r in ok if r["decode_tps"]]
-    per_prompt: dict[int, list[float]] = {}
+    by_round: dict[int, list[dict[str, Any]]] = {}
     for r in ok:
-        per_prompt.setdefault(r["prompt_index"], []).append(r["prompt_ms"] + r["gen_ms"])
-    workload = sum(statistics.median(v) for v in per_prompt.values()) / 1e3
+        by_round.setdefault(r["round"], []).append(r)
+    pre, dec, work = [], [], []
+    for rs in by_round.values():
+        p_ms, g_ms = sum(r["prompt_ms"] for r in rs), sum(r["gen_ms"] for r in rs)
+        if p_ms > 0:
+            pre.append(sum(r["prompt_tokens"] for r in rs) / p_ms * 1e3)
+        if g_ms > 0:
+            dec.append(sum(r["gen_tokens"] for r in rs) / g_ms * 1e3)
+        work.append((p_ms + g_ms) / 1e3)
     rss = max((r["peak_rss_bytes"] or 0) for r in ok) or None
     return MeasureSummary(candidate_id=cid, prefill_tps=statistics.median(pre) if pre else None,
                           decode_tps=statistics.median(dec) if dec else None, prefill_iqr=_iqr(pre),
-                          decode_iqr=_iqr(dec), workload_s=workload, n_trials=len(ok), error=err, peak_rss_bytes=rss,
-                          gpu_bytes=gpu)
+                          decode_iqr=_iqr(dec), workload_s=statistics.median(work), workload_iqr=_iqr(work),
+                          n_trials=len(ok), n_rounds=len(by_round), error=err, peak_rss_bytes=rss, gpu_bytes=gpu)

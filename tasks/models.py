@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine_bridge.params import EngineParams, KvType
+from tasks.quality_gate import FloorResult
 
 
 class _Model(BaseModel):
@@ -63,6 +64,23 @@ class GpuInfo(_Model):
     compute_capability: str | None = None
     h2d_pinned_gbs: float | None = None
     h2d_pageable_gbs: float | None = None
+    uuid: str | None = None
+
+
+class MachineFacts(_Model):
+    """What identifies this machine, read cheaply before anything is measured (no CUDA context).
+
+    The probe report is keyed by all of it; a plan's hardware fingerprint by its stable part.
+    """
+
+    node: str
+    machine_id: str
+    cpu: CpuInfo
+    ram_total: int
+    gpus: list[GpuInfo]
+    driver: str | None
+    cuda_driver: str | None = Field(None, description="CUDA version the driver supports (NVML)")
+    cuda_runtime: str | None = Field(None, description="the libcudart a CUDA build loads (file name)")
 
 
 class KernelTiming(_Model):
@@ -176,8 +194,10 @@ class MeasureSummary(_Model):
     decode_tps: float | None
     prefill_iqr: float | None = None
     decode_iqr: float | None = None
-    workload_s: float | None
-    n_trials: int
+    workload_s: float | None = Field(description="median over rounds of one round's prompt + decode seconds")
+    n_trials: int = Field(description="timed prompt runs")
+    workload_iqr: float | None = None
+    n_rounds: int = 0
     error: str | None = None
     peak_rss_bytes: int | None = None
     gpu_bytes: int | None = None
@@ -191,6 +211,8 @@ class MeasureResults(_Model):
     budget_s: float
     spent_s: float
     stopped_by_budget: bool
+    lengths: list[int] = Field(default_factory=list, description="prompt tokens of one round")
+    n_gen: int = 0
 
 
 class ValidationResult(_Model):
@@ -202,6 +224,8 @@ class ValidationResult(_Model):
     top1_agreement: float
     n_tokens: int
     passed: bool
+    p90_kl: float | None = None
+    reason: str = ""
     held_out_decode_tps: float | None = None
     held_out_prefill_tps: float | None = None
 
@@ -213,6 +237,9 @@ class ValidationReport(_Model):
     winner_id: str
     quality_profile: str
     reference: EngineParams
+    floor: list[FloorResult] = Field(default_factory=list, description="the noise floor of correct kernels")
+    kl_limit: float | None = None
+    top1_limit: float | None = None
 
 
 class Plan(_Model):
@@ -240,3 +267,10 @@ class Plan(_Model):
     trials_table: str
     quality_profile: str
     workload_prefill_share: float
+    workload_lengths: list[int] = Field(default_factory=list, description="prompt tokens of one measured round")
+    workload_n_gen: int = 0
+    decode_by_depth: list[tuple[int, float]] = Field(default_factory=list, description=(
+        "the chosen candidate's measured decode tokens/s after a prompt of each length (KV cache depth)"))
+    notes: list[str] = Field(default_factory=list, description="choices a reader should know about")
+    kl_limit: float | None = Field(None, description="the largest mean KL validation allowed (noise floor included)")
+    top1_limit: float | None = None

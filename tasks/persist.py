@@ -20,7 +20,9 @@ from artifacts.store import Store
 from tasks.models import (
     Finalists,
     HardwareReport,
+    MeasureResults,
     MeasureSummary,
+    PlacementSpace,
     Plan,
     PlanRequest,
     ValidationReport,
@@ -56,12 +58,56 @@ def prediction_error(finalists: Finalists, summaries: list[MeasureSummary]) -> f
     return statistics.median(errs) if errs else None
 
 
+def decode_by_depth(trials: pa.Table, candidate_id: str) -> list[tuple[int, float]]:
+    """A candidate's median measured decode speed after each prompt length (the KV cache's depth)."""
+    by: dict[int, list[float]] = {}
+    for r in trials.to_pylist():
+        if r["candidate_id"] == candidate_id and not r.get("error") and r.get("decode_tps"):
+            by.setdefault(int(r["prompt_tokens"]), []).append(float(r["decode_tps"]))
+    return [(n, statistics.median(v)) for n, v in sorted(by.items())]
+
+
+def plan_notes(space: PlacementSpace, finalists: Finalists, measured: MeasureResults,
+               validation: ValidationReport) -> list[str]:
+    """What a reader of the plan should know about its choice: the context it holds and why, a winner that
+    is slower on a displayed speed than another finalist, a measurement the budget cut short."""
+    by_id = {c.id: c for c in finalists.finalists}
+    sums = {s.candidate_id: s for s in measured.summaries}
+    win, win_s = by_id[validation.winner_id], sums[validation.winner_id]
+    notes: list[str] = []
+    if win.params.n_ctx < space.n_ctx:
+        full = [s for s in measured.summaries if s.workload_s and by_id[s.candidate_id].params.n_ctx == space.n_ctx]
+        best = min(full, key=lambda s: s.workload_s or 0.0, default=None)
+        why = (f"the fastest finalist holding {space.n_ctx} ({best.candidate_id}) took {best.workload_s:.2f} s, "
+               f"{(best.workload_s or 0) / (win_s.workload_s or 1) - 1:.0%} longer than {win_s.workload_s:.2f} s"
+               if best and best.workload_s else f"no finalist holding {space.n_ctx} tokens was measured")
+        notes.append(f"holds {win.params.n_ctx} tokens per sequence, not {space.n_ctx}: {why}; "
+                     f"`flux plan --ctx {space.n_ctx}` plans for the whole context")
+    if space.ctx_capped_by_ram:
+        notes.append(f"context capped at {space.n_ctx} tokens by the RAM its KV cache may use")
+    for s in measured.summaries:
+        if s.candidate_id == win.id or not (s.prefill_tps and s.decode_tps and win_s.prefill_tps and win_s.decode_tps):
+            continue
+        if s.prefill_tps > win_s.prefill_tps and s.decode_tps > win_s.decode_tps:
+            checked = next((r for r in validation.results if r.candidate_id == s.candidate_id), None)
+            why = ("it failed validation: " + checked.reason) if checked and not checked.passed else (
+                f"its workload took {s.workload_s or 0:.2f} s vs {win_s.workload_s or 0:.2f} s (speeds are medians "
+                "over rounds; the ranking is the whole round's time)")
+            notes.append(f"{s.candidate_id} prefilled and decoded faster ({s.prefill_tps:.1f} / {s.decode_tps:.1f} "
+                         f"tok/s vs {win_s.prefill_tps:.1f} / {win_s.decode_tps:.1f}) but was not chosen: {why}")
+    if win_s.n_rounds < 2:
+        notes.append(f"measured in {win_s.n_rounds} round(s) only: no spread (the budget of {measured.budget_s:g} s "
+                     "ran out); a larger --budget-s gives more")
+    return notes
+
+
 def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: str, hw: HardwareReport,
-            req: PlanRequest, finalists: Finalists, summaries: list[MeasureSummary], trials: pa.Table,
+            req: PlanRequest, finalists: Finalists, measured: MeasureResults, trials: pa.Table,
             validation: ValidationReport, roofline_decode_tps: float | None, memory_limits: dict[str, int],
-            prefill_share: float) -> Plan:
+            prefill_share: float, notes: list[str]) -> Plan:
     """Write the plan and its trials; returns the plan (its id is a content hash of the whole plan)."""
     by_id = {c.id: c for c in finalists.finalists}
+    summaries = measured.summaries
     win = validation.winner_id
     created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     kid = content_id(key)
@@ -80,6 +126,9 @@ def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: s
         "median_prediction_error": prediction_error(finalists, summaries),
         "roofline_decode_tps": roofline_decode_tps, "memory_budget": memory_limits, "trials_table": trials_id,
         "quality_profile": validation.quality_profile, "workload_prefill_share": prefill_share,
+        "workload_lengths": measured.lengths, "workload_n_gen": measured.n_gen,
+        "decode_by_depth": decode_by_depth(trials, win), "notes": notes,
+        "kl_limit": validation.kl_limit, "top1_limit": validation.top1_limit,
     }
     plan = Plan(id=content_id(body), **body)
     store.put_json(PLAN_KIND, plan, key=plan.id, meta={"key_id": kid, "model": model_name, "created_at": created})

@@ -68,28 +68,31 @@ def prune(space: PlacementSpace, info: ModelInfo, hw: HardwareReport, work: Work
     plausible = [c for c in ranked if preds[c.id].score_s <= PLAUSIBLE * best_s]
     groups_first = sorted({_group(c) for c in plausible}, key=lambda g: min(
         preds[c.id].score_s for c in plausible if _group(c) == g))
+
+    def take(c: Candidate | None) -> None:
+        if c is not None and c not in chosen and len(chosen) < n_finalists:
+            chosen.append(c)
+            seen.add(_group(c))
+
+    if ranked:
+        take(ranked[0])
+    if ranked and _hybrid(ranked[0]) and n_finalists >= 3:
+        take(next(iter(_thread_siblings(ranked[0], ranked)), None))
+    by_ub = [next(c for c in plausible if c.params.n_ubatch == ub) for ub in sorted(
+        {c.params.n_ubatch for c in plausible}, key=lambda u: min(preds[c.id].score_s for c in plausible
+                                                                 if c.params.n_ubatch == u))]
+    for c in by_ub[:2]:
+        take(c)
     if ranked and _hybrid(ranked[0]):
-        chosen.append(ranked[0])
-        seen.add(_group(ranked[0]))
-        chosen.extend(_thread_siblings(ranked[0], ranked)[:1 if n_finalists >= 3 else 0])
-        layout = next((c for c in plausible if _hybrid(c) and c.params.no_host != ranked[0].params.no_host), None)
-        if layout is not None and len(chosen) < n_finalists:
-            chosen.append(layout)
-            seen.add(_group(layout))
+        take(next((c for c in plausible if _hybrid(c) and c.params.no_host != ranked[0].params.no_host), None))
     if ranked and _gpus_used(ranked[0]):
-        spread = next((c for c in plausible if _gpus_used(c) not in (0, _gpus_used(ranked[0]))), None)
-        if spread is not None and spread not in chosen and len(chosen) < n_finalists:
-            chosen.append(spread)
-            seen.add(_group(spread))
-    for ub in sorted({c.params.n_ubatch for c in plausible}, key=lambda u: min(
-            preds[c.id].score_s for c in plausible if c.params.n_ubatch == u)):
-        if len(chosen) >= n_finalists:
-            break
-        best = next(c for c in plausible if c.params.n_ubatch == ub)
-        if best in chosen:
-            continue
-        chosen.append(best)
-        seen.add(_group(best))
+        take(next((c for c in plausible if _gpus_used(c) not in (0, _gpus_used(ranked[0]))), None))
+    for n_ctx in sorted({c.params.n_ctx for c in plausible}, reverse=True):  # every context a plan may hold
+        take(next(c for c in plausible if c.params.n_ctx == n_ctx))
+    for kv in (True, False):  # KV cache on the GPU and on the host
+        take(next((c for c in plausible if _gpus_used(c) and c.params.offload_kqv == kv), None))
+    for c in by_ub[2:]:
+        take(c)
     for g in groups_first:
         if len(chosen) >= n_finalists:
             break

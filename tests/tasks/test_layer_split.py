@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from artifacts.model_info import ModelInfo, model_info
 from tasks import expert_select, layer_split
 from tasks.costmodel import EXPERT_PARTS
-from tasks.enumerate import GPU_MARGIN, enumerate_placements
+from tasks.enumerate import enumerate_placements, gpu_overhead, kv_at
 from tasks.models import Placement, PlanRequest
 from tasks.testing import h200_report
 
@@ -89,7 +89,7 @@ def test_milp_gives_each_gpu_one_run_and_the_head_to_the_last(moe: ModelInfo) ->
 @pytest.mark.parametrize(("frac", "family"), [(0.4, "milp-decode"), (0.6, "split-layers")])
 def test_two_gpu_candidates_keep_each_kv_cache_with_its_attention(moe: ModelInfo, frac: float, family: str) -> None:
     # 0.4 of the weights per GPU: a hybrid over both GPUs; 0.6: the model fits only across both.
-    budget_gib = (moe.weight_bytes * frac + GPU_MARGIN) / 2**30
+    budget_gib = (moe.weight_bytes * frac + gpu_overhead(moe, 512, kv_at(moe, 512) / 2)) / 2**30  # KV split over both
     space = enumerate_placements(moe, h200_report(2), PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=[budget_gib]), 10)
     families = {c.family for c in space.candidates}
     assert family in families and "all-gpu" not in families
@@ -99,6 +99,15 @@ def test_two_gpu_candidates_keep_each_kv_cache_with_its_attention(moe: ModelInfo
             assert c.params.tensor_split is None and set(c.kv_bytes) == {"CPU"}
             continue
         assert c.params.tensor_split is not None
+        if not c.params.offload_kqv:  # -nkvo: the KV cache and attention stay on the host
+            assert set(c.kv_bytes) == {"CPU"} and c.family.endswith("/kv-host")
+            continue
+        if c.params.n_gpu_layers <= len(p.layer_device):  # -ngl N: the KV of the offloaded layers only
+            assert c.family.startswith("last-") and not c.params.tensor_overrides
+            first = len(p.layer_device) + 1 - c.params.n_gpu_layers
+            assert all((dev == "CPU") == (il < first) for il, dev in enumerate(p.layer_device))
+            assert set(c.kv_bytes) == {"CPU", "CUDA0"}
+            continue
         kv = layer_split.kv_devices(p, ["CUDA0", "CUDA1"])
         for il, dev in enumerate(p.layer_device):
             if dev != "CPU":

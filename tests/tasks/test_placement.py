@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from artifacts.model_info import ModelInfo, model_info, read_tensors
 from tasks import expert_select, layer_split
 from tasks.costmodel import Workload, all_on, head_bytes, layer_bytes, predict
-from tasks.enumerate import GPU_MARGIN, _overrides, enumerate_placements
+from tasks.enumerate import _overrides, enumerate_placements, gpu_overhead, kv_at
 from tasks.errors import ImpossiblePlan
 from tasks.models import Candidate, Placement, PlanRequest
 from tasks.testing import h200_report
@@ -95,7 +95,7 @@ def test_cpu_machine_space_is_real(moe: ModelInfo) -> None:
 
 def test_gpu_budget_below_the_model_gives_hybrid_candidates(moe: ModelInfo) -> None:
     hw = h200_report(1)
-    budget_gib = (moe.weight_bytes * 0.5 + GPU_MARGIN) / 2**30
+    budget_gib = (moe.weight_bytes * 0.5 + gpu_overhead(moe, 512, kv_at(moe, 512))) / 2**30
     space = enumerate_placements(moe, hw, PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=[budget_gib]), 10)
     fams = {c.family for c in space.candidates}
     assert "all-gpu" not in fams and any(f.startswith("milp") for f in fams)
@@ -142,7 +142,7 @@ def test_gpu_predicted_faster_than_cpu(moe: ModelInfo) -> None:
 def test_budgets_follow_the_devices_llama_cpp_sees(moe: ModelInfo) -> None:
     hw = h200_report(2)
     one_visible = hw.model_copy(update={"ggml_devices": hw.ggml_devices[:2]})  # CUDA_VISIBLE_DEVICES=0
-    budget_gib = (moe.weight_bytes * 0.5 + GPU_MARGIN) / 2**30
+    budget_gib = (moe.weight_bytes * 0.5 + gpu_overhead(moe, 512, kv_at(moe, 512))) / 2**30
     space = enumerate_placements(moe, one_visible, PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=[budget_gib]), 10)
     assert set(space.memory_limits) == {"CPU", "CUDA0"}
     for c in space.candidates:
@@ -170,7 +170,7 @@ def test_gpu_finalists_span_micro_batch_sizes(moe: ModelInfo) -> None:
     # 4,500 vs 7,300 tok/s prefill: the finalists must let measurement see both.
     from tasks.prune import prune
 
-    for budget in (None, [(moe.weight_bytes * 0.5 + GPU_MARGIN) / 2**30]):
+    for budget in (None, [(moe.weight_bytes * 0.5 + gpu_overhead(moe, 512, kv_at(moe, 512))) / 2**30]):
         space = enumerate_placements(moe, h200_report(1), PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=budget), 10)
         assert {c.params.n_ubatch for c in space.candidates if c.family != "cpu"} == {256, 512}
         fin = prune(space, moe, h200_report(1), WORK, 3)
@@ -184,7 +184,7 @@ def test_hybrid_finalists_include_the_best_with_other_thread_counts(moe: ModelIn
     # how many threads help there is measured, not predicted: the best's thread sibling is a finalist.
     from tasks.prune import _hybrid, prune
 
-    budget = [(moe.weight_bytes * 0.5 + GPU_MARGIN) / 2**30]
+    budget = [(moe.weight_bytes * 0.5 + gpu_overhead(moe, 512, kv_at(moe, 512))) / 2**30]
     space = enumerate_placements(moe, h200_report(1), PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=budget), 10)
     fin = prune(space, moe, h200_report(1), WORK, 3)
     best = fin.finalists[0]
@@ -203,7 +203,7 @@ def test_finalists_skip_candidates_predicted_far_slower(moe: ModelInfo) -> None:
     # A CPU-only finalist on a GPU machine (predicted many times slower) only burns the measure budget.
     from tasks.prune import PLAUSIBLE, prune
 
-    for budget in (None, [(moe.weight_bytes * 0.5 + GPU_MARGIN) / 2**30]):
+    for budget in (None, [(moe.weight_bytes * 0.5 + gpu_overhead(moe, 512, kv_at(moe, 512))) / 2**30]):
         space = enumerate_placements(moe, h200_report(1), PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=budget), 10)
         assert any(c.family == "cpu" for c in space.candidates)
         fin = prune(space, moe, h200_report(1), WORK, 6)
@@ -219,7 +219,7 @@ def test_hybrids_offer_repacked_host_weights(moe: ModelInfo) -> None:
     # CPU weights are repacked anyway); never with an offload threshold, since those ops never offload.
     from tasks.prune import _hybrid
 
-    budget = [(moe.weight_bytes * 0.5 + GPU_MARGIN) / 2**30]
+    budget = [(moe.weight_bytes * 0.5 + gpu_overhead(moe, 512, kv_at(moe, 512))) / 2**30]
     space = enumerate_placements(moe, h200_report(1), PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=budget), 10)
     repacked = [c for c in space.candidates if c.params.no_host]
     assert repacked and all(_hybrid(c) for c in repacked)
@@ -235,7 +235,7 @@ def test_the_workload_mix_decides_the_host_layout(moe: ModelInfo) -> None:
     # pinned layout (offloaded prefill); a decode-heavy chat makes a repacked candidate a finalist to measure.
     from tasks.prune import prune
 
-    budget = [(moe.weight_bytes * 0.5 + GPU_MARGIN) / 2**30]
+    budget = [(moe.weight_bytes * 0.5 + gpu_overhead(moe, 512, kv_at(moe, 512))) / 2**30]
     hw = h200_report(1)
     space = enumerate_placements(moe, hw, PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=budget), 10)
     pinned = next(c for c in space.candidates if c.params.load_mode == "load" and not c.params.no_host
@@ -246,7 +246,7 @@ def test_the_workload_mix_decides_the_host_layout(moe: ModelInfo) -> None:
     assert b.decode_tps > a.decode_tps and b.prefill_tps < a.prefill_tps
     # at a real model's scale (tiny-moe's bytes x 2000: 4.9 GB), where the GPU's fixed cost per token is small
     big = scaled(moe, 2000)
-    budget = [(big.weight_bytes * 0.5 + GPU_MARGIN) / 2**30]
+    budget = [(big.weight_bytes * 0.5 + gpu_overhead(big, 512, kv_at(big, 512))) / 2**30]
     space = enumerate_placements(big, hw, PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=budget), 10)
     agent = prune(space, big, hw, WORK, 4)
     assert not agent.finalists[0].params.no_host
