@@ -38,10 +38,11 @@ class PlanSettings(_Section):
     validate_tokens: int = Field(32, ge=4, le=512, description="tokens compared against the reference")
     max_kl: float = Field(0.01, ge=0, description="largest mean KL divergence a plan may show vs reference")
     # 0.90: random-weight twins have many near-tied top logits, which any change of summation order flips;
-    # KL (max_kl) is the gate that catches real quality changes such as a q4_0 KV cache.
+    # KL against the noise floor of correct kernels (tasks/quality_gate.py) is what catches real errors.
     min_top1: float = Field(0.90, ge=0, le=1, description="smallest top-1 agreement vs reference")
     floor_factor: float = Field(4.0, ge=1, description=(
         "a plan may differ from the reference this many times the noise floor's mean KL (correct kernels)"))
+    min_kl: float = Field(1e-4, ge=0, description="the KL limit is never tighter than this, however low the floor")
     measure_timeout_s: float = Field(300.0, gt=0, description="kill a finalist's worker after this long")
 
 

@@ -104,10 +104,33 @@ class SynthSpec(BaseModel):
 
 
 _QWEN3: dict[str, Any] = {"arch": "qwen3moe", "rope_base": 1e6, "eps": 1e-6}
+# Deep twins are conditioned like a trained model: random layers whose updates are large next to the
+# residual stream amplify rounding with depth (a correct flash-attention change: mean KL 1.1e-4 at 8 layers,
+# 4.4e-3 at 48, where real models show < 1e-4) and near-tied expert choices flip, so every GPU placement looks
+# wrong. RESIDUAL_DRIFT bounds how far all layers' FFN updates together move the unit-rms residual stream;
+# DEEP_ATTN_OUT makes attention count (a KV-cache or rope error must show). Measured on a 48-layer
+# qwen3moe-small twin (scripts/quality_floor.py, docs/quality-gate.md).
+DEEP_LAYERS = 8
+RESIDUAL_DRIFT = 0.15
+DEEP_ATTN_OUT = 2e-3
+
+
+def conditioned(**spec: Any) -> SynthSpec:
+    """A spec whose down projections and attention output are scaled for its depth (above DEEP_LAYERS)."""
+    base = SynthSpec(**spec)
+    if base.n_layer <= DEEP_LAYERS:
+        return base
+    per_layer = RESIDUAL_DRIFT / base.n_layer**0.5  # rms each layer's FFN adds to the residual stream
+    # a SwiGLU output row has rms ~ 0.5 x sqrt(width) x std; routed experts are averaged over the k used
+    if base.n_expert:
+        down = per_layer * base.n_expert_used**0.5 / (0.5 * base.n_ff_exp**0.5)
+    else:
+        down = per_layer / (0.5 * base.n_ff**0.5)
+    return base.model_copy(update={"down_std": float(f"{down:.3g}"), "attn_out_std": DEEP_ATTN_OUT})
 
 PRESETS: dict[str, SynthSpec] = {
     # Qwen/Qwen3-30B-A3B config.json
-    "qwen3-30b-a3b": SynthSpec(
+    "qwen3-30b-a3b": conditioned(
         **_QWEN3,
         n_layer=48,
         n_embd=2048,
@@ -122,7 +145,7 @@ PRESETS: dict[str, SynthSpec] = {
         n_ctx_train=40960,
     ),
     # Llama-3.1-8B
-    "llama3-8b": SynthSpec(
+    "llama3-8b": conditioned(
         arch="llama",
         n_layer=32,
         n_embd=4096,
@@ -136,7 +159,7 @@ PRESETS: dict[str, SynthSpec] = {
         eps=1e-5,
     ),
     # Mixtral-8x7B-v0.1
-    "mixtral-8x7b": SynthSpec(
+    "mixtral-8x7b": conditioned(
         arch="llama",
         n_layer=32,
         n_embd=4096,
@@ -153,7 +176,7 @@ PRESETS: dict[str, SynthSpec] = {
         eps=1e-5,
     ),
     # TinyLlama-1.1B
-    "tinyllama-1.1b": SynthSpec(
+    "tinyllama-1.1b": conditioned(
         arch="llama",
         n_layer=22,
         n_embd=2048,

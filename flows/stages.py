@@ -210,7 +210,7 @@ def measure_stage(ctx: PlanContext, hw: HardwareReport, fin: Finalists) -> Measu
 
 def _gate(settings: Settings) -> Gate:
     plan = settings.plan
-    return Gate(max_kl=plan.max_kl, min_top1=plan.min_top1, floor_factor=plan.floor_factor)
+    return Gate(max_kl=plan.max_kl, min_top1=plan.min_top1, floor_factor=plan.floor_factor, min_kl=plan.min_kl)
 
 
 def floor_variants(ctx: PlanContext, hw: HardwareReport, ref: EngineParams) -> list[tuple[str, EngineParams]]:

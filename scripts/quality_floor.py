@@ -39,7 +39,7 @@ from artifacts.synth import synthesize  # noqa: E402
 from engine_bridge.client import WorkerClient  # noqa: E402
 from engine_bridge.params import EngineParams  # noqa: E402
 from flows.workload import validation_prompts  # noqa: E402
-from tasks.quality_gate import Gate, compare_all  # noqa: E402
+from tasks.quality_gate import FloorResult, Gate, QualityStats, compare_all  # noqa: E402
 
 
 def twin(cache: Path, preset: str, sets: dict[str, str], quant: str, tag: str = "") -> Path:
@@ -97,6 +97,20 @@ def reference(model: Path, params: EngineParams, prompts: list[list[int]], n_tok
                 for p in prompts]
 
 
+def plan_finalists(st: Any, prefix: str) -> list[Any]:
+    """The finalists a saved plan was chosen from (the stored prune result that holds its candidate)."""
+    from artifacts.store import Store
+    from tasks.models import Finalists, Plan
+
+    store = Store(st.data_dir)
+    plan = Plan.model_validate(store.get_json("plan", store.find("plan", prefix)))
+    for row in store.list("finalists"):
+        fin = Finalists.model_validate(store.get_json("finalists", row["id"]))
+        if plan.candidate in fin.finalists:
+            return [c for c in fin.finalists if c.placement.gpus()]
+    raise SystemExit(f"plan {prefix}: its finalists are not in the store")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--like", default="qwen3moe-small")
@@ -105,13 +119,16 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--gpu", action="store_true", help="also every layer on the GPU")
+    ap.add_argument("--plan", action="append", default=[], help="also every finalist of this saved plan (repeatable)")
+    ap.add_argument("--model", type=Path, help="the twin file to use (default: synthesized from --like/--set)")
     ap.add_argument("--out", type=Path, help="write quality_floor.parquet here")
     ap.add_argument("--only", default="", help="comma-separated substrings: run only the variants they match")
     ap.add_argument("--prompts", type=int, default=0, help="use only this many validation prompts")
+    ap.add_argument("--record", type=Path, help="also save every variant's log-probabilities (.npz)")
     args = ap.parse_args()
     st = load_settings()
     sets = dict(s.split("=", 1) for s in args.set)
-    model = twin(st.cache_dir, args.like, sets, args.quant)
+    model = args.model or twin(st.cache_dir, args.like, sets, args.quant)
     hdr = read_header(model)
     arch = str(hdr.metadata["general.architecture"])
     n_used = int(hdr.metadata.get(f"{arch}.expert_used_count", 0) or 0)
@@ -139,6 +156,9 @@ def main() -> int:
         gpu = ref.model_copy(update={"n_gpu_layers": 999, "flash_attn": True})
         variants += [("all on GPU + FA", "correct", model, gpu),
                      ("all on GPU", "correct", model, gpu.model_copy(update={"flash_attn": False}))]
+    for prefix in args.plan:
+        variants += [(f"{prefix[:8]} {c.id} {c.family}", "correct", model, c.params.model_copy(update={"n_ctx": n_ctx}))
+                     for c in plan_finalists(st, prefix)]
     if args.only:
         keys = args.only.split(",")
         variants = [v for v in variants if v[0] == "reference again" or any(k in v[0] for k in keys)]
@@ -148,15 +168,31 @@ def main() -> int:
     t0 = time.monotonic()
     seqs = reference(model, ref, prompts, args.tokens, log)
     rows: list[dict[str, Any]] = []
+    recorded: dict[str, np.ndarray] = {}
+    stats: list[tuple[str, str, QualityStats]] = []
     with tempfile.TemporaryDirectory(prefix="flux-floor-") as d:
         ref_lp = logprobs(model, ref, seqs, Path(d), log)
+        recorded |= {f"reference/{i}": lp.astype(np.float32) for i, lp in enumerate(ref_lp)}
         print(f"# {model.name}: {len(seqs)} sequences x {args.tokens} tokens; reference {time.monotonic() - t0:.0f} s")
         print(f"{'variant':34s} {'kind':8s} {'mean KL':>9s} {'p90 KL':>9s} {'max KL':>9s} {'top-1':>6s}")
         for name, kind, path, params in variants:
             lps = logprobs(path, params, seqs, Path(d), log)
             s = compare_all(ref_lp, lps)
+            stats.append((name, kind, s))
+            recorded |= {f"{kind}:{name}/{i}": lp.astype(np.float32) for i, lp in enumerate(lps)}
             rows.append({"twin": model.name, "variant": name, "kind": kind, **s.model_dump()})
             print(f"{name:34s} {kind:8s} {s.mean_kl:9.2e} {s.p90_kl:9.2e} {s.max_kl:9.2e} {s.top1:6.3f}", flush=True)
+    floor = [FloorResult(name=n, stats=q) for n, k, q in stats if k == "correct" and n != "reference again"]
+    gate = Gate()
+    kl_limit, top1_limit = gate.limits(floor)
+    print(f"# gate (tasks.quality_gate, defaults): the correct variants are the noise floor; limits mean KL "
+          f"{kl_limit:.2e}, top-1 {top1_limit:.3f}")
+    for n, k, q in stats:
+        ok, why = gate.verdict(q, floor)
+        print(f"{n:34s} {k:8s} {'pass' if ok else 'FAIL':5s} {why}")
+        rows[[r["variant"] for r in rows].index(n)]["gate_pass"] = ok
+    if args.record:
+        np.savez_compressed(args.record, **recorded)  # type: ignore[arg-type]
     if args.out:
         import pyarrow as pa
         import pyarrow.parquet as pq

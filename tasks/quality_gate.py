@@ -7,10 +7,11 @@ distributions differ from the reference's by rounding, which a deep model amplif
 compares a candidate with two things: fixed limits (``[plan] max_kl``, ``min_top1``) and the *noise
 floor* measured on the same machine and prompts — the reference against itself with other, equally
 correct kernels (flash attention and another micro-batch on the CPU; on a GPU machine the same layers on
-the GPU). A candidate passes when its mean KL is within ``max(max_kl, floor_factor x floor mean KL)`` and
-its top-1 agreement at least ``min(min_top1, floor top-1 - top1_slack)``. Real errors — a KV type outside
-the requested profile, fewer experts, a wrong rope base, two tensors swapped — move the distributions by
-far more than any kernel change does (``scripts/quality_floor.py`` measures both on a twin).
+the GPU). A candidate passes when its mean KL is at most ``floor_factor`` times the floor's (never below
+``min_kl``, so that a floor of zero leaves room for a reordered sum, and never above ``max_kl``, the most a
+plan may differ whatever the floor) and its top-1 agreement at least ``min(min_top1, floor top-1 -
+top1_slack)``. Real errors — fewer experts, a wrong rope base, two tensors swapped — move the
+distributions by far more than any kernel change does (``scripts/quality_floor.py`` measures both on a twin).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Gate(BaseModel):
     max_kl: float = Field(0.01, ge=0)
     min_top1: float = Field(0.90, ge=0, le=1)
     floor_factor: float = Field(4.0, ge=1, description="a candidate may differ this many times the floor's mean KL")
+    min_kl: float = Field(1e-4, ge=0, description="the KL limit is never tighter than this")
     top1_slack: float = Field(0.05, ge=0, le=1)
 
     def limits(self, floor: list[FloorResult]) -> tuple[float, float]:
@@ -53,7 +55,8 @@ class Gate(BaseModel):
             return self.max_kl, self.min_top1
         worst_kl = max(f.stats.mean_kl for f in floor)
         worst_top1 = min(f.stats.top1 for f in floor)
-        return max(self.max_kl, self.floor_factor * worst_kl), min(self.min_top1, worst_top1 - self.top1_slack)
+        kl = min(self.max_kl, max(self.min_kl, self.floor_factor * worst_kl))
+        return kl, min(self.min_top1, worst_top1 - self.top1_slack)
 
     def verdict(self, stats: QualityStats, floor: list[FloorResult]) -> tuple[bool, str]:
         """Whether ``stats`` passes, and why, in words."""
