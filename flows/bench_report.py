@@ -76,7 +76,7 @@ def engine_table(raw: pa.Table) -> Table | None:
         ok = [r for r in mine if not r["error"]]
 
         def med(key: str, ok: list[dict[str, Any]] = ok) -> str:
-            vals = [r[key] for r in ok if r[key] is not None]
+            vals = [r[key] for r in ok if r.get(key) is not None]
             return _f(float(np.median(vals)) if vals else None, ".1f")
 
         err = next((r["error"] for r in mine if r["error"]), "")

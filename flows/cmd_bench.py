@@ -55,7 +55,7 @@ def run_plan_suite(args: argparse.Namespace, suite: Callable[[BenchContext, Any,
 
 # -- run ----------------------------------------------------------------------------------------------
 def _run_args(p: argparse.ArgumentParser) -> None:
-    from tasks.bench_run import BASELINES, RunOptions
+    from tasks.bench_run import BASELINES, SERVED_BASELINES, RunOptions
 
     d = RunOptions()
     p.add_argument("plan", help="a unique prefix of a plan id")
@@ -63,16 +63,42 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=d.prompts,
                    help=f"corpus prompts per round: 64, 256, 1024, ... tokens (default {d.prompts})")
     p.add_argument("--n-gen", type=int, default=d.n_gen, help=f"tokens decoded per prompt (default {d.n_gen})")
-    p.add_argument("--baselines", type=_csv, default=d.baselines,
-                   help=f"comma-separated, from {', '.join(BASELINES)} (default: all)")
+    p.add_argument("--baselines", type=_csv, default=None,
+                   help=f"comma-separated, from {', '.join(BASELINES)} (default: all); with --via serve from "
+                        f"{', '.join(SERVED_BASELINES)} (default: all)")
+    p.add_argument("--via", choices=("worker", "serve"), default=d.via,
+                   help="worker: the plan in an engine worker (default); serve: the plan served by flux serve, "
+                        "raced over HTTP against llama-server at the plan's GPU budget and context")
+    p.add_argument("--turns", type=_turns, default=(),
+                   help="with --via serve: PROMPT:GEN tokens per turn, e.g. 512:128,2048:32 (the default)")
+    p.add_argument("--gpu-mem-budget", type=_gib, default=None,
+                   help="with --via serve: GiB per GPU for the baselines (default: the plan's budget)")
     p.add_argument("--seed", type=int, default=d.seed)
 
 
-def _run(args: argparse.Namespace) -> int:
-    from tasks.bench_run import RunOptions, bench_run
+def _turns(text: str) -> tuple[tuple[int, int], ...]:
+    try:
+        pairs = [tuple(int(x) for x in part.split(":")) for part in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--turns {text!r}: expected PROMPT:GEN pairs, e.g. 512:128,2048:32") from None
+    if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+        raise argparse.ArgumentTypeError(f"--turns {text!r}: expected PROMPT:GEN pairs of positive integers")
+    return tuple((a, b) for a, b in pairs)
 
-    opts = RunOptions(rounds=args.rounds, prompts=args.prompts, n_gen=args.n_gen, baselines=args.baselines,
-                      seed=args.seed)
+
+def _gib(text: str) -> list[float]:
+    try:
+        return [float(x) for x in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gpu-mem-budget {text!r}: expected GiB per GPU, e.g. 12 or 12,24") from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tasks.bench_run import SERVED_BASELINES, RunOptions, bench_run
+
+    default = SERVED_BASELINES if args.via == "serve" else RunOptions().baselines
+    opts = RunOptions(rounds=args.rounds, prompts=args.prompts, n_gen=args.n_gen, baselines=args.baselines or default,
+                      seed=args.seed, via=args.via, turns=args.turns, gpu_mem_budget_gib=args.gpu_mem_budget)
     return run_plan_suite(args, bench_run, opts)
 
 

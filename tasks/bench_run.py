@@ -23,7 +23,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
@@ -70,6 +70,14 @@ class RunOptions(BaseModel):
     baselines: tuple[str, ...] = ("llama-server", "defaults", "n-cpu-moe")
     seed: int = 0
     n_boot: int = Field(4000, ge=100)
+    via: Literal["worker", "serve"] = Field("worker", description=(
+        "worker: the plan in an engine worker, each engine restarted every round; serve: the plan served by "
+        "flux serve against llama-server at the plan's GPU budget and context (tasks.bench_served)"))
+    turns: tuple[tuple[int, int], ...] = Field((), description="serve: (prompt, generated) tokens per turn")
+    gpu_mem_budget_gib: list[float] | None = Field(None, description="serve: GiB per GPU (default: the plan's)")
+
+
+SERVED_BASELINES = ("fit", "n-cpu-moe", "most-ngl")
 
 
 # -- prompts ------------------------------------------------------------------------------------------
@@ -257,6 +265,11 @@ def bench_run(ctx: BenchContext, opts: RunOptions, progress: Progress | None = N
     Raises:
         BenchError: an unknown baseline name.
     """
+    if opts.via == "serve":
+        from tasks.bench_served import bench_served
+
+        run: BenchRun = bench_served(ctx, opts, progress)
+        return run
     unknown = [b for b in opts.baselines if b not in BASELINES]
     if unknown:
         raise BenchError(f"unknown baseline(s) {', '.join(unknown)}: choose from {', '.join(BASELINES)}")

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# The whole user path on a fresh, offline NVIDIA machine, with this checkout and .carry/ (docs/gpu.md):
+#   1. the carried Python wheels (Prefect, DuckDB, Litestar, pydantic, ...) into /tmp/site;
+#   2. the CUDA backend: a packed build from .carry/backend (scripts/backend-pack.sh), else built from the
+#      trimmed sdist in .carry/src (FLUX_ONE_BUILD: one compile for the wheel, llama-server and llama-bench);
+#   3. the twins, written by `flux synth` into /dev/shm;
+#   4. for each MODEL:BUDGET[@CTX]: `flux plan` (the Prefect flow and its store), `flux show`, and
+#      `flux bench run --via serve` against llama-server --fit, the best --n-cpu-moe and the most -ngl
+#      (scripts/bench_gpu.py drives those commands and writes the record);
+#   5. `flux serve` of the first plan, answered by the `openai` client (chat, streamed chat, models).
+#
+#   scripts/gpu-e2e.sh OUT [MODEL:BUDGET[@CTX],...] [bench_gpu.py flags...]
+#
+# Steps that are already done (wheels installed, backend built, twins written) are skipped, so the same
+# command can continue in a second call on a machine that stayed warm. FLUX_E2E_STEPS=setup stops after
+# step 3 (to build while the wheels of a second call are on their way); FLUX_PACK_BACKEND=1 packs the build
+# into OUT/backend (copy to .carry/backend/ to skip the build next time).
+set -euo pipefail
+OUT=${1:?usage: scripts/gpu-e2e.sh OUT [MODEL:BUDGET[@CTX],...] [bench_gpu.py flags]}; shift
+PAIRS=${1:-qwen3-30b-a3b:10}; [ $# -gt 0 ] && shift
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+MODELS=${FLUX_MODEL_DIR:-/dev/shm/flux-models}
+export PYTHONUNBUFFERED=1 DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
+say() { printf '[gpu-e2e %s] %s\n' "$(date +%H:%M:%S)" "$*" | tee -a "$OUT/e2e.log" >&2; }
+
+# 1. wheels: every .carry/whl*/ folder (a large set may come in two calls)
+mkdir -p /tmp/site
+for d in .carry/whl*; do
+  [ -d "$d" ] || continue
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$d"/*.whl 2>&1 | tail -n 3 >&2 || true
+done
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+flux() { python3 -m flows "$@"; }
+
+# 2. the CUDA backend
+start=$(date +%s)
+if [ -d .carry/backend ]; then scripts/backend-pack.sh unpack .carry/backend >> "$OUT/build.log" 2>&1 || true; fi
+FLUX_SRC_DIR=.carry/src FLUX_OFFLINE=1 FLUX_ONE_BUILD=1 CUDA_ARCHS=${CUDA_ARCHS:-90} JOBS=$(nproc) \
+  scripts/build-backend.sh >> "$OUT/build.log" 2>&1
+say "backend ready in $(( $(date +%s) - start )) s ($(python3 -m flows version 2>/dev/null | tail -n 1))"
+if [ "${FLUX_PACK_BACKEND:-0}" = 1 ] && [ ! -d "$OUT/backend" ]; then
+  scripts/backend-pack.sh pack "$OUT/backend" >> "$OUT/build.log" 2>&1
+fi
+
+# 3. twins
+mkdir -p "$MODELS"
+for m in $(echo "$PAIRS" | tr ',' '\n' | cut -d: -f1 | sort -u); do
+  [ -f "$MODELS/$m-Q4_0.gguf" ] || { flux synth --like "$m" --quant Q4_0 -o "$MODELS/$m-Q4_0.gguf" >> "$OUT/synth.log" 2>&1
+                                     say "synthesized $m"; }
+done
+[ "${FLUX_E2E_STEPS:-all}" = setup ] && { say "setup done"; exit 0; }
+
+# 4. plan, show, bench (each pair) and the record
+python3 scripts/bench_gpu.py --out "$OUT" --model-dir "$MODELS" --pairs "$PAIRS" "$@" 2>&1 | tee -a "$OUT/e2e.log"
+
+# 5. flux serve of the first plan, and the openai client against it
+PLAN=$(python3 - "$OUT" <<'EOF'
+import sys, pyarrow.parquet as pq
+rows = [r for r in pq.read_table(f"{sys.argv[1]}/h200_results.parquet").to_pylist() if r.get("plan_id")]
+print(rows[0]["plan_id"] if rows else "")
+EOF
+)
+[ -n "$PLAN" ] || { say "no plan was made: see $OUT/plan-*.log"; exit 1; }
+PORT=18090
+flux serve "$PLAN" --port "$PORT" > "$OUT/serve.log" 2>&1 &
+SERVE=$!
+trap 'kill -INT $SERVE 2>/dev/null || true; wait $SERVE 2>/dev/null || true' EXIT
+python3 - "$PORT" "$PLAN" <<'EOF' 2>&1 | tee -a "$OUT/e2e.log"
+import sys, time, httpx
+from openai import OpenAI
+port, plan = sys.argv[1], sys.argv[2]
+base = f"http://127.0.0.1:{port}"
+for _ in range(600):
+    try:
+        if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+            break
+    except httpx.HTTPError:
+        pass
+    time.sleep(1)
+client = OpenAI(base_url=f"{base}/v1", api_key="none")
+model = client.models.list().data[0]
+print(f"[openai] model {model.id}: {model.model_dump().get('context_length')} tokens of context (plan {plan[:12]})")
+t0 = time.perf_counter()
+reply = client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "Hello"}], max_tokens=64)
+print(f"[openai] chat: {reply.usage.completion_tokens} tokens in {time.perf_counter() - t0:.2f} s, "
+      f"finish {reply.choices[0].finish_reason}")
+t0, first, n = time.perf_counter(), None, 0
+for chunk in client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "Count to ten"}],
+                                            max_tokens=128, stream=True, stream_options={"include_usage": True}):
+    if chunk.choices and chunk.choices[0].delta.content:
+        first = first or time.perf_counter()
+        n += 1
+    if chunk.usage:
+        n = chunk.usage.completion_tokens
+dt = time.perf_counter() - (first or t0)
+print(f"[openai] streamed chat: first token after {(first or t0) - t0:.3f} s, {n} tokens, "
+      f"{(n - 1) / dt if dt > 0 else 0:.1f} tok/s after it")
+EOF
+say "done: $OUT/h200_results.parquet, $OUT/show-*.log, $OUT/bench-*.log, $OUT/e2e.log"
