@@ -6,7 +6,9 @@ imports prefect (the CLI, a deployment's runner and scripts all import this pack
 
 import os
 
+# The in-process (ephemeral) server's start took 8-13 s cold here and over Prefect's 20 s on a loaded 2-core
+# machine: give it 120 s before `flux plan` gives up.
 PREFECT_DEFAULTS = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                    "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+                    "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
 for _key, _value in PREFECT_DEFAULTS.items():
     os.environ.setdefault(_key, _value)

@@ -118,7 +118,7 @@ def record_row(run: str, preset: str, budget: float, plan_id: str, plan_s: float
         if key is None:
             continue
         m = json.loads(r["metrics"] or "{}")
-        turns = m.get("turns") or {}
+        turns = m.get("per_turn") or {}
         out.update({f"tg_vs_{key}": r["ratio_decode"], f"pp_vs_{key}": r["ratio_prefill"],
                     f"{key}_gpu_gib": (m.get("baseline_gpu_bytes") or 0) / GIB or None,
                     f"{key}_note": m.get("engine_note"), f"{key}_sweep_vs_race": m.get("sweep_vs_race")})

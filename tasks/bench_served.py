@@ -361,7 +361,7 @@ def _row(name: str, c: Contender, table: pa.Table, turns: Sequence[Turn], opts: 
         ratio = paired_ratio(base_s, plan_s, n_boot=opts.n_boot, seed=opts.seed + 2 + j) if plan_s else None
         per_turn[t.name] = {"plan": medians(table, "plan", j), name: medians(table, name, j),
                             "turn_speedup": ratio.model_dump() if ratio else None}
-    metrics = {**extra, "turns": per_turn, "engine_note": c.note, "baseline_gpu_bytes": c.gpu_bytes}
+    metrics = {**extra, "per_turn": per_turn, "engine_note": c.note, "baseline_gpu_bytes": c.gpu_bytes}
     slower = "slower" in (pre.outcome, dec.outcome)
     detail = f"{turns[0].name}: prefill {pre.outcome} {pre.text()}, decode {dec.outcome} {dec.text()}"
     return ratio_row(name, pre, dec, "fail" if slower else "pass", detail, metrics)
@@ -372,7 +372,10 @@ def bench_served(ctx: BenchContext, opts: Any, progress: Progress | None = None)
     from tasks.bench_common import BenchRun, SummaryRow
 
     say = progress or log.info
-    turns = tuple(Turn(name=f"p{p}-g{g}", prompt=p, gen=g) for p, g in opts.turns) if opts.turns else DEFAULT_TURNS
+    asked = tuple(Turn(name=f"p{p}-g{g}", prompt=p, gen=g) for p, g in opts.turns) if opts.turns else DEFAULT_TURNS
+    room = ctx.params.n_ctx - 16  # a turn must fit the plan's context, with its reply
+    turns = tuple(t if t.prompt + t.gen <= room else t.model_copy(update={"prompt": max(8, room - t.gen)})
+                  for t in asked)
     budget_gib = opts.gpu_mem_budget_gib if opts.gpu_mem_budget_gib is not None else ctx.plan.request.gpu_mem_budget_gib
     budget = int(max(budget_gib) * GIB) if budget_gib else None
     info = model_of(ctx)
@@ -403,7 +406,7 @@ def bench_served(ctx: BenchContext, opts: Any, progress: Progress | None = None)
     plan_c = contenders[0]
     served = medians(table, "plan", 0)
     common: dict[str, Any] = {
-        "options": opts.model_dump(mode="json"), "turns": [t.model_dump() for t in turns],
+        "options": opts.model_dump(mode="json"), "turn_specs": [t.model_dump() for t in turns],
         "budget_gib": max(budget_gib) if budget_gib else None, "ctx": ctx.params.n_ctx, "seconds": time.monotonic() - t0,
         "plan_gpu_bytes": plan_c.gpu_bytes, "plan_measured_decode_tps": ctx.plan.measured.decode_tps,
         "plan_measured_prefill_tps": ctx.plan.measured.prefill_tps, "served_decode_tps": served.get("decode_tps"),

@@ -57,6 +57,7 @@ def tiny_dense(models_dir: Path) -> Path:
 def flux_env(tmp_path: Path) -> Iterator[dict[str, str]]:
     """Environment for a `flux` subprocess with its own config, data and cache dirs."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLUX_", "XDG_"))}
+    (tmp_path / "home").mkdir(exist_ok=True)  # Prefect keeps its database under $HOME/.prefect
     env.update({
         "HOME": str(tmp_path / "home"),
         "XDG_DATA_HOME": str(tmp_path / "data"),
