@@ -130,6 +130,7 @@ def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: s
         "decode_by_depth": decode_by_depth(trials, win), "notes": notes,
         "kl_limit": validation.kl_limit, "top1_limit": validation.top1_limit,
     }
+    body = Plan(id="", **body).model_dump(mode="json", exclude={"id"})  # every field, defaults included
     plan = Plan(id=content_id(body), **body)
     store.put_json(PLAN_KIND, plan, key=plan.id, meta={"key_id": kid, "model": model_name, "created_at": created})
     log.info("persist: plan %s (%s)", plan.id[:12], model_name)

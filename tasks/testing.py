@@ -90,6 +90,7 @@ def stored_plan(settings: Settings, model: Path, params: EngineParams, *, finali
         "quality_profile": "reference", "workload_prefill_share": 0.5,
     }
     body.update(overrides)
+    body = Plan(id="", **body).model_dump(mode="json", exclude={"id"})  # every field, defaults included
     plan = Plan(id=content_id(body), **body)
     Store(settings.data_dir).put_json("plan", plan, key=plan.id)
     return plan

@@ -62,7 +62,7 @@ def test_the_reference_and_the_noise_floor_are_computed_once(tiny_moe: Path, tmp
     again = run([cand("a", PARAMS)], tiny_moe, tmp_path, floor_variants=[fa], cache=cache)
     assert (cache.reference().stat().st_mtime_ns, cache.floor().stat().st_mtime_ns) == before
     assert again.floor == first.floor and again.results[0].mean_kl == first.results[0].mean_kl
-    assert first.results[0].mean_kl == 0.0 and first.kl_limit is not None and first.kl_limit >= 0.01
+    assert first.results[0].mean_kl == 0.0 and first.kl_limit == Gate().min_kl, "a tiny floor: the limit is min_kl"
 
 
 def _fin(cid: str, n_ctx: int) -> Candidate:
