@@ -89,6 +89,11 @@ class ExpertSplit(BaseModel):
         """The experts of ``layer`` on a device (empty when the layer is not split)."""
         return next((h.experts for h in self.layers if h.layer == layer), ())
 
+    def host_override(self) -> TensorOverride:
+        """The override that keeps every split layer's full expert tensors on the host, where the split needs them."""
+        layers = "|".join(str(h.layer) for h in self.layers)
+        return TensorOverride(pattern=rf"^blk\.({layers})\.ffn_(gate|up|down)_exps\.", device="CPU")
+
     def env_value(self) -> str:
         """The FLUX_MOE_SPLIT value: ``DEV|L:e,e;L:e;DEV2|L:e`` (a ``DEV|`` prefix whenever the device changes)."""
         items, dev = [], None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -216,6 +217,13 @@ def test_environment_carries_the_split_and_the_sync_switch() -> None:
     assert EngineParams().environment() == {}
     assert "FLUX_MOE_SPLIT" not in " ".join(p.cli_args())  # llama-server reads the same variable
     assert SPLIT.hot(1) == (0, 2, 3, 7) and SPLIT.hot(5) == ()
+
+
+def test_the_host_override_names_exactly_the_split_layers_expert_tensors() -> None:
+    pattern = re.compile(ExpertSplit.on("CUDA0", {3: [1], 12: [2]}).host_override().pattern)
+    assert pattern.search("blk.3.ffn_up_exps.weight") and pattern.search("blk.12.ffn_down_exps.weight")
+    assert not pattern.search("blk.13.ffn_up_exps.weight") and not pattern.search("blk.2.ffn_gate_exps.weight")
+    assert not pattern.search("blk.3.ffn_gate_inp.weight") and not pattern.search("blk.3.ffn_up_shexp.weight")
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
