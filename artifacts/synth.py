@@ -46,6 +46,7 @@ from artifacts.synth_presets import (
     plan_tensors,
     vocab,
 )
+from artifacts.synth_routing import RouterTransform, skewed_router
 
 # fmt: off
 __all__ = [
@@ -150,7 +151,7 @@ def synthesize(
     try:
         with open(tmp, "wb", buffering=0) as f:
             _write_all(f, memoryview(header))
-            _write_data(f, plan, sizes, np.random.default_rng(seed))
+            _write_data(f, plan, sizes, np.random.default_rng(seed), _router(spec, seed))
         written = tmp.stat().st_size
         if written != total:
             raise ModelFileError(out, f"synthesizer wrote {written} bytes, planned {total}: report this bug")
@@ -168,11 +169,12 @@ def synthesize(
 # ---- plan ----------------------------------------------------------------------------------------------
 
 
-def cached_twin(cache_dir: Path, preset: str, quant: Quant = "Q4_0") -> Path:
-    """``preset``'s twin in ``cache_dir/models``, synthesized on first use (one shared copy per quant)."""
-    path = cache_dir / "models" / f"{preset}-{quant}.gguf"
+def cached_twin(cache_dir: Path, preset: str, quant: Quant = "Q4_0", routing: str = "uniform") -> Path:
+    """``preset``'s twin in ``cache_dir/models``, synthesized on first use (one shared copy per quant and routing)."""
+    suffix = "" if routing == "uniform" else f"-{routing}"
+    path = cache_dir / "models" / f"{preset}-{quant}{suffix}.gguf"
     if not path.exists():
-        synthesize(preset, path, quant=quant)
+        synthesize(preset, path, quant=quant, overrides={"routing": routing} if suffix else None)
     return path
 
 
@@ -191,6 +193,22 @@ def _resolve(
     else:
         raise ValueError(f"unknown synth preset {spec_or_preset!r}; presets: {', '.join(PRESETS)}")
     return name, apply_overrides(spec, overrides) if overrides else spec
+
+
+def _router(spec: SynthSpec, seed: int) -> RouterTransform | None:
+    """The router transform of the spec's routing profile (None: the random router as drawn)."""
+    if spec.routing == "uniform":
+        return None
+    return skewed_router(spec.n_expert, spec.n_expert_used, spec.routing_top_half, seed)
+
+
+def _spec_record(spec: SynthSpec) -> dict[str, Any]:
+    """The spec as flux.synth.spec records it; a uniform twin's record leaves the routing fields out (as before)."""
+    record = spec.model_dump(mode="json")
+    if spec.routing == "uniform":
+        for key in ("routing", "routing_top_half"):
+            record.pop(key)
+    return record
 
 
 def _data_bytes(plan: Iterable[PlannedTensor]) -> int:
@@ -283,7 +301,7 @@ def _metadata(spec: SynthSpec, name: str, quant: Quant, seed: int) -> list[bytes
         _kv("tokenizer.chat_template", s, CHATML),
         _kv("flux.synth.preset", s, name),
         _kv("flux.synth.seed", VT.UINT64, seed),
-        _kv("flux.synth.spec", s, canonical_json(spec)),
+        _kv("flux.synth.spec", s, canonical_json(_spec_record(spec))),
     ]
     return kvs
 
@@ -297,8 +315,14 @@ def _write_all(f: BinaryIO, data: memoryview) -> None:
         data = data[f.write(data) :]
 
 
-def _write_data(f: BinaryIO, plan: list[PlannedTensor], sizes: list[int], rng: np.random.Generator) -> None:
-    """Write every tensor's data, block tensors streamed from per-(type, std) random pools."""
+def _write_data(
+    f: BinaryIO, plan: list[PlannedTensor], sizes: list[int], rng: np.random.Generator, router: RouterTransform | None
+) -> None:
+    """Write every tensor's data, block tensors streamed from per-(type, std) random pools.
+
+    ``router`` reshapes the drawn f32 tensors of a routing profile (router rows), after the same draw as a
+    uniform twin's: the two twins differ only in those tensors.
+    """
     need: dict[tuple[Q, float], int] = {}
     for t in plan:
         if t.fill == "blocks":
@@ -317,6 +341,8 @@ def _write_data(f: BinaryIO, plan: list[PlannedTensor], sizes: list[int], rng: n
         else:
             shape = t.shape[::-1]
             data = rng.normal(0.0, t.std, size=shape) if t.fill == "normal" else np.ones(shape)
+            if router is not None:
+                data = router(t.name, data)
             _write_all(f, memoryview(data.astype("<f4").tobytes()))
         _write_all(f, memoryview(b"\0" * (_padded(size) - size)))
 

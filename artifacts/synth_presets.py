@@ -86,6 +86,10 @@ class SynthSpec(BaseModel):
     # The output layer's std is logit_std / sqrt(n_embd): the logits get about this std, so the next-token
     # distribution is peaked (KL between configs is sensitive) yet finite.
     logit_std: float = Field(default=4.0, gt=0)
+    # Routing profile (artifacts.synth_routing): "uniform" keeps the random router; "skewed" scales its rows so
+    # the busiest half of each layer's experts gets about routing_top_half of the picks.
+    routing: Literal["uniform", "skewed"] = "uniform"
+    routing_top_half: float = Field(default=0.9, gt=0.5, lt=1.0)
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -100,6 +104,8 @@ class SynthSpec(BaseModel):
             raise ValueError("arch qwen3moe needs n_expert > 0")
         if self.arch == "llama" and self.n_expert and self.n_ff != self.n_ff_exp:
             raise ValueError("llama MoE reads the expert width from n_ff: set n_ff == n_ff_exp")
+        if self.routing != "uniform" and not self.n_expert:
+            raise ValueError(f"routing={self.routing} needs experts (n_expert > 0)")
         return self
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +18,17 @@ import llama_cpp
 import numpy as np
 
 from engine_bridge.errors import EngineError
-from engine_bridge.native import _tensor_overrides
+from engine_bridge.native import _expert_split_env, _split_refusal, _tensor_overrides
 from engine_bridge.params import KV_TYPE_IDS, EngineParams
 
 _SPLIT_MODES = {"none": llama_cpp.LLAMA_SPLIT_MODE_NONE, "layer": llama_cpp.LLAMA_SPLIT_MODE_LAYER,
                 "row": llama_cpp.LLAMA_SPLIT_MODE_ROW}
 _LOAD_MODES = {"mmap": llama_cpp.LLAMA_LOAD_MODE_MMAP, "load": llama_cpp.LLAMA_LOAD_MODE_NONE,
                "mlock": llama_cpp.LLAMA_LOAD_MODE_MLOCK}
-_LOG_WARN, _LOG_CONT = 3, 5  # ggml_log_level of the pinned ggml.h (llama-cpp-python's _logger maps an older enum)
+_LOG_WARN, _LOG_ERROR, _LOG_CONT = 3, 4, 5  # ggml_log_level of the pinned ggml.h (llama-cpp-python's _logger maps an older enum)
 _last_level = [0]
+# The latest error lines, so a failed load can say why (llama.cpp returns only NULL).
+RECENT_ERRORS: deque[str] = deque(maxlen=16)
 
 
 @llama_cpp.llama_log_callback
@@ -34,7 +37,10 @@ def _warnings_only(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     if level != _LOG_CONT:
         _last_level[0] = level
     if _last_level[0] >= _LOG_WARN and text:
-        sys.stderr.write(text.decode("utf-8", errors="replace"))
+        line = text.decode("utf-8", errors="replace")
+        sys.stderr.write(line)
+        if _last_level[0] == _LOG_ERROR:
+            RECENT_ERRORS.append(line.strip())
 
 
 def quiet_llama_logs() -> None:
@@ -86,8 +92,16 @@ def _context_params(p: EngineParams) -> Any:
     return cp
 
 
-def load_model_and_context(path: Path, p: EngineParams) -> tuple[Any, Any, list[Any]]:
-    """Load ``path`` and create one multi-sequence context: (model, context, objects to keep alive)."""
+def load_model_and_context(path: Path, p: EngineParams, eval_callback: Any = None) -> tuple[Any, Any, list[Any]]:
+    """Load ``path`` and create one multi-sequence context: (model, context, objects to keep alive).
+
+    ``eval_callback`` (a ``ggml_backend_sched_eval_callback`` the caller keeps alive) observes the tensors it
+    asks for as llama.cpp computes them (``cb_eval``).
+
+    Raises:
+        ExpertSplitMismatch: the plan's expert split does not fit the model (checked before and during the load).
+        EngineError: the model or the context cannot be made.
+    """
     quiet_llama_logs()
     llama_cpp.llama_backend_init()  # idempotent; Llama() does it, this path does not go through Llama()
     if not path.is_file():
@@ -102,12 +116,17 @@ def load_model_and_context(path: Path, p: EngineParams) -> tuple[Any, Any, list[
         split = (ctypes.c_float * llama_cpp.LLAMA_MAX_DEVICES)(*p.tensor_split)
         mp.tensor_split = split
         keep.append(split)
-    with _tensor_overrides(p.tensor_overrides, p.no_host) as overrides:
+    RECENT_ERRORS.clear()
+    with _expert_split_env(p, path), _tensor_overrides(p.tensor_overrides, p.no_host) as overrides:
         model = llama_cpp.llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
     keep.append(overrides)
     if not model:
-        raise EngineError("load_failed", f"llama.cpp could not load {path} (see the worker log)")
-    ctx = llama_cpp.llama_init_from_model(model, _context_params(p))
+        raise _split_refusal(path, RECENT_ERRORS) or EngineError(
+            "load_failed", f"llama.cpp could not load {path} (see the worker log)")
+    cp = _context_params(p)
+    if eval_callback is not None:
+        cp.cb_eval, cp.cb_eval_user_data = eval_callback, None
+    ctx = llama_cpp.llama_init_from_model(model, cp)
     if not ctx:
         llama_cpp.llama_model_free(model)
         raise EngineError("load_failed", f"llama.cpp could not create a context for {path} (see the worker log)")

@@ -37,3 +37,24 @@ class ProtocolMismatch(EngineError):
 
     def __init__(self, ours: int, theirs: object) -> None:
         super().__init__("protocol_mismatch", f"worker protocol {theirs!r}, server expects {ours}: reinstall Flux")
+
+
+class ExpertSplitMismatch(EngineError):
+    """A plan's expert split does not fit the model file or where its tensors were placed: nothing is loaded."""
+
+    def __init__(self, model: str, reason: str) -> None:
+        self.model = model
+        self.reason = reason
+        super().__init__("expert_split_mismatch",
+                         f"{model}: the expert split does not match the model: {reason}; run `flux plan {model} --replan`")
+
+
+class RoutingMismatch(EngineError):
+    """A routing trace recorded for another model, or with another layer or expert count, than the one asked."""
+
+    def __init__(self, what: str, expected: object, got: object) -> None:
+        self.what = what
+        self.expected = expected
+        self.got = got
+        super().__init__("routing_mismatch", f"the routing trace is for another model: its {what} is {got!r}, "
+                         f"this model's is {expected!r}; record a trace of this model (`routing_counts`)")

@@ -9,8 +9,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,9 @@ from llama_cpp import Llama
 from llama_cpp._ggml import libggml
 from pydantic import BaseModel, ConfigDict
 
-from engine_bridge.errors import EngineError
+from artifacts.model_info import model_info
+from engine_bridge.errors import EngineError, ExpertSplitMismatch
+from engine_bridge.expert_split import check_expert_split
 from engine_bridge.params import KV_TYPE_IDS, EngineParams, TensorOverride
 
 log = logging.getLogger(__name__)
@@ -121,6 +124,49 @@ def _tensor_overrides(overrides: Sequence[TensorOverride], no_host: bool = False
         llama_cpp.llama_cpp.llama_model_load_from_file = original
 
 
+@contextlib.contextmanager
+def _expert_split_env(params: EngineParams, model_path: Path) -> Iterator[None]:
+    """Give the load the plan's expert split (llama.cpp reads FLUX_MOE_SPLIT when it loads a model), checked first.
+
+    FLUX_MOE_SPLIT comes only from the plan: it is removed for a plan without a split, so a worker that
+    loads several plans never carries one plan's split into another. FLUX_MOE_HOST_SYNC is set when the plan
+    asks for it and otherwise left as the environment has it (a switch for diagnosis).
+    """
+    split = params.expert_split
+    if split is not None:
+        check_expert_split(split, model_info(model_path, supported=frozenset()))
+        names = {d.name for d in list_devices()}
+        for h in split.layers:
+            if h.device not in names:
+                raise ExpertSplitMismatch(str(model_path), f"layer {h.layer}'s device {h.device!r} is not in this "
+                                          f"build ({', '.join(sorted(names))})")
+    wanted = {"FLUX_MOE_SPLIT": split.env_value() if split is not None else None,
+              "FLUX_MOE_HOST_SYNC": "1" if params.expert_host_sync else os.environ.get("FLUX_MOE_HOST_SYNC")}
+    before = {k: os.environ.get(k) for k in wanted}
+    try:
+        for k, v in wanted.items():
+            _set_env(k, v)
+        yield
+    finally:
+        for k, v in before.items():
+            _set_env(k, v)
+
+
+def _set_env(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
+
+
+def _split_refusal(model_path: Path, errors: Iterable[str]) -> ExpertSplitMismatch | None:
+    """The typed error for a load llama.cpp refused because of the expert split (its log line says so)."""
+    for line in reversed(list(errors)):
+        if "FLUX_MOE_SPLIT: " in line:
+            return ExpertSplitMismatch(str(model_path), line.split("FLUX_MOE_SPLIT: ", 1)[1])
+    return None
+
+
 class Timing(BaseModel):
     """Wall-clock timing of one prompt + generation, with llama.cpp's perf counters beside it."""
 
@@ -152,7 +198,11 @@ class NativeModel:
         self.params = params
         if not model_path.is_file():
             raise EngineError("model_missing", f"{model_path}: no such model file")
-        with _tensor_overrides(params.tensor_overrides, params.no_host) as keep:
+        from engine_bridge.context import RECENT_ERRORS, quiet_llama_logs
+
+        quiet_llama_logs()  # warnings and errors kept, and a refused expert split explained
+        RECENT_ERRORS.clear()
+        with _expert_split_env(params, model_path), _tensor_overrides(params.tensor_overrides, params.no_host) as keep:
             try:
                 self.llm = Llama(
                     model_path=str(model_path), n_ctx=params.n_ctx, n_batch=params.n_batch,
@@ -165,6 +215,9 @@ class NativeModel:
                     op_offload=params.op_offload, seed=params.seed, logits_all=logits_all, verbose=False,
                 )
             except ValueError as exc:
+                refusal = _split_refusal(model_path, RECENT_ERRORS)
+                if refusal is not None:
+                    raise refusal from exc
                 raise EngineError("load_failed", f"llama.cpp could not load {model_path}: {exc}") from exc
         self._keep_overrides = keep
         self.n_vocab = self.llm.n_vocab()

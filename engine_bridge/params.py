@@ -17,6 +17,7 @@ KvType = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "
 KV_TYPE_IDS: dict[str, int] = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
                                "iq4_nl": 20, "bf16": 30}
 LoadMode = Literal["mmap", "load", "mlock"]
+_DEVICE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # what FLUX_MOE_SPLIT can carry between its | ; : , separators
 
 
 class TensorOverride(BaseModel):
@@ -35,6 +36,85 @@ class TensorOverride(BaseModel):
     def as_flag(self) -> str:
         """The same override as llama.cpp's command-line ``-ot`` value."""
         return f"{self.pattern}={self.device}"
+
+
+class HotExperts(BaseModel):
+    """One layer's routed experts that also get a copy on ``device`` (the rest run on the host)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    layer: int = Field(ge=0)
+    experts: tuple[int, ...] = Field(min_length=1, description="expert ids, ascending")
+    device: str = Field(description="ggml device name of the copy: 'CUDA0', ...; 'CPU' splits between two host buffers")
+
+    @field_validator("experts")
+    @classmethod
+    def _ascending(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if v[0] < 0 or any(b <= a for a, b in zip(v, v[1:], strict=False)):
+            raise ValueError(f"expert ids must be non-negative, ascending and unique, got {list(v)}")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, v: str) -> str:
+        if not _DEVICE_NAME.match(v):
+            raise ValueError(f"not a ggml device name: {v!r}")
+        return v
+
+
+class ExpertSplit(BaseModel):
+    """Per-expert placement: per layer, the experts held on a GPU, the layer's full expert tensors on the host.
+
+    The patched backend reads it from ``FLUX_MOE_SPLIT`` when a model loads (``environment()``), so llama-server
+    and llama-bench get the same split from the same variable. A batch below the op-offload threshold computes
+    a split layer's hot picks on the device and the rest on the host; larger batches keep the stock path.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    layers: tuple[HotExperts, ...] = Field(min_length=1, description="ascending by layer, each layer once")
+
+    @field_validator("layers")
+    @classmethod
+    def _one_per_layer(cls, v: tuple[HotExperts, ...]) -> tuple[HotExperts, ...]:
+        if any(b.layer <= a.layer for a, b in zip(v, v[1:], strict=False)):
+            raise ValueError(f"layers must be ascending and unique, got {[h.layer for h in v]}")
+        return v
+
+    @classmethod
+    def on(cls, device: str, hot: dict[int, list[int] | tuple[int, ...]]) -> ExpertSplit:
+        """One device's split from ``{layer: expert ids}`` (ids sorted here; layers without ids left out)."""
+        return cls(layers=tuple(HotExperts(layer=i, experts=tuple(sorted(ids)), device=device)
+                                for i, ids in sorted(hot.items()) if ids))
+
+    def hot(self, layer: int) -> tuple[int, ...]:
+        """The experts of ``layer`` on a device (empty when the layer is not split)."""
+        return next((h.experts for h in self.layers if h.layer == layer), ())
+
+    def host_override(self) -> TensorOverride:
+        """The override that keeps every split layer's full expert tensors on the host, where the split needs them."""
+        layers = "|".join(str(h.layer) for h in self.layers)
+        return TensorOverride(pattern=rf"^blk\.({layers})\.ffn_(gate|up|down)_exps\.", device="CPU")
+
+    def env_value(self) -> str:
+        """The FLUX_MOE_SPLIT value: ``DEV|L:e,e;L:e;DEV2|L:e`` (a ``DEV|`` prefix whenever the device changes)."""
+        items, dev = [], None
+        for h in self.layers:
+            head = f"{h.device}|" if h.device != dev else ""
+            items.append(f"{head}{h.layer}:{','.join(map(str, h.experts))}")
+            dev = h.device
+        return ";".join(items)
+
+    @classmethod
+    def from_env_value(cls, value: str) -> ExpertSplit:
+        """Parse a FLUX_MOE_SPLIT value (the inverse of :meth:`env_value`); ValueError when malformed."""
+        layers, dev = [], ""
+        for item in value.split(";"):
+            if "|" in item:
+                dev, item = item.split("|", 1)
+            layer, sep, ids = item.partition(":")
+            if not sep or not dev:
+                raise ValueError(f"FLUX_MOE_SPLIT item {item!r}: expected [DEVICE|]LAYER:ID,ID,...")
+            layers.append(HotExperts(layer=int(layer), experts=tuple(int(x) for x in ids.split(",")), device=dev))
+        return cls(layers=tuple(layers))
 
 
 class EngineParams(BaseModel):
@@ -63,6 +143,11 @@ class EngineParams(BaseModel):
     op_offload: bool = True
     offload_min_batch: int | None = Field(None, ge=1, description="GGML_OP_OFFLOAD_MIN_BATCH")
     tensor_overrides: tuple[TensorOverride, ...] = ()
+    expert_split: ExpertSplit | None = Field(None, description=(
+        "per-expert placement (FLUX_MOE_SPLIT): hot experts copied to a GPU, the split layers' full expert "
+        "tensors on the host (place them there with tensor_overrides)"))
+    expert_host_sync: bool = Field(False, description=(
+        "FLUX_MOE_HOST_SYNC: a split layer's host experts wait for its GPU experts instead of running meanwhile"))
     seed: int = 0
 
     @model_validator(mode="after")
@@ -96,7 +181,16 @@ class EngineParams(BaseModel):
         return args
 
     def environment(self) -> dict[str, str]:
-        """Environment variables the worker process needs for this configuration."""
-        if self.offload_min_batch is None:
-            return {}
-        return {"GGML_OP_OFFLOAD_MIN_BATCH": str(self.offload_min_batch)}
+        """Environment variables the worker process (or llama-server, with ``cli_args``) needs for this configuration.
+
+        The expert split travels only here: llama.cpp reads FLUX_MOE_SPLIT when it loads a model, whichever
+        program loads it, so ``cli_args`` has no flag for it.
+        """
+        env: dict[str, str] = {}
+        if self.offload_min_batch is not None:
+            env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(self.offload_min_batch)
+        if self.expert_split is not None:
+            env["FLUX_MOE_SPLIT"] = self.expert_split.env_value()
+        if self.expert_host_sync:
+            env["FLUX_MOE_HOST_SYNC"] = "1"
+        return env

@@ -5,8 +5,9 @@ llama.cpp names the expert selection of layer `il` `ffn_moe_topk-<il>`: int32 ex
 callback (`llama_context_params.cb_eval`) asks for exactly those tensors and copies them out once computed,
 so the counts are what llama.cpp's own kernels chose, not a re-implementation of the router.
 
-Used to check that a synthetic twin routes realistically: a degenerate twin sends every token to the same
-experts and makes MoE prefill look many times faster than the real model.
+Used to check that a synthetic twin routes realistically (a degenerate twin sends every token to the same
+experts and makes MoE prefill look many times faster than the real model), and by the worker op
+``routing_counts`` (:func:`trace`) to record a plan's routing trace on a workload.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from llama_cpp._ggml import libggml
 from numpy.typing import NDArray
 
 from artifacts.errors import ModelFileError
+from engine_bridge.context import SeqBatch, load_model_and_context
 from engine_bridge.errors import EngineError
+from engine_bridge.routing_trace import RoutingCounts, RoutingRequest
 
 _TOPK_PREFIX = b"ffn_moe_topk-"
 _GGML_TYPE_I32 = 26  # enum ggml_type in ggml.h
@@ -57,8 +60,8 @@ class _TensorHead(ctypes.Structure):
 class _TopkRecorder:
     """Counts expert selections from `ffn_moe_topk-<layer>` tensors as llama.cpp computes them."""
 
-    def __init__(self, n_layer: int, n_expert: int) -> None:
-        self.counts = np.zeros((n_layer, n_expert), dtype=np.int64)
+    def __init__(self, n_layer: int = 0, n_expert: int = 0) -> None:
+        self.counts = np.zeros((n_layer, n_expert), dtype=np.int64)  # sized again once the model is known
         self.error: str | None = None
         # Kept on the object: the C side holds only the function pointer, which must outlive the context.
         self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._eval)
@@ -66,12 +69,13 @@ class _TopkRecorder:
     def _eval(self, tensor: int, ask: bool, _user_data: int | None) -> bool:
         """ggml's eval callback: with ask, say whether we want `tensor`; without, read it (True: go on)."""
         name = libggml.ggml_get_name(tensor) or b""
-        if not name.startswith(_TOPK_PREFIX):
+        layer = name[len(_TOPK_PREFIX) :]
+        if not name.startswith(_TOPK_PREFIX) or not layer.isdigit():  # not e.g. "ffn_moe_topk-3 (cont)"
             return not ask
         if ask:
             return True
         try:
-            self._record(tensor, int(name[len(_TOPK_PREFIX) :]))
+            self._record(tensor, int(layer))
         except Exception as e:  # an exception must not cross the C callback
             self.error = self.error or f"{name.decode(errors='replace')}: {e}"
         return True
@@ -188,3 +192,74 @@ def _decode_all(
     finally:
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(ctx)
+
+
+# Prompt tokens per decode call of a trace: every row's logits are kept (see expert_counts), so the output
+# buffer is this many vocabulary rows.
+_TRACE_CHUNK = 256
+
+
+def trace(request: RoutingRequest) -> RoutingCounts:
+    """Count expert selections over a workload: each prompt prefilled, then ``n_gen`` greedy tokens decoded.
+
+    The model is loaded with the request's EngineParams (placement, expert split and all), in a context of its
+    own whose eval callback reads every layer's ``ffn_moe_topk``; each prompt starts from an empty cache.
+
+    Raises:
+        ModelFileError: the model has no experts.
+        EngineError: a prompt does not fit the context, or llama.cpp fails to load or decode.
+    """
+    p = request.params
+    longest = max(len(t) for t in request.prompts) + request.n_gen
+    if longest > p.n_ctx:
+        raise EngineError("context_overflow", f"a prompt + {request.n_gen} tokens is {longest} tokens, n_ctx {p.n_ctx}")
+    path = Path(request.model)
+    recorder = _TopkRecorder()
+    model, ctx, keep = load_model_and_context(path, p.model_copy(update={"n_seq_max": 1}), recorder.callback)
+    try:
+        arch = _meta(model, "general.architecture") or ""
+        n_expert = int(_meta(model, f"{arch}.expert_count") or 0)
+        n_used = int(_meta(model, f"{arch}.expert_used_count") or 0)
+        if n_expert < 1:
+            raise ModelFileError(path, f"has no experts ({arch}.expert_count): routing needs a MoE model")
+        recorder.counts = np.zeros((llama_cpp.llama_model_n_layer(model), n_expert), dtype=np.int64)
+        n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+        chunk = min(p.n_batch, _TRACE_CHUNK)
+        for prompt in request.prompts:
+            _trace_one(ctx, list(prompt), request.n_gen, chunk, n_vocab)
+    finally:
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+        del keep
+    if recorder.error:
+        raise EngineError("routing_unreadable", f"{path}: cannot read the expert selection: {recorder.error}")
+    n_tokens = sum(len(t) for t in request.prompts) + request.n_gen * len(request.prompts)
+    return RoutingCounts(architecture=arch, n_layer=recorder.counts.shape[0], n_expert=n_expert, n_expert_used=n_used,
+                         n_tokens=n_tokens, counts=tuple(tuple(int(x) for x in row) for row in recorder.counts))
+
+
+def _trace_one(ctx: llama_cpp.llama_context_p, prompt: list[int], n_gen: int, chunk: int, n_vocab: int) -> None:
+    """Prefill ``prompt`` in chunks with every row output (the last layer routes every token), then decode."""
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+    batch = SeqBatch(chunk, 1)
+    pos = 0
+    for start in range(0, len(prompt), chunk):
+        part = prompt[start:start + chunk]
+        batch.n = 0
+        batch.add(0, pos, part, want_logits=True)
+        batch.logits[:batch.n] = 1
+        _decode(ctx, batch)
+        pos += len(part)
+    for _ in range(n_gen):
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
+        batch.n = 0
+        batch.add(0, pos, [int(np.argmax(logits))], want_logits=True)
+        _decode(ctx, batch)
+        pos += 1
+
+
+def _decode(ctx: llama_cpp.llama_context_p, batch: SeqBatch) -> None:
+    batch.raw.n_tokens = batch.n
+    rc = llama_cpp.llama_decode(ctx, batch.raw)
+    if rc != 0:
+        raise EngineError("decode_failed", f"llama_decode returned {rc} for {batch.n} tokens")

@@ -190,6 +190,18 @@ def op_chat(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
                                float(args.get("temperature", 0.0)))
 
 
+def op_routing_counts(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
+    """Per-layer expert selection counts over prompts prefilled and decoded (``RoutingRequest`` -> ``RoutingCounts``).
+
+    The model is loaded for the trace with the request's params and freed after; a loaded model is unloaded first.
+    """
+    from engine_bridge.routing import trace
+    from engine_bridge.routing_trace import RoutingRequest
+
+    w.unload()
+    return trace(RoutingRequest.model_validate(args)).model_dump()
+
+
 def op_abort(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
     """Die like a native crash would (fault injection for tests and the soak suite)."""
     os.abort()
@@ -198,7 +210,8 @@ def op_abort(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
 OPS: dict[str, Op] = {"hello": op_hello, "devices": op_devices, "load": op_load, "tokenize": op_tokenize,
                       "timed_run": op_timed_run, "greedy": op_greedy, "logprobs": op_logprobs,
                       "chat": op_chat, "abort": op_abort, "detokenize": op_detokenize,
-                      "serve_load": op_serve_load, "cancel": op_cancel, "serve_stats": op_serve_stats}
+                      "serve_load": op_serve_load, "cancel": op_cancel, "serve_stats": op_serve_stats,
+                      "routing_counts": op_routing_counts}
 STREAM_OPS: dict[str, StreamOp] = {"generate": op_generate}
 
 

@@ -24,6 +24,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--quant", default="Q4_0", choices=QUANTS, help="weight type (default Q4_0)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a shape field, e.g. --set n_layer=4 (repeatable)")
+    p.add_argument("--routing", choices=("uniform", "skewed"), default="uniform",
+                   help="expert popularity: uniform (a random router) or skewed (per layer, 90%% of picks in the "
+                        "busiest half of the experts, as published for Qwen3-30B-A3B; see docs/routing.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", type=Path, required=True, help="the .gguf file to write")
     p.set_defaults(handler=cmd_synth)
@@ -50,8 +53,10 @@ def _overrides(items: list[str]) -> dict[str, str]:
 def cmd_synth(args: argparse.Namespace) -> int:
     """Write a synthetic twin and report its size and speed."""
     try:
-        res = synthesize(args.like, args.output, quant=args.quant, overrides=_overrides(args.overrides),
-                         seed=args.seed)
+        overrides = _overrides(args.overrides)
+        if args.routing != "uniform":
+            overrides.setdefault("routing", args.routing)
+        res = synthesize(args.like, args.output, quant=args.quant, overrides=overrides or None, seed=args.seed)
     except ValueError as exc:
         raise FluxError(f"flux synth: {exc}") from exc
     mb_s = res.file_bytes / 1e6 / max(res.seconds, 1e-9)

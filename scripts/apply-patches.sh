@@ -7,6 +7,7 @@ dir=$1; shift
 [ -d "$dir" ] || { echo "[apply-patches] error: $dir is not a directory" >&2; exit 1; }
 for p in "$@"; do
   name=$(basename "$p")
+  p="$(cd "$(dirname "$p")" && pwd)/$name"  # git apply runs inside $dir
   if ! (cd "$dir" && git apply --check -p1 "$p") 2>/tmp/flux-patch-err.$$; then
     echo "[apply-patches] error: patch $name does not apply to $dir:" >&2
     sed 's/^/  /' /tmp/flux-patch-err.$$ >&2; rm -f /tmp/flux-patch-err.$$

@@ -19,7 +19,7 @@ ARCH_FILE = "src/llama-arch.cpp"
 
 @pytest.fixture(scope="module")
 def vendored(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A copy of part of the pinned sdist's vendored llama.cpp (src/ and include/)."""
+    """A copy of part of the pinned sdist's vendored llama.cpp (src/, include/ and the ggml files Flux patches)."""
     pin = read_pin()
     sdist = CACHE / "sdist" / f"llama_cpp_python-{pin['LLAMA_CPP_PYTHON_VERSION']}.tar.gz"
     if not sdist.exists():
@@ -27,8 +27,9 @@ def vendored(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("vendor")
     prefix = f"llama_cpp_python-{pin['LLAMA_CPP_PYTHON_VERSION']}/vendor/llama.cpp/"
     with tarfile.open(sdist) as tar:
-        members = [m for m in tar.getmembers()
-                   if m.name.startswith(prefix + "src/") or m.name.startswith(prefix + "include/")]
+        keep = tuple(prefix + d for d in ("src/", "include/", "ggml/include/", "ggml/src/ggml-backend.cpp",
+                                          "ggml/src/ggml-cpu/"))
+        members = [m for m in tar.getmembers() if m.name.startswith(keep)]
         for m in members:
             m.name = m.name[len(prefix):]
         tar.extractall(out, members=members, filter="data")
@@ -77,10 +78,10 @@ def test_a_patch_that_does_not_apply_is_named(vendored: Path, tmp_path: Path) ->
 
 def test_the_projects_own_patches_apply(vendored: Path, tmp_path: Path) -> None:
     patches = sorted(PATCH_DIR.glob("*.patch"))
-    touched = [line.split(" b/")[-1] for p in patches for line in p.read_text().splitlines()
-               if line.startswith("diff --git")]
+    touched = [line[len("--- a/"):] for p in patches for line in p.read_text().splitlines()
+               if line.startswith("--- a/")]  # files a patch creates come from "--- /dev/null"
     if any(not (vendored / t).exists() for t in touched):
-        pytest.skip("a project patch touches files outside src/ and include/")
+        pytest.skip("a project patch touches files the fixture does not copy")
     tree = tmp_path / "tree"
     subprocess.run(["cp", "-r", str(vendored), str(tree)], check=True)
     r = apply(tree, *patches)

@@ -1,0 +1,110 @@
+"""Routing traces: per-layer expert selection counts of a model on a workload, as the planner stores them.
+
+The worker op ``routing_counts`` (:func:`trace_routing` here is its typed client call) loads a model with a
+plan's :class:`~engine_bridge.params.EngineParams`, prefills and greedily decodes the workload's prompts, and
+counts which experts llama.cpp's router selected in every layer (see :mod:`engine_bridge.routing`).
+:func:`routing_table` turns the counts into the store's table (columns ``layer``, ``expert``, ``count``, with the
+model's identity in the schema metadata) and :func:`check_routing_table` refuses a table recorded for another
+model. Nothing here imports llama_cpp.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+from numpy.typing import NDArray
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine_bridge.errors import RoutingMismatch
+from engine_bridge.params import EngineParams
+
+if TYPE_CHECKING:
+    from engine_bridge.client import WorkerClient
+
+ROUTING_SCHEMA = pa.schema([("layer", pa.int32()), ("expert", pa.int32()), ("count", pa.int64())])
+# Schema metadata keys of a routing table (bytes, as Parquet keeps them).
+_META_KEYS = ("model_hash", "architecture", "n_layer", "n_expert", "n_expert_used", "n_tokens")
+
+
+class RoutingRequest(BaseModel):
+    """Arguments of the worker op ``routing_counts``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    model: str
+    params: EngineParams
+    prompts: tuple[tuple[int, ...], ...] = Field(min_length=1, description="token ids of each prompt")
+    n_gen: int = Field(0, ge=0, description="greedy tokens decoded after each prompt, counted too")
+
+
+class RoutingCounts(BaseModel):
+    """How often llama.cpp's router selected each expert of each layer over a workload."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    architecture: str
+    n_layer: int
+    n_expert: int
+    n_expert_used: int
+    n_tokens: int = Field(description="tokens evaluated: every prompt token and every decoded token")
+    counts: tuple[tuple[int, ...], ...] = Field(description="[n_layer][n_expert] selections")
+
+    def array(self) -> NDArray[np.int64]:
+        """The counts as an int64 array [n_layer, n_expert]."""
+        return np.asarray(self.counts, dtype=np.int64).reshape(self.n_layer, self.n_expert)
+
+
+def trace_routing(client: WorkerClient, request: RoutingRequest, timeout: float = 600.0) -> RoutingCounts:
+    """Record a routing trace in a worker (the op replaces any model the worker had loaded)."""
+    return RoutingCounts.model_validate(client.call("routing_counts", request.model_dump(mode="json"), timeout=timeout))
+
+
+def routing_table(counts: RoutingCounts, model_hash: str) -> pa.Table:
+    """The store's form of a trace: one row per (layer, expert), the model's identity in the schema metadata."""
+    arr = counts.array()
+    layer, expert = np.divmod(np.arange(arr.size, dtype=np.int32), np.int32(counts.n_expert))
+    meta = {"model_hash": model_hash, "architecture": counts.architecture, "n_layer": counts.n_layer,
+            "n_expert": counts.n_expert, "n_expert_used": counts.n_expert_used, "n_tokens": counts.n_tokens}
+    schema = ROUTING_SCHEMA.with_metadata({k: str(v) for k, v in meta.items()})
+    return pa.table([pa.array(layer), pa.array(expert), pa.array(arr.ravel())], schema=schema)
+
+
+def check_routing_table(table: pa.Table, model_hash: str, n_layer: int, n_expert: int) -> NDArray[np.int64]:
+    """The counts [n_layer, n_expert] of a stored trace, after checking it belongs to this model.
+
+    Raises:
+        RoutingMismatch: the trace names another model hash, layer count or expert count, or its rows do not
+            cover every (layer, expert) once.
+    """
+    meta = _metadata(table)
+    for key, what, expected in (("model_hash", "model hash", model_hash), ("n_layer", "layer count", str(n_layer)),
+                                ("n_expert", "expert count", str(n_expert))):
+        if meta.get(key) != expected:
+            raise RoutingMismatch(what, expected, meta.get(key))
+    layer = table.column("layer").to_numpy()
+    expert = table.column("expert").to_numpy()
+    if table.num_rows != n_layer * n_expert or layer.min(initial=0) < 0 or expert.min(initial=0) < 0 \
+            or layer.max(initial=0) >= n_layer or expert.max(initial=0) >= n_expert:
+        raise RoutingMismatch("(layer, expert) rows", n_layer * n_expert, table.num_rows)
+    out = np.full((n_layer, n_expert), -1, dtype=np.int64)
+    out[layer, expert] = table.column("count").to_numpy()
+    if (out < 0).any():
+        raise RoutingMismatch("(layer, expert) rows", "each once", "some missing or repeated")
+    return out
+
+
+def top_share(counts: NDArray[np.int64], fraction: float = 0.5) -> NDArray[np.float64]:
+    """Per layer, the share of selections that go to its busiest ``fraction`` of experts (``flux show``)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    k = max(1, math.ceil(fraction * counts.shape[1]))
+    ordered = -np.sort(-counts, axis=1)
+    totals = counts.sum(axis=1)
+    return np.divide(ordered[:, :k].sum(axis=1), totals, out=np.zeros(len(totals)), where=totals > 0)
+
+
+def _metadata(table: pa.Table) -> Mapping[str, str]:
+    raw = table.schema.metadata or {}
+    return {k.decode(): v.decode() for k, v in raw.items() if k.decode() in _META_KEYS}
