@@ -1,4 +1,4 @@
-"""The ``plan-model`` Prefect flow: probe → enumerate → prune → measure → validate → persist.
+"""The ``plan-model`` Prefect flow: probe → route → enumerate → prune → measure → validate → persist.
 
 This module only composes the stages in ``tasks/``; :mod:`flows.stages` wraps each as a Prefect task
 that returns its stored output when the inputs hash to one (the task's state message says so).
@@ -35,8 +35,9 @@ def plan_model(model: str, ctx: int | None = None, concurrency: int = 1, kv: str
                      existing[:12])
             return existing
     hw = stages.probe_stage(ctx_, reprobe)
-    space = stages.enumerate_stage(ctx_, hw)
+    routing = stages.route_stage(ctx_, hw)
+    space = stages.enumerate_stage(ctx_, hw, routing)
     finalists = stages.prune_stage(ctx_, hw, space)
     measured = stages.measure_stage(ctx_, hw, finalists)
     report = stages.validate_stage(ctx_, hw, finalists, measured)
-    return stages.persist_stage(ctx_, hw, space, finalists, measured, report)
+    return stages.persist_stage(ctx_, hw, space, finalists, measured, report, routing)

@@ -22,6 +22,16 @@ def _placement_lines(plan: Plan) -> list[str]:
                 if dev != "CPU":
                     parts[part] = parts.get(part, 0) + 1
         lines.append("expert tensors on GPU: " + (", ".join(f"{k} {v}/{len(p.expert_device)}" for k, v in sorted(parts.items())) or "none"))
+    split = c.params.expert_split
+    if split is not None:
+        n_hot = sum(len(h.experts) for h in split.layers)
+        share = sum(c.hot_share) / max(1, len(c.hot_share))
+        lines.append(f"per-expert split: {n_hot} experts of {len(split.layers)} layers copied to "
+                     f"{', '.join(sorted({h.device for h in split.layers}))}, taking {share:.0%} of the picks "
+                     "(the rest on the host; the whole expert tensors stay there)")
+    if plan.routing_coverage:
+        lines.append("routing (trace " + (plan.routing_trace or "?")[:12] + "): each layer's busiest " + ", ".join(
+            f"{k} of experts take {v:.0%}" for k, v in plan.routing_coverage.items()) + " of its picks (median)")
     lines.append(kv_line(plan))
     lines.append("llama.cpp flags: " + " ".join(c.params.cli_args()))
     return lines

@@ -29,7 +29,9 @@ from artifacts.model_info import ModelInfo
 from artifacts.store import Store
 from engine_bridge.backend import backend_info
 from engine_bridge.params import EngineParams
+from engine_bridge.routing_trace import routing_table
 from flows import workload as wl
+from tasks import route
 from tasks.costmodel import Workload
 from tasks.enumerate import enumerate_placements, gpu_devices, gpu_limits
 from tasks.measure import measure
@@ -46,6 +48,7 @@ from tasks.persist import find_plan, persist, plan_key, plan_notes
 from tasks.probe import machine_facts, probe, probe_key
 from tasks.prune import prune
 from tasks.quality_gate import Gate
+from tasks.route import RoutingProfile
 from tasks.validate import Cache, rank_measured, reference_params, validate, validation_context
 
 M = TypeVar("M", bound=BaseModel)
@@ -131,12 +134,18 @@ def cached(store: Store, kind: str, key: dict[str, Any], model: type[M], compute
 
 
 def existing_plan(ctx: PlanContext) -> str | None:
-    """Id of a stored plan whose key matches, if the probe report for this machine is stored."""
+    """Id of a stored plan whose key matches, if the probe report (and routing trace) for it are stored."""
     pk = probe_key(ctx.facts, ctx.model_hash, ctx.backend_build)
     if not ctx.store.has("probe", content_id(pk)):
         return None
     hw = HardwareReport.model_validate(ctx.store.get_json("probe", content_id(pk)))
-    found = find_plan(ctx.store, plan_key(ctx.model_hash, hw, ctx.backend_build, ctx.req, ctx.settings_view()))
+    routing: str | None = None
+    if _traces_routing(ctx, hw):
+        rid = content_id(_route_key(ctx))
+        if not ctx.store.has("routing_profile", rid):
+            return None
+        routing = str(ctx.store.get_json("routing_profile", rid)["trace_id"])
+    found = find_plan(ctx.store, plan_key(ctx.model_hash, hw, ctx.backend_build, ctx.req, ctx.settings_view(), routing))
     return str(found["id"]) if found else None
 
 
@@ -148,17 +157,54 @@ def probe_stage(ctx: PlanContext, reprobe: bool) -> HardwareReport:
                   lambda: probe(ctx.model, ctx.model_hash, ctx.settings, ctx.backend_build), force=reprobe)
 
 
-def _space_key(ctx: PlanContext, hw: HardwareReport) -> dict[str, Any]:
+def _traces_routing(ctx: PlanContext, hw: HardwareReport) -> bool:
+    """A routing trace shapes the plan of a MoE model on a machine with a GPU (per-expert placement)."""
+    return ctx.info.is_moe and bool(gpu_devices(hw))
+
+
+def _route_key(ctx: PlanContext) -> dict[str, Any]:
+    return {"stage": "route", "model": ctx.model_hash, "workload": ctx.req.workload, "seed": ctx.req.seed,
+            "tokens": route.TRACE_TOKENS, "backend": ctx.backend_build}
+
+
+@task(name="route", cache_policy=NO_CACHE)
+def route_stage(ctx: PlanContext, hw: HardwareReport) -> RoutingProfile | None:
+    """How the model's routers pick experts on the workload (MoE models on a GPU machine; else nothing)."""
+    if not _traces_routing(ctx, hw):
+        return None
+    log = get_run_logger()
+
+    def run() -> RoutingProfile:
+        lengths, _ = wl.nominal_lengths(ctx.info.n_ctx_train or 4096, ctx.req)
+        prompts = wl.tune_prompts(ctx.model, lengths, ctx.req.seed, ctx.worker_log)
+        n_ctx = max(len(p) for p in route.trace_prompts(prompts)) + route.TRACE_GEN + 16
+        counts = route.trace(ctx.model, prompts, route.trace_params(n_ctx, hw.cpu.physical_cores), ctx.worker_log,
+                             ctx.settings.plan.measure_timeout_s)
+        table = routing_table(counts, ctx.model_hash)
+        tid = content_id({"routing": content_id(_route_key(ctx)), "counts": counts.counts})
+        ctx.store.put_table("routing", table, key=tid)
+        prof = route.profile(counts, tid)
+        log.info("route: %d tokens traced; each layer's busiest 10%% / 25%% / 50%% of experts take %.0f%% / %.0f%% / "
+                 "%.0f%% of its picks (median over layers)", counts.n_tokens, 100 * prof.coverage(0.1),
+                 100 * prof.coverage(0.25), 100 * prof.coverage(0.5))
+        return prof
+
+    return cached(ctx.store, "routing_profile", _route_key(ctx), RoutingProfile, run)
+
+
+def _space_key(ctx: PlanContext, hw: HardwareReport, routing: RoutingProfile | None = None) -> dict[str, Any]:
     flags = ctx.req.model_dump(include={"ctx", "concurrency", "kv", "gpu_mem_budget_gib", "allow_storage_streaming", "seed"})
-    return {"stage": "enumerate", "probe": content_id(hw), "model": ctx.model_hash, "flags": flags,
-            "reserve": ctx.settings.host_reserve_percent}
+    key = {"stage": "enumerate", "probe": content_id(hw), "model": ctx.model_hash, "flags": flags,
+           "reserve": ctx.settings.host_reserve_percent}
+    return {**key, "routing": routing.trace_id} if routing is not None else key
 
 
 @task(name="enumerate", cache_policy=NO_CACHE)
-def enumerate_stage(ctx: PlanContext, hw: HardwareReport) -> PlacementSpace:
-    """The memory-feasible search space."""
-    return cached(ctx.store, "space", _space_key(ctx, hw), PlacementSpace,
-                  lambda: enumerate_placements(ctx.info, hw, ctx.req, ctx.settings.host_reserve_percent))
+def enumerate_stage(ctx: PlanContext, hw: HardwareReport, routing: RoutingProfile | None = None) -> PlacementSpace:
+    """The memory-feasible search space (with per-expert placements when a routing trace is given)."""
+    shares = routing.shares() if routing is not None else None
+    return cached(ctx.store, "space", _space_key(ctx, hw, routing), PlacementSpace,
+                  lambda: enumerate_placements(ctx.info, hw, ctx.req, ctx.settings.host_reserve_percent, shares))
 
 
 def workload_for(ctx: PlanContext, space: PlacementSpace) -> Workload:
@@ -170,7 +216,7 @@ def workload_for(ctx: PlanContext, space: PlacementSpace) -> Workload:
 def prune_stage(ctx: PlanContext, hw: HardwareReport, space: PlacementSpace) -> Finalists:
     """Cost-model ranking and the finalists."""
     work = workload_for(ctx, space)
-    key = {"stage": "prune", "space": _space_key(ctx, hw), "work": [work.prefill_tokens, work.decode_tokens],
+    key = {"stage": "prune", "space": content_id(space), "work": [work.prefill_tokens, work.decode_tokens],
            "n": ctx.req.finalists}
     state = cached(ctx.store, "finalists", key, Finalists,
                    lambda: prune(space, ctx.info, hw, work, ctx.req.finalists))
@@ -269,12 +315,14 @@ def validate_stage(ctx: PlanContext, hw: HardwareReport, fin: Finalists, measure
 
 @task(name="persist", cache_policy=NO_CACHE)
 def persist_stage(ctx: PlanContext, hw: HardwareReport, space: PlacementSpace, fin: Finalists,
-                  measured: MeasureResults, report: ValidationReport) -> str:
+                  measured: MeasureResults, report: ValidationReport, routing: RoutingProfile | None = None) -> str:
     """Write the immutable plan; returns its id."""
     trials = ctx.store.get_table("trials_raw", measured.trials_table)
     work = wl.workload(measured.lengths, measured.n_gen) if measured.lengths else workload_for(ctx, space)
     winner = next(c for c in fin.finalists if c.id == report.winner_id)
-    plan = persist(ctx.store, key=plan_key(ctx.model_hash, hw, ctx.backend_build, ctx.req, ctx.settings_view()),
+    key = plan_key(ctx.model_hash, hw, ctx.backend_build, ctx.req, ctx.settings_view(),
+                   routing.trace_id if routing is not None else None)
+    plan = persist(ctx.store, key=key, routing=routing,
                    model_path=ctx.req.model, model_name=ctx.info.name, hw=hw, req=ctx.req, finalists=fin,
                    measured=measured, trials=trials, validation=report,
                    roofline_decode_tps=wl.roofline_decode(ctx.info, hw, winner),

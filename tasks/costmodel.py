@@ -139,6 +139,19 @@ def kv_reads(info: ModelInfo, cand: Candidate, depth: float) -> tuple[float, flo
     return cpu, sum(b for d, b in cand.kv_bytes.items() if d != "CPU") * scale
 
 
+def split_reads(info: ModelInfo, cand: Candidate) -> float:
+    """Expert bytes a decoded token reads from GPU copies instead of the host (a per-expert split).
+
+    Each split layer reads ``n_used / n_expert`` of its expert bytes per token, a ``hot_share`` of which
+    come from its experts' copies on the GPU (the measured routing's share of picks).
+    """
+    if cand.params.expert_split is None or not cand.hot_share:
+        return 0.0
+    frac = info.n_expert_used / info.n_expert if info.n_expert else 0.0
+    return sum(share * frac * sum(layer.bytes_by_role.get(f"experts_{p}", 0) for p in EXPERT_PARTS)
+               for layer, share in zip(info.layers, cand.hot_share, strict=False))
+
+
 def _host_attention_layers(cand: Candidate) -> int:
     """Layers whose weights are on a GPU but whose KV cache (and so attention) is on the host."""
     p, devs = cand.params, cand.placement.layer_device
@@ -155,8 +168,9 @@ def predict(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: Workload
     cpu_read = per_dev.get("CPU", (0.0, 0.0))[0]
     gpu_read = sum(r for d, (r, _) in per_dev.items() if d != "CPU")
     kv_cpu, kv_gpu = kv_reads(info, cand, work.mean_prompt_tokens)
-    cpu_read += kv_cpu
-    gpu_read += kv_gpu
+    moved = split_reads(info, cand)
+    cpu_read += kv_cpu - moved
+    gpu_read += kv_gpu + moved
     decode_ms = cpu_read / (cpu_bandwidth(hw, p.n_threads) * eff) * 1e3
     if gpu_read:
         if not p.no_host:

@@ -15,11 +15,15 @@ import logging
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+from numpy.typing import NDArray
+
 from artifacts.model_info import ModelInfo
-from engine_bridge.params import EngineParams, LoadMode, TensorOverride
+from engine_bridge.params import EngineParams, ExpertSplit, LoadMode, TensorOverride
 from tasks import expert_select, layer_split
 from tasks.costmodel import EXPERT_PARTS, all_on, head_bytes, layer_bytes
 from tasks.errors import ImpossiblePlan
+from tasks.expert_hot import hot_placement, split_bytes
 from tasks.models import Candidate, HardwareReport, Placement, PlacementSpace, PlanRequest
 
 log = logging.getLogger(__name__)
@@ -204,6 +208,8 @@ class _Shape:
     placement: Placement
     n_ctx: int
     kv: KvMode
+    split: ExpertSplit | None = None
+    hot_share: tuple[float, ...] = ()
 
 
 def gpu_overhead(info: ModelInfo, n_ctx: int, kv_bytes: float) -> int:
@@ -219,7 +225,8 @@ def _contexts(n_ctx: int, req: PlanRequest, n_gpus: int) -> list[int]:
     return [n_ctx]
 
 
-def _gpu_shapes(info: ModelInfo, req: PlanRequest, per_gpu: list[int], n_ctx: int, tag: str) -> list[_Shape]:
+def _gpu_shapes(info: ModelInfo, req: PlanRequest, per_gpu: list[int], n_ctx: int, tag: str,
+                routing: NDArray[np.float64] | None = None) -> list[_Shape]:
     """GPU placements at one context, each with its KV placement, the KV cache taken from the weights' budget."""
     if not per_gpu:
         return []
@@ -229,6 +236,9 @@ def _gpu_shapes(info: ModelInfo, req: PlanRequest, per_gpu: list[int], n_ctx: in
     shares = [b / sum(on_host) for b in on_host] if sum(on_host) else [1 / len(on_host)] * len(on_host)
     on_gpu = [max(0, int(b - kv_total * sh)) for b, sh in zip(on_host, shares, strict=True)]
     out = [_Shape(f + tag, pl, n_ctx, "gpu") for f, pl in _gpu_placements(info, on_gpu)]
+    hot = hot_placement(info, routing, on_gpu[0]) if routing is not None and len(on_gpu) == 1 else None
+    if hot is not None:  # single experts on the GPU, chosen by measured routing (patched backend)
+        out.append(_Shape("experts-hot" + tag, hot.placement, n_ctx, "gpu", hot.split, hot.hot_share))
     out += [_Shape(f + "/kv-host" + tag, pl, n_ctx, "host")
             for f, pl in _gpu_placements(info, on_host, MILP_FAMILIES[1:2])]
     last = _last_layers(info, on_host[0], kv_layer_bytes(info, req.kv, n_ctx, req.concurrency))
@@ -237,9 +247,12 @@ def _gpu_shapes(info: ModelInfo, req: PlanRequest, per_gpu: list[int], n_ctx: in
     return out
 
 
-def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest,
-                         reserve_percent: float) -> PlacementSpace:
+def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest, reserve_percent: float,
+                         routing: NDArray[np.float64] | None = None) -> PlacementSpace:
     """Every memory-feasible candidate for this model, machine and request.
+
+    ``routing`` (each expert's share of its layer's picks on the workload, [n_layer, n_expert]) adds
+    per-expert placements: single experts copied to the GPU by measured pick share.
 
     Raises:
         ImpossiblePlan: no candidate fits (context too large, weights beyond RAM without streaming).
@@ -251,22 +264,24 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest,
     limits = {"CPU": host, **{f"CUDA{i}": b for i, b in enumerate(per_gpu)}}
     shapes = [_Shape("cpu", all_on(info, "CPU"), n_ctx, "host")]
     for ctx in _contexts(n_ctx, req, len(gpus)):
-        shapes += _gpu_shapes(info, req, per_gpu, ctx, "" if ctx == n_ctx else f"@{ctx}")
-    unique: dict[tuple[str, int, str], _Shape] = {}
+        shapes += _gpu_shapes(info, req, per_gpu, ctx, "" if ctx == n_ctx else f"@{ctx}", routing)
+    unique: dict[tuple[str, int, str, str], _Shape] = {}
     for sh in shapes:
-        unique.setdefault((sh.placement.model_dump_json(), sh.n_ctx, sh.kv), sh)
+        unique.setdefault((sh.placement.model_dump_json(), sh.n_ctx, sh.kv, sh.split.env_value() if sh.split else ""), sh)
     rejected: dict[str, int] = {}
     cands: list[Candidate] = []
     for shape in unique.values():
         for params in _runtime_grid(info, hw, req, shape, gpus):
             weights, kv, comp = _memory(info, shape.placement, params, req.concurrency, gpus)
+            for dev, b in split_bytes(info, params.expert_split).items():
+                weights[dev] = weights.get(dev, 0) + b
             over = _over_limit(limits, weights, kv, comp, params, req)
             if over:
                 rejected[over] = rejected.get(over, 0) + 1
                 continue
             cid = f"c{len(cands):03d}"
             cands.append(Candidate(id=cid, family=shape.family, placement=shape.placement, params=params,
-                                   weights_bytes=weights, kv_bytes=kv, compute_bytes=comp,
+                                   weights_bytes=weights, kv_bytes=kv, compute_bytes=comp, hot_share=list(shape.hot_share),
                                    needs_storage_streaming=weights.get("CPU", 0) > host and params.load_mode == "mmap"))
     if not cands:
         raise _explain(info, req, rejected, limits, n_ctx)
@@ -316,7 +331,7 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, shape: 
     if hybrid:
         loads.append(("load", True))
     fas = [True, False] if req.kv in ("f16", "f32") else [True]
-    offload = [None, 4096] if hybrid else [None]
+    offload = [None, 4096] if hybrid and shape.split is None else [None]
     by_layers = shape.kv == "layers"
     # -ngl N offloads the last N-1 layers and the head: llama.cpp's own placement, nothing to override.
     overrides = _overrides(placement, gpus) if on_gpu and not by_layers else []
@@ -334,7 +349,8 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, shape: 
             n_batch=max(ub, min(n_ctx, PIPELINE_BATCH) if pipelined else 512 if not on_gpu else ub),
             n_threads=t, n_threads_batch=tb, n_gpu_layers=n_gpu_layers, flash_attn=fa, type_k=req.kv,
             type_v=req.kv, load_mode=load, no_host=no_host, offload_min_batch=omb, tensor_overrides=tuple(overrides),
-            tensor_split=split, offload_kqv=shape.kv != "host" or not on_gpu, seed=req.seed))
+            tensor_split=split, offload_kqv=shape.kv != "host" or not on_gpu, expert_split=shape.split,
+            seed=req.seed))
     return out
 
 

@@ -153,6 +153,8 @@ class Candidate(_Model):
     kv_bytes: dict[DeviceName, int]
     compute_bytes: dict[DeviceName, int]
     needs_storage_streaming: bool = False
+    hot_share: list[float] = Field(default_factory=list, description=(
+        "per layer, the share of its router's picks that hit an expert copied to the GPU (params.expert_split)"))
 
 
 class PlacementSpace(_Model):
@@ -274,3 +276,6 @@ class Plan(_Model):
     notes: list[str] = Field(default_factory=list, description="choices a reader should know about")
     kl_limit: float | None = Field(None, description="the largest mean KL validation allowed (noise floor included)")
     top1_limit: float | None = None
+    routing_trace: str | None = Field(None, description="store id (kind 'routing') of the workload's routing trace")
+    routing_coverage: dict[str, float] = Field(default_factory=dict, description=(
+        "share of picks that each layer's busiest 10/25/50% of experts take (median over layers)"))

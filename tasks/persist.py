@@ -27,6 +27,7 @@ from tasks.models import (
     PlanRequest,
     ValidationReport,
 )
+from tasks.route import RoutingProfile
 
 log = logging.getLogger(__name__)
 PLAN_KIND = "plan"
@@ -34,13 +35,18 @@ TRIALS_KIND = "trials"
 
 
 def plan_key(model_hash: str, hw: HardwareReport, backend_build: str, req: PlanRequest,
-             settings_view: dict[str, Any]) -> dict[str, Any]:
-    """The facts a plan is valid for (its identity minus the time it was made)."""
+             settings_view: dict[str, Any], routing: str | None = None) -> dict[str, Any]:
+    """The facts a plan is valid for (its identity minus the time it was made).
+
+    ``routing``: the id of the routing trace that chose a per-expert placement's experts; another workload
+    routes differently and is another plan.
+    """
     flags = req.model_dump(exclude={"model"})
     if flags["workload"] == "agent":  # the default before there was a choice: plans saved then still match
         del flags["workload"]
-    return {"model_hash": model_hash, "hardware": hw.fingerprint, "backend_build": backend_build,
-            "driver": hw.driver, "flags": flags, "settings": settings_view}
+    key = {"model_hash": model_hash, "hardware": hw.fingerprint, "backend_build": backend_build,
+           "driver": hw.driver, "flags": flags, "settings": settings_view}
+    return {**key, "routing": routing} if routing is not None else key
 
 
 def find_plan(store: Store, key: dict[str, Any]) -> dict[str, Any] | None:
@@ -104,7 +110,7 @@ def plan_notes(space: PlacementSpace, finalists: Finalists, measured: MeasureRes
 def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: str, hw: HardwareReport,
             req: PlanRequest, finalists: Finalists, measured: MeasureResults, trials: pa.Table,
             validation: ValidationReport, roofline_decode_tps: float | None, memory_limits: dict[str, int],
-            prefill_share: float, notes: list[str]) -> Plan:
+            prefill_share: float, notes: list[str], routing: RoutingProfile | None = None) -> Plan:
     """Write the plan and its trials; returns the plan (its id is a content hash of the whole plan)."""
     by_id = {c.id: c for c in finalists.finalists}
     summaries = measured.summaries
@@ -128,7 +134,8 @@ def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: s
         "quality_profile": validation.quality_profile, "workload_prefill_share": prefill_share,
         "workload_lengths": measured.lengths, "workload_n_gen": measured.n_gen,
         "decode_by_depth": decode_by_depth(trials, win), "notes": notes,
-        "kl_limit": validation.kl_limit, "top1_limit": validation.top1_limit,
+        "kl_limit": validation.kl_limit, "top1_limit": validation.top1_limit, "routing_trace": routing.trace_id if routing else None,
+        "routing_coverage": {f"{f:.0%}": routing.coverage(f) for f in (0.1, 0.25, 0.5)} if routing else {},
     }
     body = Plan(id="", **body).model_dump(mode="json", exclude={"id"})  # every field, defaults included
     plan = Plan(id=content_id(body), **body)

@@ -1,0 +1,87 @@
+"""Route: how often the model's routers pick each expert on the planning workload (MoE models on a GPU machine).
+
+``trace(...) -> RoutingProfile``. A worker prefills the workload's prompts (cut to :data:`TRACE_TOKENS` in all)
+and decodes a few tokens after each, and llama.cpp's own router choices are counted per layer
+(:mod:`engine_bridge.routing_trace`). The counts decide which experts a per-expert placement keeps on the GPU;
+the trace is stored as a table, and its id is part of every plan key it shaped: another workload (another
+routing profile) is another plan.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from numpy.typing import NDArray
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine_bridge.client import WorkerClient
+from engine_bridge.params import EngineParams
+from engine_bridge.routing_trace import RoutingCounts, RoutingRequest, top_share, trace_routing
+
+TRACE_TOKENS = 4096  # prompt tokens traced in all: 4096 x 8 picks per layer is ~256 per expert of 128
+TRACE_GEN = 8
+
+
+class RoutingProfile(BaseModel):
+    """A stored routing trace: its id in the store and the counts [n_layer][n_expert]."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    trace_id: str
+    n_tokens: int
+    n_expert_used: int
+    counts: tuple[tuple[int, ...], ...]
+
+    def array(self) -> NDArray[np.int64]:
+        """The counts as an int64 array [n_layer, n_expert]."""
+        return np.asarray(self.counts, dtype=np.int64)
+
+    def shares(self) -> NDArray[np.float64]:
+        """Each expert's share of its layer's picks [n_layer, n_expert] (rows sum to 1)."""
+        a = self.array().astype(np.float64)
+        return a / np.maximum(a.sum(axis=1, keepdims=True), 1.0)
+
+    def coverage(self, fraction: float) -> float:
+        """Median over layers of the share of picks that go to each layer's busiest ``fraction`` of experts."""
+        return float(np.median(top_share(self.array(), fraction)))
+
+
+def trace_prompts(prompts: list[list[int]], budget: int = TRACE_TOKENS) -> list[list[int]]:
+    """The workload's prompts, longest last, cut so that they hold ``budget`` tokens in all (at least one)."""
+    out, left = [], budget
+    for p in sorted(prompts, key=len):
+        if left <= 0:
+            break
+        out.append(p[:left])
+        left -= len(out[-1])
+    return out or [prompts[0][:budget]]
+
+
+def trace(model: Path, prompts: list[list[int]], params: EngineParams, log_path: Path,
+          timeout_s: float) -> RoutingCounts:
+    """Count the router's picks of every layer over ``prompts`` (prefilled, then TRACE_GEN greedy tokens each)."""
+    req = RoutingRequest(model=str(model), params=params, prompts=tuple(tuple(p) for p in trace_prompts(prompts)),
+                         n_gen=TRACE_GEN)
+    with WorkerClient(log_path=log_path, env=params.environment()) as w:
+        return trace_routing(w, req, timeout=timeout_s)
+
+
+def trace_params(n_ctx: int, threads: int) -> EngineParams:
+    """The trace's configuration: the CPU, every core (the choices are the router's, not the placement's)."""
+    return EngineParams(n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads)
+
+
+def profile(counts: RoutingCounts, trace_id: str) -> RoutingProfile:
+    """The planner's view of a stored trace."""
+    return RoutingProfile(trace_id=trace_id, n_tokens=counts.n_tokens, n_expert_used=counts.n_expert_used,
+                          counts=counts.counts)
+
+
+class HotSummary(BaseModel):
+    """What ``flux show`` says of a plan's routing and split."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    coverage: dict[str, float] = Field(description="share of picks in each layer's busiest 10/25/50% (median)")
+    hot_experts: int = 0
+    split_layers: int = 0
+    hot_share: float = Field(0.0, description="share of all picks that hit a GPU copy")
