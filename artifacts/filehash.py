@@ -89,8 +89,9 @@ def file_hash(path: Path, cache_dir: Path) -> str:
 def model_hash(paths: list[Path], cache_dir: Path) -> str:
     """Return one content id for a model made of one or more files (split GGUFs).
 
-    The id covers each file's name and content hash, sorted by name, so the order the shards are given in
-    does not matter while a renamed or changed shard does.
+    The id covers the files' content hashes in shard order (their names sorted), not the names: a model
+    renamed or moved is the same model, whose plans and planning stages are reused; the order the shards
+    are given in does not matter, while a changed shard does.
 
     Args:
         paths: The model's files (``model-00001-of-00003.gguf``, ...).
@@ -101,8 +102,7 @@ def model_hash(paths: list[Path], cache_dir: Path) -> str:
     """
     if not paths:
         raise ModelFileError("<none>", "a model needs at least one file")
-    pairs = sorted((p.name, file_hash(p, cache_dir)) for p in paths)
-    return content_id([list(pair) for pair in pairs])
+    return content_id({"shards": [file_hash(p, cache_dir) for p in sorted(paths, key=lambda p: p.name)]})
 
 
 def _stat(path: Path) -> os.stat_result:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from artifacts.config import load_settings
 from artifacts.errors import FluxError
@@ -18,13 +19,20 @@ Handler = Callable[[argparse.Namespace], int]
 COMMAND_MODULES = ("flows.cmd_models", "flows.cmd_plan", "flows.cmd_serve", "flows.cmd_bench", "flows.cmd_backend")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (what is wrong, where to look) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser; every command module registers its subcommands."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="flux",
         description="Flux: measured execution plans for LLM inference on llama.cpp.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=OneLineParser)
     import importlib
 
     for name in COMMAND_MODULES:

@@ -6,6 +6,7 @@ import argparse
 import logging
 import time
 from pathlib import Path
+from typing import get_args
 
 from rich.table import Table
 
@@ -13,8 +14,10 @@ from artifacts.config import Settings
 from artifacts.errors import FluxError
 from artifacts.logs import console
 from artifacts.store import Store
+from engine_bridge.params import KvType
+from flows.request import plan_request
 from tasks.errors import ImpossiblePlan
-from tasks.models import Plan, PlanRequest
+from tasks.models import Plan
 
 DEFAULT_MODEL = "tiny-moe"
 
@@ -28,7 +31,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("model", type=Path, nargs="?", help="a .gguf file (default: a synthesized tiny-moe twin)")
     p.add_argument("--ctx", type=int, help="tokens per sequence (default: trained context, capped by RAM)")
     p.add_argument("--concurrency", type=int, default=1, help="sequences served at once")
-    p.add_argument("--kv", default="f16", help="KV cache type; other than f16 is a separate quality profile")
+    p.add_argument("--kv", default="f16", choices=get_args(KvType),
+                   help="KV cache type; other than f16 is a separate quality profile")
     p.add_argument("--budget-s", type=float, help="measurement budget (default [plan] tuning_budget_s)")
     p.add_argument("--gpu-mem-budget", type=str, help="GiB per GPU, e.g. 12 or 12,24")
     p.add_argument("--allow-storage-streaming", action="store_true",
@@ -80,11 +84,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     settings: Settings = args.settings
     model = (args.model or default_model(settings)).expanduser().resolve()
     con = console(stderr=True)
-    req = PlanRequest(model=str(model), ctx=args.ctx, concurrency=args.concurrency, kv=args.kv,
-                      budget_s=args.budget_s or settings.plan.tuning_budget_s,
-                      gpu_mem_budget_gib=_gpu_budget(args.gpu_mem_budget),
-                      allow_storage_streaming=args.allow_storage_streaming, workload=args.workload,
-                      finalists=settings.plan.finalists, repeats=settings.plan.repeats, seed=args.seed)
+    req = plan_request(settings, model, ctx=args.ctx, concurrency=args.concurrency, kv=args.kv,
+                       budget_s=args.budget_s, gpu_mem_budget_gib=_gpu_budget(args.gpu_mem_budget),
+                       allow_storage_streaming=args.allow_storage_streaming, workload=args.workload, seed=args.seed)
     t0 = time.monotonic()
     pctx = stages.context(req, settings)
     trained = pctx.info.n_ctx_train
@@ -93,16 +95,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not args.replan and not args.reprobe:
         found = stages.existing_plan(pctx)
         if found:
-            con.print(f"reusing saved plan {found[:12]} (same model, machine, backend and flags; --replan to measure again)")
+            stages.remember_model_path(pctx)
+            con.print(f"reusing saved plan {found[:12]} (same model bytes, machine, backend and flags; --replan to "
+                      "measure again)")
             console().print(found)
             return 0
     from flows.plan_model import plan_model
 
     _quiet_flux_errors()
-    plan_id = plan_model(model=str(model), ctx=args.ctx, concurrency=args.concurrency, kv=args.kv,
-                         budget_s=req.budget_s, gpu_mem_budget_gib=req.gpu_mem_budget_gib,
-                         allow_storage_streaming=args.allow_storage_streaming, replan=args.replan,
-                         reprobe=args.reprobe, seed=args.seed, workload=args.workload)
+    plan_id = plan_model(model=req.model, ctx=req.ctx, concurrency=req.concurrency, kv=req.kv, budget_s=req.budget_s,
+                         gpu_mem_budget_gib=req.gpu_mem_budget_gib, allow_storage_streaming=req.allow_storage_streaming,
+                         workload=req.workload, seed=req.seed, replan=args.replan, reprobe=args.reprobe)
     con.print(f"planned in {time.monotonic() - t0:.0f} s; `flux show {plan_id[:12]}` prints it, "
               f"`flux serve {plan_id[:12]}` serves it")
     console().print(plan_id)

@@ -6,13 +6,11 @@ that returns its stored output when the inputs hash to one (the task's state mes
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prefect import flow, get_run_logger
 
 from artifacts.config import load_settings
 from flows import stages
-from tasks.models import PlanRequest
+from flows.request import plan_request
 
 
 @flow(name="plan-model", log_prints=False, persist_result=False)
@@ -23,11 +21,11 @@ def plan_model(model: str, ctx: int | None = None, concurrency: int = 1, kv: str
     """Plan a model on this machine and return the plan id."""
     settings = load_settings()
     log = get_run_logger()
-    req = PlanRequest(model=str(Path(model).expanduser().resolve()), ctx=ctx, concurrency=concurrency, kv=kv,
-                      budget_s=budget_s or settings.plan.tuning_budget_s, gpu_mem_budget_gib=gpu_mem_budget_gib,
-                      allow_storage_streaming=allow_storage_streaming, workload=workload,
-                      finalists=settings.plan.finalists, repeats=settings.plan.repeats, seed=seed)
+    req = plan_request(settings, model, ctx=ctx, concurrency=concurrency, kv=kv, budget_s=budget_s,
+                       gpu_mem_budget_gib=gpu_mem_budget_gib, allow_storage_streaming=allow_storage_streaming,
+                       workload=workload, seed=seed)
     ctx_ = stages.context(req, settings)
+    stages.remember_model_path(ctx_)
     if not replan:
         existing = stages.existing_plan(ctx_)
         if existing:

@@ -52,6 +52,7 @@ from tasks.route import RoutingProfile
 from tasks.validate import Cache, rank_measured, reference_params, validate, validation_context
 
 M = TypeVar("M", bound=BaseModel)
+MODEL_PATH_KIND = "model_path"  # where a model's bytes were seen (content id -> path), newest last
 FLOOR_GPU_HEADROOM = 2 * 2**30  # KV cache, compute buffers and the CUDA context of the GPU floor variant
 
 
@@ -147,6 +148,15 @@ def existing_plan(ctx: PlanContext) -> str | None:
         routing = str(ctx.store.get_json("routing_profile", rid)["trace_id"])
     found = find_plan(ctx.store, plan_key(ctx.model_hash, hw, ctx.backend_build, ctx.req, ctx.settings_view(), routing))
     return str(found["id"]) if found else None
+
+
+def remember_model_path(ctx: PlanContext) -> None:
+    """Record that the model's bytes live at this path too: ``flux serve`` of a plan made for the same bytes
+    elsewhere finds them here (plans are immutable; the path they name may have moved)."""
+    import time
+
+    ctx.store.put_json(MODEL_PATH_KIND, {"model_hash": ctx.model_hash, "path": ctx.req.model},
+                       meta={"model_hash": ctx.model_hash, "path": ctx.req.model, "seen_at": time.time()})
 
 
 @task(name="probe", cache_policy=NO_CACHE)

@@ -142,13 +142,18 @@ def test_chunked_read_matches_one_shot_hash(
         filehash.CHUNK_BYTES = old
 
 
-def test_model_hash_covers_names_and_contents_in_any_order(tmp_path: Path) -> None:
+def test_model_hash_covers_contents_in_shard_order_not_names(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     a = _write(tmp_path / "m-00001-of-00002.gguf", b"first")
     b = _write(tmp_path / "m-00002-of-00002.gguf", b"second")
     h = model_hash([a, b], cache)
     assert h == model_hash([b, a], cache)
-    assert h == content_id([[a.name, _blake(b"first")], [b.name, _blake(b"second")]])
+    assert h == content_id({"shards": [_blake(b"first"), _blake(b"second")]})
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    a2 = _write(moved / "renamed-00001-of-00002.gguf", b"first")
+    b2 = _write(moved / "renamed-00002-of-00002.gguf", b"second")
+    assert model_hash([a2, b2], cache) == h, "the same bytes under other names are the same model"
     _write(b, b"SECOND", OLD_NS + 5)
     assert model_hash([a, b], cache) != h
     assert model_hash([a], cache) != h

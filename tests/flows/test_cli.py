@@ -131,3 +131,12 @@ def test_version_prints_build_id(flux) -> None:
     info = json.loads(out.stdout)
     assert len(info["build_id"]) == 16 and info["pin"]["LLAMA_CPP_PYTHON_VERSION"] == "0.3.36"
     assert any(name.startswith("libllama") for name in info["libraries"])
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--kv", "q9_9"], "--kv"), (["--budget-s", "-3"], "--budget-s"), (["--concurrency", "0"], "--concurrency"),
+    (["--ctx", "5"], "--ctx"), (["--workload", "batch"], "--workload"), (["--gpu-mem-budget", "x"], "--gpu-mem-budget"),
+    (["--no-such-flag"], "unrecognized"),
+])
+def test_bad_plan_flags_are_one_line(flux, tiny_moe: Path, flags: list[str], needle: str) -> None:
+    one_line_error(flux("plan", str(tiny_moe), *flags), needle)

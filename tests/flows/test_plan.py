@@ -77,6 +77,20 @@ def test_second_plan_is_reused_quickly(planned: dict[str, object], tiny_moe: Pat
     assert time.monotonic() - t0 < 15
 
 
+def test_a_renamed_model_reuses_its_plan_and_the_new_path_is_remembered(planned: dict[str, object], tiny_moe: Path,
+                                                                         tmp_path: Path) -> None:
+    import shutil
+
+    moved = tmp_path / "elsewhere" / "renamed-twin.gguf"
+    moved.parent.mkdir()
+    shutil.copy(tiny_moe, moved)
+    out = flux(planned["env"], "plan", str(moved), "--budget-s", str(BUDGET), "--ctx", "512")  # type: ignore[arg-type]
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == planned["id"], "the same bytes under another name are the same model"
+    paths = [p.read_text() for p in Path(str(planned["data"])).rglob("model_path/*.json")]
+    assert any(str(moved) in text for text in paths), paths
+
+
 def test_replan_measures_again_with_upstream_from_the_store(planned: dict[str, object], tiny_moe: Path) -> None:
     out = flux(planned["env"], "plan", str(tiny_moe), "--budget-s", str(BUDGET), "--ctx", "512", "--replan")  # type: ignore[arg-type]
     assert out.returncode == 0, out.stderr[-3000:]
