@@ -256,7 +256,7 @@ class Store:
             rel = conn.sql(sql)
             return pa.table({}) if rel is None else rel.to_arrow_table()
         except duckdb.Error as exc:
-            raise StoreError(f"query failed: {exc}") from exc
+            raise StoreError(f"query failed: {' '.join(str(exc).split())}") from exc
         finally:
             conn.close()
 
@@ -328,17 +328,61 @@ class Store:
         return [Entry.model_validate({**r, "meta": json.loads(r["meta"])}) for r in table.to_pylist()]
 
     def _create_views(self, conn: duckdb.DuckDBPyConnection) -> None:
-        """The query() views: one per table kind, and ``objects`` over the index."""
+        """The query() views: one per table kind, ``objects`` over the index, and the named views of
+        :data:`NAMED_VIEWS` (plans, probes, trials with their plan) over the JSON objects they need."""
         root = self.data_dir / "tables"
         for kind in _subdirs(root):
             if kind in RESERVED_TABLE_KINDS or not any(n.endswith(".parquet") for n in _listdir(root / kind)):
                 continue
             glob = _sql_str(root / kind / "*.parquet")
-            conn.execute(f"CREATE VIEW \"{kind}\" AS FROM read_parquet('{glob}', union_by_name=true)")
+            named = ", filename=true" if kind in FILENAME_KINDS else ""  # joined on their file's key
+            conn.execute(f"CREATE VIEW \"{kind}\" AS FROM read_parquet('{glob}', union_by_name=true{named})")
         if self.index_path.is_file():
             conn.execute(f"CREATE VIEW objects AS SELECT * FROM read_parquet('{_sql_str(self.index_path)}')")
         else:
             conn.register("objects", INDEX_SCHEMA.empty_table())
+        for name, (needs, sql) in NAMED_VIEWS.items():
+            if all(self._has_any(kind) for kind in needs):
+                conn.execute(f"CREATE VIEW {name} AS " + sql.format(**{
+                    k: _sql_str(self.data_dir / "objects" / k / "*.json") for k in ("plan", "probe")}))
+
+    def views(self) -> builtins.list[str]:
+        """The names query() can select from now (table kinds with data, the named views, ``objects``)."""
+        conn = duckdb.connect()
+        try:
+            self._create_views(conn)
+            return sorted(r[0] for r in conn.sql("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall())
+        finally:
+            conn.close()
+
+    def _has_any(self, kind: str) -> bool:
+        """Whether a JSON kind has objects, or a table kind has Parquet files."""
+        for sub, ext in (("objects", ".json"), ("tables", ".parquet")):
+            if any(n.endswith(ext) for n in _listdir(self.data_dir / sub / kind)):
+                return True
+        return False
+
+
+# Views a person (or a notebook) queries by name: every plan and probe as a row, and the planner's trials with
+# the plan they chose (a trials table is keyed by the id its plan records: ``plans.trials_table``).
+FILENAME_KINDS = {"trials"}
+NAMED_VIEWS: dict[str, tuple[tuple[str, ...], str]] = {
+    "plans": (("plan",), """
+        SELECT id AS plan_id, created_at, model_name, model_hash, model_path, backend_build, hardware_fingerprint,
+               driver, quality_profile, trials_table, candidate.id AS candidate_id, candidate.family AS family,
+               candidate.params.n_ctx AS ctx, request.kv AS kv, request.workload AS workload,
+               request.gpu_mem_budget_gib AS gpu_mem_budget_gib, measured.prefill_tps AS prefill_tps,
+               measured.decode_tps AS decode_tps, measured.workload_s AS workload_s,
+               validation.mean_kl AS mean_kl, validation.top1_agreement AS top1
+        FROM read_json_auto('{plan}', union_by_name = true)"""),
+    "probes": (("probe",), """
+        SELECT fingerprint, cpu.model AS cpu, cpu.physical_cores AS cores, ram_total, ram_read_gbs,
+               storage_read_gbs, len(gpus) AS gpus, driver, model_hash, backend_build
+        FROM read_json_auto('{probe}', union_by_name = true)"""),
+    "plan_trials": (("plan", "trials"), """
+        SELECT p.plan_id, p.model_name AS model, p.candidate_id = t.candidate_id AS chosen, t.* EXCLUDE (filename)
+        FROM trials t JOIN plans p ON p.trials_table = regexp_extract(t.filename, '([^/]+)\\.parquet$', 1)"""),
+}
 
 
 def _check_kind(kind: str) -> None:

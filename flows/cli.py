@@ -16,7 +16,8 @@ from artifacts.errors import FluxError
 from artifacts.logs import console, setup_logging
 
 Handler = Callable[[argparse.Namespace], int]
-COMMAND_MODULES = ("flows.cmd_models", "flows.cmd_plan", "flows.cmd_serve", "flows.cmd_bench", "flows.cmd_backend")
+COMMAND_MODULES = ("flows.cmd_models", "flows.cmd_plan", "flows.cmd_serve", "flows.cmd_bench", "flows.cmd_backend",
+                   "flows.cmd_sql")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -137,3 +137,17 @@ def test_agent_plans_keep_the_key_they_had_before_workloads(tiny_moe: Path) -> N
     agent = plan_key("m", hw, "b", PlanRequest(model=str(tiny_moe)), {})
     chat = plan_key("m", hw, "b", PlanRequest(model=str(tiny_moe), workload="chat"), {})
     assert "workload" not in agent["flags"] and chat["flags"]["workload"] == "chat"
+
+
+def test_flux_sql_shows_plans_and_their_trials(planned: dict[str, object]) -> None:
+    listing = flux(planned["env"], "sql")  # type: ignore[arg-type]
+    assert listing.returncode == 0, listing.stderr
+    for view in ("plans", "probes", "plan_trials", "trials"):
+        assert view in listing.stdout, view
+    pid = str(planned["id"])
+    got = flux(planned["env"], "sql", f"SELECT count(*) AS n, bool_or(chosen) AS any_chosen FROM plan_trials "  # type: ignore[arg-type]
+               f"WHERE plan_id = '{pid}'")
+    assert got.returncode == 0, got.stderr
+    assert "True" in got.stdout, "the chosen finalist's trials carry its plan"
+    bad = flux(planned["env"], "sql", "SELECT * FROM nowhere")  # type: ignore[arg-type]
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
