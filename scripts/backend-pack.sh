@@ -4,7 +4,7 @@
 #   scripts/backend-pack.sh pack DIR     # the current build (~/.cache/flux/backend/current) -> DIR/backend-<key>.tar.xz.NN
 #   scripts/backend-pack.sh unpack DIR   # DIR/backend-*.tar.xz.NN -> the backend cache; build-backend.sh then hits it
 #
-# A CUDA build takes 5-8 minutes of a lent GPU machine's time: packing it once (gpu-session.sh with
+# A CUDA build takes 5-8 minutes of a lent GPU machine's time: packing it once (gpu-e2e.sh with
 # FLUX_PACK_BACKEND=1) and carrying the pieces back (.carry/backend/) lets the next session skip the build.
 # Pieces are PIECE_MB MiB (default 15). The key (hash of pin, patches and cmake flags) is in the name, so
 # a build for other flags or another pin is never unpacked into the wrong place.

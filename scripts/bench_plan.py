@@ -67,7 +67,8 @@ def bench_model(preset: str, budget_s: float, rounds: int, grid_rounds: int, out
     ctx = stages.context(plan.request, settings)
     hw = HardwareReport.model_validate(store.get_json("probe", stages.content_id(stages.probe_key(ctx.facts, ctx.model_hash, ctx.backend_build))))
     space = PlacementSpace.model_validate(store.get_json("space", stages.content_id(stages._space_key(ctx, hw))))
-    lengths, n_gen = workload.prompt_lengths(hw, ctx.info, space.n_ctx, plan.request)
+    lengths, n_gen = ((plan.workload_lengths, plan.workload_n_gen) if plan.workload_lengths
+                      else workload.nominal_lengths(space.n_ctx, plan.request))
     prompts = workload.tune_prompts(model, lengths, 0, out_dir / "worker.log")
     t1 = time.monotonic()
     grid = race(space.candidates, model, prompts, n_gen, grid_rounds, out_dir / "worker.log")
