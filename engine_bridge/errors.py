@@ -37,3 +37,12 @@ class ProtocolMismatch(EngineError):
 
     def __init__(self, ours: int, theirs: object) -> None:
         super().__init__("protocol_mismatch", f"worker protocol {theirs!r}, server expects {ours}: reinstall Flux")
+
+
+class GrammarError(EngineError):
+    """A JSON schema (or grammar) that cannot be turned into a decoding constraint; ``where`` names it."""
+
+    def __init__(self, where: str, reason: str) -> None:
+        self.where = where
+        self.reason = reason
+        super().__init__("bad_grammar", f"{where}: {reason}")
