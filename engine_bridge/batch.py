@@ -27,11 +27,11 @@ from pydantic import ValidationError
 
 from engine_bridge.context import SeqBatch, load_model_and_context
 from engine_bridge.errors import EngineError
+from engine_bridge.grammar import GrammarSampler
 from engine_bridge.params import EngineParams
 from engine_bridge.parking import ParkingLot, capture, common_prefix, restore
 from engine_bridge.sampling import (
     GenerateArgs,
-    GrammarSampler,
     Vocab,
     build_chain,
     log_softmax,

@@ -16,13 +16,10 @@ import llama_cpp
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine_bridge.errors import EngineError, GrammarError
+from engine_bridge.errors import EngineError
 from engine_bridge.gbnf import GrammarSpec
 
 MAX_TOP_LOGPROBS = 20
-_SPACE_BYTES = b" \t\r\n"
-MAX_TRIGGER_REDRAWS = 16  # tokens that run past a trigger word, skipped before one is taken anyway
-_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data
 
 
 class GenerateArgs(BaseModel):
@@ -156,122 +153,3 @@ def token_logprobs(vocab: Vocab, logprobs: np.ndarray, token: int, k: int) -> tu
     top = [{"token": int(t), "text": vocab.piece(int(t)).decode("utf-8", errors="replace"),
             "bytes": list(vocab.piece(int(t))), "logprob": float(logprobs[t])} for t in top_ids(logprobs, k)]
     return float(logprobs[token]), top
-
-
-class GrammarSampler:
-    """A request's grammar constraint, sampled the way llama.cpp's common sampler does.
-
-    The request's chain samples from the raw logits first; only when the grammar rejects that token are
-    the logits constrained by the grammar and sampled again (applying a grammar to every token of a large
-    vocabulary costs milliseconds per step; checking one token costs microseconds).
-
-    A grammar with a trigger is lazy: the reply is free until it writes one of the trigger's words (at
-    its start only, with ``at_start``); the text after the word must then follow the grammar. A token
-    that would complete the word and run on past it is not taken (the chain draws again without it), so
-    the grammar always starts at a token boundary, right after the word, and never sees text it did not
-    allow (llama.cpp's own lazy grammars abort the process on such text).
-    """
-
-    def __init__(self, vocab: Vocab, spec: GrammarSpec) -> None:
-        """Compile ``spec`` for ``vocab``.
-
-        Raises:
-            GrammarError: llama.cpp refused the grammar (its reason is in the worker log).
-        """
-        self.vocab = vocab
-        self.ptr = llama_cpp.llama_sampler_init_grammar(vocab.ptr, spec.gbnf.encode(), spec.root.encode())
-        if not self.ptr:
-            raise GrammarError("grammar", "llama.cpp could not parse the grammar (see the worker log)")
-        self.trigger = spec.trigger
-        self.awaiting = spec.trigger is not None
-        self._words = [w.encode() for w in spec.trigger.words] if spec.trigger else []
-        self._seen = b""  # text generated while awaiting: all of it for at_start, else a tail
-        self._cand = np.zeros(vocab.n_vocab, dtype=_TOKEN_DATA)
-        self._one = np.zeros(1, dtype=_TOKEN_DATA)
-
-    @staticmethod
-    def _array(buf: np.ndarray) -> Any:
-        arr: Any = llama_cpp.llama_token_data_array()  # its stub types the pointer field as an array
-        arr.data = buf.ctypes.data_as(llama_cpp.llama_token_data_p)
-        arr.size, arr.selected, arr.sorted = len(buf), -1, False
-        return arr
-
-    def _draw(self, chain: Any, logits: np.ndarray, constrained: bool, banned: list[int]) -> int:
-        cand = self._cand
-        cand["id"] = np.arange(len(cand), dtype=np.int32)
-        cand["logit"], cand["p"] = logits, 0.0
-        if banned:
-            cand["logit"][banned] = -np.inf
-        arr = self._array(cand)
-        if constrained:
-            llama_cpp.llama_sampler_apply(self.ptr, ctypes.byref(arr))
-        llama_cpp.llama_sampler_apply(chain, ctypes.byref(arr))
-        if arr.selected < 0:
-            raise EngineError("sampling_failed", "the sampler chain selected no token")
-        return int(cand["id"][arr.selected])
-
-    def allows(self, token: int) -> bool:
-        """True when the (triggered or eager) grammar accepts ``token`` next."""
-        self._one["id"], self._one["logit"], self._one["p"] = token, 0.0, 0.0
-        arr = self._array(self._one)
-        llama_cpp.llama_sampler_apply(self.ptr, ctypes.byref(arr))
-        return bool(np.isfinite(self._one["logit"][0]))
-
-    def _overrun(self, piece: bytes) -> int | None:
-        """Bytes of ``piece`` past a trigger word it completes; None when it completes none."""
-        text = self._seen + piece
-        ends: list[int] = []
-        if self.trigger is not None and self.trigger.at_start:
-            body = text.lstrip(_SPACE_BYTES)
-            lead = len(text) - len(body)
-            ends = [lead + len(w) for w in self._words if body.startswith(w)]
-        else:
-            ends = [i + len(w) for w in self._words if (i := text.find(w)) >= 0]
-        ends = [e for e in ends if e > len(self._seen)]
-        return len(text) - min(ends) if ends else None
-
-    def _remember(self, piece: bytes) -> None:
-        """Keep what a trigger word can still start in; forget start-only words the reply can no longer begin with."""
-        self._seen += piece
-        if self.trigger is not None and self.trigger.at_start:
-            body = self._seen.lstrip(_SPACE_BYTES)
-            if body and not any(w.startswith(body) for w in self._words):
-                self._words, self._seen = [], b""
-        elif self._words:
-            keep = max(len(w) for w in self._words) - 1  # a word can start in the last keep bytes, no earlier
-            self._seen = self._seen[len(self._seen) - keep:] if keep else b""
-
-    def _sample_awaiting(self, chain: Any, logits: np.ndarray) -> int:
-        """The chain's choice, never a token that runs past a trigger word; the grammar starts after one."""
-        banned: list[int] = []
-        while True:
-            tok = self._draw(chain, logits, False, banned)
-            over = None if self.vocab.is_eog(tok) else self._overrun(self.vocab.piece(tok))
-            if over is None or over == 0 or len(banned) >= MAX_TRIGGER_REDRAWS:
-                break
-            banned.append(tok)
-        if over == 0:
-            self.awaiting = False
-        else:
-            self._remember(self.vocab.piece(tok))
-        return tok
-
-    def sample(self, chain: Any, ctx: Any, idx: int) -> int:
-        """The next token from batch output ``idx``; both the chain and the grammar accept it."""
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, idx), shape=(self.vocab.n_vocab,))
-        if self.awaiting:
-            tok = self._sample_awaiting(chain, logits)
-        else:
-            tok = self._draw(chain, logits, False, [])
-            if not self.allows(tok):
-                tok = self._draw(chain, logits, True, [])
-            if not self.vocab.is_eog(tok):  # llama.cpp's grammar aborts on an end token it did not allow
-                llama_cpp.llama_sampler_accept(self.ptr, tok)
-        llama_cpp.llama_sampler_accept(chain, tok)
-        return tok
-
-    def close(self) -> None:
-        """Free the llama.cpp sampler."""
-        if self.ptr:
-            llama_cpp.llama_sampler_free(self.ptr)
-            self.ptr = None

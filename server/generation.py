@@ -5,7 +5,9 @@ client does), a plain response awaits the task. The task owns an admission slot 
 when the worker has answered the generation's end, so the sequence is free in the worker by then.
 Stop sequences are matched on the text here; on a match the worker is told to cancel and its remaining
 output is dropped. A client that disconnects cancels the same way. A worker failure ends the request
-with an error event (streamed) or an error response (plain).
+with an error event (streamed) or an error response (plain). With tools, the text after stop matching
+goes through the format's call parser: content streams as it comes, each tool call once it is whole,
+and a reply with calls ends with ``finish_reason: "tool_calls"``.
 """
 
 from __future__ import annotations
@@ -14,18 +16,22 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine_bridge.errors import EngineError
+from engine_bridge.gbnf import GrammarSpec
 from server.engine import Admission, Engine
 from server.errors import ApiError, error_event
-from server.formats import Builder, TokenEvent, usage_body
+from server.formats import Builder, TokenEvent, ToolCallBody, usage_body
 from server.journal import Entry, Journal
 from server.stats import Outcome
 from server.stops import StopMatcher
+from server.tools.formats import ToolFormat
+from server.tools.parse import CallParser, Piece
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +50,8 @@ class GenSpec:
     include_usage: bool
     echo: str = ""
     stream: bool = False
+    grammar: GrammarSpec | None = None
+    tool_format: ToolFormat | None = None  # parse tool calls in this format
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,7 @@ class _Acc:
     text: list[str] = field(default_factory=list)
     tokens: list[TokenEvent] = field(default_factory=list)
     pending: list[TokenEvent] = field(default_factory=list)
+    calls: list[ToolCallBody] = field(default_factory=list)
     n_tokens: int = 0
 
 
@@ -81,6 +90,7 @@ class Generation:
         self.error: EngineError | ApiError | None = None
         self._acc = _Acc()
         self._matcher = StopMatcher(spec.stops)
+        self._parser: CallParser | None = spec.tool_format.parser() if spec.tool_format is not None else None
         self._cancel_requested = False
         self._cancel_sent = False
         self._started = time.monotonic()
@@ -111,7 +121,7 @@ class Generation:
     def response(self) -> dict[str, Any]:
         """The whole response (after :meth:`wait`)."""
         return self.builder.response("".join(self._acc.text), self._acc.tokens, self.finish_reason or "stop",
-                                     self.usage)
+                                     self.usage, self._acc.calls or None)
 
     # -- the task -----------------------------------------------------------------------------------------
     def _emit(self, chunk: dict[str, Any] | None) -> None:
@@ -131,13 +141,13 @@ class Generation:
             self._emit(self.builder.first())
             if self.spec.echo:
                 self.builder.echo_chars = len(self.spec.echo)
-                self._text(self.spec.echo, [])
+                self._text(self.spec.echo)
             result = await self._pump()
             # bytes of an incomplete UTF-8 character held by the worker's decoder come with the result
-            self._text(self._matcher.feed(str(result.get("text_tail") or "")) + self._matcher.flush(),
-                       self._acc.pending)
+            self._text(self._matcher.feed(str(result.get("text_tail") or "")) + self._matcher.flush())
+            self._end_text()
             reason = "stop" if self._matcher.stopped else str(result.get("finish_reason", "stop"))
-            self.finish_reason = reason
+            self.finish_reason = "tool_calls" if self._acc.calls and reason == "stop" else reason
             outcome = "cancelled" if self.finish_reason == "cancelled" else "completed"
             self.usage = usage_body(int(result.get("prompt_tokens", len(self.spec.prompt))), self._acc.n_tokens,
                                     int(result.get("cached_tokens", 0)))
@@ -159,8 +169,11 @@ class Generation:
 
     def _args(self) -> dict[str, Any]:
         s = self.spec
-        return {"rid": s.rid, "prompt": s.prompt, "max_tokens": s.max_tokens, **s.sampling,
+        args = {"rid": s.rid, "prompt": s.prompt, "max_tokens": s.max_tokens, **s.sampling,
                 "logprobs": s.logprobs, "top_logprobs": s.top_logprobs}
+        if s.grammar is not None:
+            args["grammar"] = s.grammar.model_dump()
+        return args
 
     async def _pump(self) -> dict[str, Any]:
         """Consume the worker's events until its result; returns the result."""
@@ -187,12 +200,32 @@ class Generation:
             self._acc.pending.append(ev)
         out = self._matcher.feed(str(ev.get("text", "")))
         if out or (self._matcher.stopped and self._acc.pending):
-            self._text(out, self._acc.pending)
+            self._text(out)
 
-    def _text(self, text: str, tokens: list[TokenEvent]) -> None:
-        if not text and not tokens:
+    def _text(self, text: str) -> None:
+        """Reply text after stop matching: content, or through the tool-call parser."""
+        if self._parser is None:
+            if text or self._acc.pending:
+                self._piece(Piece("content", text))
             return
-        self._acc.text.append(text)
+        for piece in self._parser.feed(text):
+            self._piece(piece)
+
+    def _end_text(self) -> None:
+        """What the parser still holds, and logprobs of tokens no piece carried yet."""
+        for piece in self._parser.finish() if self._parser is not None else []:
+            self._piece(piece)
+        if self._acc.pending:
+            self._piece(Piece("content", ""))
+
+    def _piece(self, piece: Piece) -> None:
+        tokens, self._acc.pending = self._acc.pending, []
         self._acc.tokens.extend(tokens)
-        self._emit(self.builder.piece(text, list(tokens)))
-        self._acc.pending = []
+        if piece.call is None:
+            self._acc.text.append(piece.text)
+            self._emit(self.builder.piece(piece.text, tokens))
+            return
+        call: ToolCallBody = {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+                              "function": {"name": piece.call.name, "arguments": piece.call.arguments}}
+        self._acc.calls.append(call)
+        self._emit(self.builder.tool_call(len(self._acc.calls) - 1, call, tokens))

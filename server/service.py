@@ -29,6 +29,8 @@ from server.generation import GenContext, Generation, GenSpec
 from server.journal import Journal, RequestIdInUse
 from server.schemas import ChatRequest, CompletionRequest, Sampling, parse_body
 from server.stats import Counters, memory_by_use
+from server.tools.formats import detect_format
+from server.tools.plan import ReplyPlan, ReplyPlanner
 from tasks.models import Plan
 
 log = logging.getLogger(__name__)
@@ -91,8 +93,9 @@ class FluxService:
         self.counters = Counters()
         self.host_reserve_percent = settings.host_reserve_percent
         self.template = TemplateInfo(Path(plan.model_path))
-        self.chat_template = ChatTemplate(self.template.source, self.template.bos_text or "",
-                                          self.template.eos_text or "")
+        self.tool_format = detect_format(self.template.source)
+        self._set_template(ChatTemplate(self.template.source, self.template.bos_text or "",
+                                        self.template.eos_text or ""))
         self.engine = Engine(load_spec(settings, plan))
         self.admission = Admission(plan.request.concurrency, serve.queue_max, serve.queue_wait_s)
         self.started = time.time()
@@ -106,8 +109,13 @@ class FluxService:
         if self.template.bos_text is None or self.template.eos_text is None:  # vocabulary too long for the header
             bos = await self._token_text(info.raw.get("bos", self.template.bos_id))
             eos = await self._token_text(info.raw.get("eos", self.template.eos_id))
-            self.chat_template = ChatTemplate(self.template.source, bos, eos)
+            self._set_template(ChatTemplate(self.template.source, bos, eos))
+        log.info("chat template: %s tool calls; %s", self.tool_format.name, self.chat_template.caps)
         return info
+
+    def _set_template(self, template: ChatTemplate) -> None:
+        self.chat_template = template
+        self.planner = ReplyPlanner(self.tool_format, template.caps)
 
     async def _token_text(self, tid: object) -> str:
         if not isinstance(tid, int) or tid < 0:
@@ -197,11 +205,12 @@ class FluxService:
         with self._counting():
             req = parse_body(body, ChatRequest)
             self.check_model(req.model)
-            prompt = self.chat_template.render([m.for_template() for m in req.messages])
-            tokens = await self._tokens(prompt)
+            reply = self.planner.plan(req)
+            messages, tools = self.planner.messages([m.for_template() for m in req.messages], reply.tools)
+            tokens = await self._tokens(self.chat_template.render(messages, tools))
             top = req.top_logprobs or 0
             return await self._submit(rid, "chat", req, tokens, req.reply_limit(), bool(req.logprobs) or top > 0,
-                                      top)
+                                      top, reply=reply)
 
     async def text(self, rid: str, body: bytes) -> Generation:
         """Parse, admit and start a text completion (raises as :meth:`chat`)."""
@@ -233,7 +242,7 @@ class FluxService:
         return tokens, text if req.echo else ""
 
     async def _submit(self, rid: str, kind: Kind, req: Sampling, prompt: list[int], requested: int | None,
-                      logprobs: bool, top_logprobs: int, echo: str = "") -> Generation:
+                      logprobs: bool, top_logprobs: int, echo: str = "", reply: ReplyPlan | None = None) -> Generation:
         try:
             max_tokens = reply_tokens(len(prompt), requested, self.n_ctx, self.min_reply)
         except ContextLengthExceeded as exc:
@@ -248,7 +257,8 @@ class FluxService:
             raise Conflict(str(exc), code="request_id_in_use", param="x-request-id") from exc
         spec = GenSpec(rid=rid, prompt=prompt, max_tokens=max_tokens, sampling=self._sampling(req), stops=req.stops(),
                        logprobs=logprobs, top_logprobs=top_logprobs, include_usage=req.include_usage() or not req.stream,
-                       echo=echo, stream=bool(req.stream))
+                       echo=echo, stream=bool(req.stream), grammar=reply.grammar if reply else None,
+                       tool_format=self.tool_format if reply and reply.parse_tools else None)
         builder = BUILDERS[kind](rid, self.model_id, self.fingerprint, logprobs, top_logprobs)
         serve = self.settings.serve
         ctx = GenContext(engine=self.engine, admission=self.admission, journal=self.journal, wait_s=serve.queue_wait_s,
