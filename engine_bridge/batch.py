@@ -93,6 +93,7 @@ class ServeEngine:
         self.load_ms = (time.perf_counter() - t0) * 1e3
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         self.vocab = Vocab(llama_cpp.llama_model_get_vocab(self.model))
+        self.max_token_bytes = self.vocab.longest_token_bytes()
         self.n_ctx, self.n_seq_max, self.n_batch = params.n_ctx, params.n_seq_max, params.n_batch
         self.slots = [_Slot(seq=i) for i in range(self.n_seq_max)]
         self.lot = ParkingLot(park_bytes)
@@ -109,7 +110,8 @@ class ServeEngine:
                 "n_ctx_seq_cells": int(llama_cpp.llama_n_ctx_seq(self.ctx)), "load_ms": self.load_ms,
                 "model_bytes": int(llama_cpp.llama_model_size(self.model)), "park_bytes": self.lot.limit,
                 "bos": int(llama_cpp.llama_vocab_bos(v)), "eos": int(llama_cpp.llama_vocab_eos(v)),
-                "eot": int(llama_cpp.llama_vocab_eot(v)), "add_bos": bool(llama_cpp.llama_vocab_get_add_bos(v))}
+                "eot": int(llama_cpp.llama_vocab_eot(v)), "add_bos": bool(llama_cpp.llama_vocab_get_add_bos(v)),
+                "max_token_bytes": self.max_token_bytes}
 
     # -- admission ------------------------------------------------------------------------------------
     def submit(self, key: int, raw: dict[str, Any]) -> None:

@@ -111,6 +111,16 @@ class Vocab:
             got = self._pieces[token] = buf.raw[:max(n, 0)]
         return got
 
+    def longest_token_bytes(self) -> int:
+        """Bytes of the longest token text, control tokens written out (a prompt of more bytes than n_ctx
+        times this cannot fit n_ctx tokens)."""
+        buf = ctypes.create_string_buffer(512)
+        longest = 0
+        for t in range(self.n_vocab):
+            n = llama_cpp.llama_token_to_piece(self.ptr, t, buf, len(buf), 0, True)
+            longest = max(longest, abs(n))  # negative: the size it needs (longer than the buffer)
+        return longest
+
     def tokenize(self, text: str, special: bool = True, add_special: bool = False) -> list[int]:
         """Token ids of ``text``; ``special`` parses control tokens, ``add_special`` adds BOS if the model does."""
         raw = text.encode("utf-8")

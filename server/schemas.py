@@ -315,10 +315,14 @@ def parse_body(raw: bytes, model: type[M]) -> M:
         raise InvalidRequest(f"the request body is not valid UTF-8 (byte {exc.start})", code="invalid_json") from exc
     try:
         value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        detail = f"{exc.msg} at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) \
-            else "nested too deeply"
-        raise InvalidRequest(f"the request body is not valid JSON: {detail}", code="invalid_json") from exc
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column "
+                             f"{exc.colno}", code="invalid_json") from exc
+    except RecursionError as exc:
+        raise InvalidRequest("the request body is not valid JSON: nested too deeply", code="invalid_json") from exc
+    except ValueError as exc:  # a number Python will not convert (an integer of more than 4,300 digits)
+        raise InvalidRequest(f"the request body holds a number that cannot be read: {exc}",
+                             code="invalid_json") from exc
     if not isinstance(value, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {type(value).__name__}",
                              code="invalid_json")
