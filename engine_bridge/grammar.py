@@ -36,20 +36,39 @@ MAX_TRIGGER_REDRAWS = 16  # tokens that run past a trigger word, skipped before 
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data
 
 
+_CONT = (0x80, 0xBF)
+# RFC 3629: the ranges each byte after a lead byte must fall in (CPython's incremental decoder checks only
+# 0x80-0xBF for an unfinished character, so it lets a surrogate's or an over-long form's first bytes by)
+_AFTER_LEAD: dict[int, tuple[tuple[int, int], ...]] = {
+    **{b: (_CONT,) for b in range(0xC2, 0xE0)},
+    0xE0: ((0xA0, 0xBF), _CONT), **{b: (_CONT, _CONT) for b in range(0xE1, 0xED)}, 0xED: ((0x80, 0x9F), _CONT),
+    0xEE: (_CONT, _CONT), 0xEF: (_CONT, _CONT),
+    0xF0: ((0x90, 0xBF), _CONT, _CONT), **{b: (_CONT, _CONT, _CONT) for b in range(0xF1, 0xF4)},
+    0xF4: ((0x80, 0x8F), _CONT, _CONT),
+}
+
+
+def _completable(tail: bytes) -> bool:
+    """True when ``tail`` (the bytes of an unfinished character) can still become a valid character."""
+    ranges = _AFTER_LEAD.get(tail[0]) if tail else ()
+    return ranges is not None and all(lo <= b <= hi for b, (lo, hi) in zip(tail[1:], ranges, strict=False))
+
+
+def incomplete_tail(data: bytes) -> bytes | None:
+    """The bytes of an unfinished last character of ``data`` (b"" when it ends whole); None when ``data`` is
+    not valid UTF-8 or valid UTF-8 cut inside its last character."""
+    dec = codecs.getincrementaldecoder("utf-8")("strict")
+    try:
+        dec.decode(data, final=False)
+    except UnicodeDecodeError:
+        return None
+    tail = dec.getstate()[0]
+    return tail if not tail or _completable(tail) else None
+
+
 def utf8_prefix_ok(data: bytes) -> bool:
     """True when ``data`` is valid UTF-8, or valid UTF-8 cut inside its last character."""
-    try:
-        codecs.getincrementaldecoder("utf-8")("strict").decode(data, final=False)
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
-def incomplete_tail(data: bytes) -> bytes:
-    """The bytes of an unfinished last character of valid UTF-8 ``data`` (b"" when it ends whole)."""
-    dec = codecs.getincrementaldecoder("utf-8")("strict")
-    dec.decode(data, final=False)
-    return dec.getstate()[0]
+    return incomplete_tail(data) is not None
 
 
 class Utf8Masks:
@@ -178,7 +197,7 @@ class GrammarSampler:
                 tok = self._draw(chain, logits, True, self.utf8.banned_after(self._tail))
             if not self.vocab.is_eog(tok):  # llama.cpp's grammar aborts on an end token it did not allow
                 llama_cpp.llama_sampler_accept(self.ptr, tok)
-                self._tail = incomplete_tail(self._tail + self.vocab.piece(tok))
+                self._tail = incomplete_tail(self._tail + self.vocab.piece(tok)) or b""
         llama_cpp.llama_sampler_accept(chain, tok)
         return tok
 
