@@ -118,7 +118,7 @@ class Generation:
         self.stats: FinishStats | None = None
         self._task: asyncio.Task[None] | None = None
         self._side: set[asyncio.Task[None]] = set()  # cancel calls in flight (a reference keeps them alive)
-        self._readers = 0
+        self._readers = 1  # its own client, until its response ends (see detach)
         self._orphan: asyncio.TimerHandle | None = None
         self._when_done: list[Callable[[], None]] = []
 
@@ -143,6 +143,16 @@ class Generation:
         self._cancel_requested = True
         self._send_cancel()
 
+    @property
+    def orphaned(self) -> bool:
+        """True while running with nobody following it (its client left and no resume reads it)."""
+        return self._readers == 0 and not self.done and self._task is not None
+
+    @property
+    def cancelling(self) -> bool:
+        """True once a cancel was asked for."""
+        return self._cancel_requested
+
     def when_done(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` once the generation has ended (at once if it has)."""
         if self.done and self.stats is not None:
@@ -151,7 +161,7 @@ class Generation:
             self._when_done.append(fn)
 
     def attach(self) -> None:
-        """A client follows the reply (its own request, or a resume)."""
+        """Another client follows the reply (a resume); the request's own client counts from the start."""
         self._readers += 1
         if self._orphan is not None:
             self._orphan.cancel()

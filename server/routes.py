@@ -41,9 +41,11 @@ def _sse_event(index: int, data: str) -> str:
     return f"id: {index}\ndata: {data}\n\n"
 
 
-async def _follow(svc: FluxService, entry: Entry, after: int, gen: Generation | None) -> AsyncIterator[str]:
-    """SSE text of the journal after ``after``; while it is followed, a running generation is not orphaned."""
-    if gen is not None:
+async def _follow(svc: FluxService, entry: Entry, after: int, gen: Generation | None,
+                  own: bool = False) -> AsyncIterator[str]:
+    """SSE text of the journal after ``after``; while it is followed, a running generation is not orphaned
+    (its own client counts from the start; a resuming one from here)."""
+    if gen is not None and not own:
         gen.attach()
     try:
         async for index, data in svc.journal.follow(entry, after):
@@ -59,9 +61,8 @@ async def _reply(request: AnyRequest, gen: Generation) -> Response[Any]:
     request.scope["state"][GEN_KEY] = gen
     headers = {"x-request-id": gen.spec.rid}
     if gen.spec.stream:
-        return Stream(_follow(_svc(request), gen.entry, 0, gen), media_type="text/event-stream",
+        return Stream(_follow(_svc(request), gen.entry, 0, gen, own=True), media_type="text/event-stream",
                       headers={**SSE_HEADERS, **headers})
-    gen.attach()
     try:
         await gen.wait()
     finally:

@@ -236,6 +236,7 @@ class FluxService:
             exc.param = "messages" if kind == "chat" else "prompt"
             raise
         self._check_host_memory()
+        self._preempt_orphan()
         await self.admission.acquire()
         try:
             entry = self.journal.open(rid)
@@ -256,6 +257,18 @@ class FluxService:
         self.running[rid] = gen
         gen.start()
         return gen
+
+    def _preempt_orphan(self) -> None:
+        """With every sequence taken, cancel the oldest reply nobody follows: a live request comes first (an
+        agent that aborted a request and sent the next must not wait for the old reply to run out)."""
+        if self.admission.active < self.admission.slots:
+            return
+        orphans = [g for g in self.running.values() if g.orphaned and not g.cancelling]
+        if orphans:
+            victim = min(orphans, key=lambda g: g.spec.arrived)
+            log.info("request %s: nobody follows it and a new request needs its sequence: cancelled",
+                     victim.spec.rid)
+            victim.cancel()
 
     def _finished(self, gen: Generation) -> None:
         if self.running.get(gen.spec.rid) is gen:

@@ -150,6 +150,24 @@ def test_non_streamed_request_is_journaled_too(slow_server: Server) -> None:
     assert json.loads(events[-2][1])["usage"] == r.json()["usage"]
 
 
+def test_a_new_request_takes_the_sequence_of_a_reply_nobody_follows(slow_server: Server) -> None:
+    for i in range(4):  # every sequence runs a reply whose client left
+        _read_events(slow_server, LONG, f"orphan-{i}", 2)
+    assert slow_server.stats()["active"] == 4
+    t0 = time.monotonic()
+    r = httpx.post(f"{slow_server.base}/v1/chat/completions", json={**LONG, "stream": False, "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200 and time.monotonic() - t0 < 2.5, "served at once, not after a queue wait"
+    reasons = []
+    for i in range(4):
+        status, events = _resume(slow_server, f"orphan-{i}", after=0)
+        reasons.append(json.loads(events[-2][1])["choices"][0]["finish_reason"])
+    assert reasons.count("cancelled") >= 1, reasons
+    for i in range(4):
+        httpx.delete(f"{slow_server.base}/v1/requests/orphan-{i}", timeout=30)
+    _wait_idle(slow_server)
+
+
 def test_a_waiting_requests_id_is_in_use_too(slow_server: Server) -> None:
     with httpx.Client(timeout=60) as c:
         streams = [c.stream("POST", f"{slow_server.base}/v1/chat/completions", json=LONG) for _ in range(4)]
