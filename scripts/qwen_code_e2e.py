@@ -188,6 +188,38 @@ def run_proxy(recorder: Recorder, port: int) -> uvicorn.Server:
     return server
 
 
+def run_qwen(exe: Path, prompt: str, proxy_port: int, model_id: str, out: Path, env: dict[str, str],
+             timeout: float) -> tuple[int | None, str, str]:
+    """Qwen Code headless in a scratch copy of scripts/: (exit code or None on timeout, stdout, stderr)."""
+    work = Path(tempfile.mkdtemp(prefix="qwen-work-"))
+    shutil.copytree(REPO / "scripts", work / "scripts")
+    (out / "qwen-home").mkdir(exist_ok=True)
+    qenv = {**env, "OPENAI_BASE_URL": f"http://127.0.0.1:{proxy_port}/v1", "OPENAI_API_KEY": KEY,
+            "OPENAI_MODEL": model_id, "HOME": str(out / "qwen-home"), "NO_COLOR": "1"}
+    try:
+        q = subprocess.run([str(exe), "--auth-type", "openai", "-p", prompt], env=qenv, cwd=work,
+                           capture_output=True, text=True, timeout=timeout)
+        return q.returncode, q.stdout, q.stderr
+    except subprocess.TimeoutExpired as exc:
+        return None, str(exc.stdout or ""), str(exc.stderr or "")
+
+
+def write_report(out: Path, report: dict[str, Any], exchanges: list[dict[str, Any]], fixture: Path | None) -> None:
+    """report.json, every exchange as JSON lines, the request bodies as a fixture; one line per request."""
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "requests.jsonl").write_text("".join(json.dumps(e) + "\n" for e in exchanges))
+    if fixture:
+        bodies = [{"path": e["path"], "user_agent": e["headers"].get("user-agent"), "body": e["body"]}
+                  for e in exchanges if e["method"] == "POST" and isinstance(e.get("body"), dict)]
+        fixture.write_text("".join(json.dumps(b, ensure_ascii=False) + "\n" for b in bodies))
+    for r in report["requests"]:
+        s, resp = r["shape"], r["response"] or {}
+        print(f"{r['path']} -> {r['status']}: stream={s.get('stream')} max_tokens={s.get('max_tokens')} "
+              f"tools={len(s.get('tools') or [])} messages={[m['role'] for m in s.get('messages') or []]} "
+              f"tool_choice={s.get('tool_choice')} | finish={resp.get('finish_reason')} "
+              f"calls={len(resp.get('tool_calls') or [])} error={(resp.get('error') or {}).get('code')}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="directory for the report, logs and captured requests")
@@ -215,18 +247,9 @@ def main() -> int:
     proxy = run_proxy(recorder, proxy_port)
     model_id = httpx.get(f"http://127.0.0.1:{flux_port}/v1/models", headers={"Authorization": f"Bearer {KEY}"},
                          timeout=30).json()["data"][0]["id"]
-    work = Path(tempfile.mkdtemp(prefix="qwen-work-"))
-    shutil.copytree(REPO / "scripts", work / "scripts")
-    qenv = {**env, "OPENAI_BASE_URL": f"http://127.0.0.1:{proxy_port}/v1", "OPENAI_API_KEY": KEY,
-            "OPENAI_MODEL": model_id, "HOME": str(out / "qwen-home"), "NO_COLOR": "1"}
-    (out / "qwen-home").mkdir(exist_ok=True)
     t1 = time.monotonic()
-    try:
-        q = subprocess.run([str(ensure_qwen(args.qwen_dir)), "--auth-type", "openai", "-p", args.prompt],
-                           env=qenv, cwd=work, capture_output=True, text=True, timeout=args.timeout)
-        rc, stdout, stderr = q.returncode, q.stdout, q.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc, stdout, stderr = None, str(exc.stdout or ""), str(exc.stderr or "")
+    rc, stdout, stderr = run_qwen(ensure_qwen(args.qwen_dir), args.prompt, proxy_port, model_id, out, env,
+                                  args.timeout)
     qwen_s = time.monotonic() - t1
     proxy.should_exit = True
     srv.terminate()
@@ -235,18 +258,7 @@ def main() -> int:
               "qwen_s": round(qwen_s, 1), "qwen_stdout_tail": stdout[-1500:], "qwen_stderr_tail": stderr[-1500:],
               "requests": [{"path": e["path"], "status": e.get("status"), "shape": shape(e.get("body")),
                             "response": e.get("response")} for e in recorder.exchanges]}
-    (out / "report.json").write_text(json.dumps(report, indent=1))
-    (out / "requests.jsonl").write_text("".join(json.dumps(e) + "\n" for e in recorder.exchanges))
-    if args.fixture:
-        bodies = [{"path": e["path"], "body": e["body"]} for e in recorder.exchanges
-                  if e["method"] == "POST" and isinstance(e.get("body"), dict)]
-        args.fixture.write_text("".join(json.dumps(b, ensure_ascii=False) + "\n" for b in bodies))
-    for r in report["requests"]:
-        s, resp = r["shape"], r["response"] or {}
-        print(f"{r['path']} -> {r['status']}: stream={s.get('stream')} max_tokens={s.get('max_tokens')} "
-              f"tools={len(s.get('tools') or [])} messages={[m['role'] for m in s.get('messages') or []]} "
-              f"tool_choice={s.get('tool_choice')} | finish={resp.get('finish_reason')} "
-              f"calls={len(resp.get('tool_calls') or [])} error={(resp.get('error') or {}).get('code')}")
+    write_report(out, report, recorder.exchanges, args.fixture)
     print(f"plan {plan_id[:12]} ({plan_s:.0f} s), Qwen Code exit {rc} after {qwen_s:.0f} s; report: {out / 'report.json'}")
     bad = [r for r in report["requests"] if (r["status"] or 0) >= 400]
     return 1 if bad or rc is None else 0
