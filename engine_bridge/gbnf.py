@@ -99,6 +99,7 @@ class GrammarBuilder:
         self._rules: dict[str, str] = {"space": SPACE}
         self._root_schema: Any = None
         self._refs: dict[str, str] = {}
+        self._open: dict[str, bool] = {}  # $refs being expanded -> whether a '{' or '[' came since
         self._where = ""
 
     def rule(self, name: str, body: str) -> str:
@@ -126,7 +127,7 @@ class GrammarBuilder:
             GrammarError: the schema is not an object/boolean schema, or uses a construct that cannot be
                 enforced (an unresolvable ``$ref``, an ``allOf`` of non-objects, a negative repeat count).
         """
-        self._root_schema, self._refs, self._where = schema, {}, where
+        self._root_schema, self._refs, self._where, self._open = schema, {}, where, {}
         return self._visit(schema, rule_name(name), where, 0)
 
     def build(self, root_body: str, trigger: Trigger | None = None) -> GrammarSpec:
@@ -190,6 +191,9 @@ class GrammarBuilder:
         return self.rule(name, " | ".join(alts))
 
     def _ref(self, ref: str, where: str, depth: int) -> str:
+        if self._open.get(ref) is False:
+            raise GrammarError(where, f"$ref {ref!r} refers to itself with no object or array in between (a "
+                                      "left-recursive grammar)")
         if ref in self._refs:
             return self._refs[ref]
         if ref == "#":
@@ -206,8 +210,18 @@ class GrammarBuilder:
         name = rule_name("ref-" + ref[2:]) if ref != "#" else "ref-root"
         name = self.rule(name, '"null"')  # reserve the name first: a recursive schema refers to itself
         self._refs[ref] = name
-        self._rules[name] = self._visit(target, name + "-def", where, depth + 1)
+        self._open[ref] = False
+        try:
+            self._rules[name] = self._visit(target, name + "-def", where, depth + 1)
+        finally:
+            del self._open[ref]
         return name
+
+    def _consuming(self) -> dict[str, bool]:
+        """Mark every $ref being expanded as past a '{' or '['; returns the marks to restore afterwards."""
+        saved = dict(self._open)
+        self._open.update(dict.fromkeys(self._open, True))
+        return saved
 
     def _merge_all_of(self, schema: Mapping[str, Any], where: str) -> dict[str, Any]:
         parts = schema["allOf"]
@@ -234,6 +248,13 @@ class GrammarBuilder:
         return target
 
     def _object(self, schema: Mapping[str, Any], name: str, where: str, depth: int) -> str:
+        saved = self._consuming()
+        try:
+            return self._object_rule(schema, name, where, depth)
+        finally:
+            self._open.update(saved)
+
+    def _object_rule(self, schema: Mapping[str, Any], name: str, where: str, depth: int) -> str:
         props = schema.get("properties") or {}
         if not isinstance(props, Mapping):
             raise GrammarError(f"{where}.properties", "properties must be an object")
@@ -281,6 +302,13 @@ class GrammarBuilder:
         return f'"{{" space {inner} space "}}"'
 
     def _array(self, schema: Mapping[str, Any], name: str, where: str, depth: int) -> str:
+        saved = self._consuming()
+        try:
+            return self._array_rule(schema, name, where, depth)
+        finally:
+            self._open.update(saved)
+
+    def _array_rule(self, schema: Mapping[str, Any], name: str, where: str, depth: int) -> str:
         prefix = schema.get("prefixItems")
         if isinstance(prefix, list) and prefix:
             parts = [self._visit(s, f"{name}-{i}", f"{where}.prefixItems[{i}]", depth + 1)

@@ -12,8 +12,8 @@ the TinyLlama twin. That was the added TTFT once measured; the worker now tokeni
 and a reply nobody follows gives its sequence to the next request.)
 
 ``--busy N`` measures what a request waits while another reply is decoding (a plan of 2 sequences, one of
-them running a long reply): N short requests, each one's TTFT minus the same prompt's TTFT on the idle
-server, paired.
+them running a long reply): N pairs of distinct prompts, one on the idle server, the other while the long
+reply decodes (alternating), paired.
 
 ``--pairs N`` measures the HTTP path's added time the way a busy machine still allows: one flux serve and
 one separate worker with the same model, each prompt sent to both back to back (in alternating order), N
@@ -169,7 +169,8 @@ async def paired(model: Path, params: EngineParams, prompts: list[str], rounds: 
 
 async def busy(model: Path, params: EngineParams, prompts: list[str], rounds: int, max_tokens: int,
                logs: Path) -> tuple[list[float], list[float]]:
-    """(idle TTFTs, busy TTFTs): each prompt on the idle server, then while another reply decodes."""
+    """(idle TTFTs, busy TTFTs): pairs of prompts, one on the idle server, the other while another reply decodes
+    (two prompts: the second of one would find the first's cached prefix)."""
     st = load_settings()
     two = params.model_copy(update={"n_seq_max": 2})
     srv = FluxServe(st, stored_plan(st, model, two, key_extra={"bench_ttft": "busy"}).id,
@@ -181,14 +182,15 @@ async def busy(model: Path, params: EngineParams, prompts: list[str], rounds: in
         async with httpx.AsyncClient(timeout=120) as c:
             await _http_first(c, srv.base, prompts[-1], max_tokens)
             for r in range(rounds):
-                for t in prompts[:-1]:
+                for t, u in zip(prompts[:-1:2], prompts[1:-1:2], strict=False):
+                    t, u = (t, u) if len(idle) % 2 else (u, t)
                     idle.append(await _http_first(c, srv.base, t, max_tokens))
                     async with c.stream("POST", srv.base + "/v1/completions", json=long_body,
                                         headers={"x-request-id": f"bg-{r}-{len(loaded)}"}) as bg:
                         lines = bg.aiter_lines()
                         while not (await lines.__anext__()).startswith("data: {\"id"):
                             pass
-                        loaded.append(await _http_first(c, srv.base, t, max_tokens))
+                        loaded.append(await _http_first(c, srv.base, u, max_tokens))
                     await c.delete(srv.base + f"/v1/requests/bg-{r}-{len(loaded) - 1}")
     finally:
         srv.stop()
@@ -213,7 +215,7 @@ def main() -> int:
     logs = st.logs_dir
     med = statistics.median
     if args.busy:
-        idle, loaded = asyncio.run(busy(model, params, ps, args.busy, args.max_tokens, logs))
+        idle, loaded = asyncio.run(busy(model, params, texts(2 * args.busy), 1, args.max_tokens, logs))
         waits = sorted(b - i for i, b in zip(idle, loaded, strict=True))
         print(f"TinyLlama twin, {args.threads} threads, 2 sequences, {len(waits)} prompts: TTFT idle "
               f"{med(idle) * 1e3:.1f} ms, while another reply decodes {med(loaded) * 1e3:.1f} ms; "

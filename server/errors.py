@@ -132,7 +132,7 @@ def from_engine(exc: EngineError) -> ApiError:
     if isinstance(exc, WorkerTimeout):
         return EngineFailed(f"{exc.message}; the worker was restarted: send the request again",
                             code="worker_timeout", status=504)
-    if exc.code == "bad_request":
+    if exc.code in ("bad_request", "bad_grammar"):
         return InvalidRequest(f"the engine refused the request: {exc.message}", code="invalid_value")
     if exc.code == "context_overflow":
         return InvalidRequest(exc.message, code="context_length_exceeded", param="messages")

@@ -47,6 +47,8 @@ def test_literals_and_rule_names() -> None:
     ({"allOf": [{"type": "string"}]}, "object schemas only"),
     ({"type": "array", "minItems": 3, "maxItems": 1}, "minItems"),
     (["not", "a", "schema"], "must be an object"),
+    ({"$ref": "#"}, "left-recursive"),
+    ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}}, "$ref": "#/$defs/a"}, "left-recursive"),
 ])
 def test_schemas_that_cannot_be_enforced_are_refused(schema: Any, where: str) -> None:
     with pytest.raises(GrammarError, match=where) as exc:
