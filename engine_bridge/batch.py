@@ -94,6 +94,7 @@ class ServeEngine:
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         self.vocab = Vocab(llama_cpp.llama_model_get_vocab(self.model))
         self.max_token_bytes = self.vocab.longest_token_bytes()
+        GrammarSampler.warm_up(self.vocab)
         self.n_ctx, self.n_seq_max, self.n_batch = params.n_ctx, params.n_seq_max, params.n_batch
         self.slots = [_Slot(seq=i) for i in range(self.n_seq_max)]
         self.lot = ParkingLot(park_bytes)
