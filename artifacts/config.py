@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from artifacts.errors import ConfigError
 
@@ -69,6 +69,13 @@ class ServeSettings(_Section):
     min_reply: int = Field(4096, ge=1)
     queue_max: int = Field(64, ge=0, description="requests waiting for a sequence before 429")
     queue_wait_s: float = Field(30.0, gt=0, description="longest wait for a sequence before 503")
+    header_timeout_s: float = Field(10.0, gt=0, description="a request line and headers must arrive within this")
+    body_timeout_s: float = Field(60.0, gt=0, description="a request body must arrive within this after its headers")
+    keep_alive_s: float = Field(5.0, gt=0, description="an idle keep-alive connection is closed after this")
+    max_connections: int = Field(512, ge=1, description="open connections beyond this are refused (503)")
+    max_body_bytes: int = Field(0, ge=0, description="largest request body; 0: 32 bytes per context token, "
+                                                     "at least 1 MiB")
+    access_log: bool = Field(True, description="one log line per request (logger flux.access)")
     worker_timeouts: WorkerTimeouts = WorkerTimeouts()
 
 
@@ -106,6 +113,7 @@ class Settings(_Section):
     log_filter: str = "info"
     native_log: str = "warn"
     fault_inject: str | None = Field(None, description="FLUX_FAULT_INJECT, e.g. fail-once:validate:/tmp/marker")
+    api_key: SecretStr | None = Field(None, description="FLUX_API_KEY: the key `flux serve` wants (never printed)")
 
     @property
     def logs_dir(self) -> Path:
@@ -196,6 +204,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         log_filter=env.get("FLUX_LOG", "info"),
         native_log=env.get("FLUX_NATIVE_LOG", "warn"),
         fault_inject=env.get("FLUX_FAULT_INJECT") or None,
+        api_key=SecretStr(env["FLUX_API_KEY"]) if "FLUX_API_KEY" in env else None,
     )
 
 
@@ -206,11 +215,13 @@ def default_toml() -> str:
     lines += [f"{k} = {v!r}" for k, v in fs.plan.model_dump().items()]
     lines += ["", "[serve]"]
     serve = fs.serve.model_dump(exclude={"worker_timeouts"})
-    lines += [f"{k} = {_toml_value(v)}" for k, v in serve.items()]
+    lines += [f"{k} = {_toml_value(v)}" if v is not None else f"# {k} = (not set)" for k, v in serve.items()]
     lines += ["", "[serve.worker_timeouts]"]
     lines += [f"{k} = {v!r}" for k, v in fs.serve.worker_timeouts.model_dump().items()]
     return "\n".join(lines) + "\n"
 
 
 def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
     return f'"{v}"' if isinstance(v, str) else repr(v)

@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from engine_bridge.context import SeqBatch, load_model_and_context
 from engine_bridge.errors import EngineError
+from engine_bridge.grammar import GrammarSampler
 from engine_bridge.params import EngineParams
 from engine_bridge.parking import ParkingLot, capture, common_prefix, restore
 from engine_bridge.sampling import (
@@ -66,6 +67,7 @@ class _Request:
     chain: Any
     pending: list[int]  # tokens to feed: the rest of the prompt, then the last sampled token
     cached: int
+    grammar: GrammarSampler | None = None
     decoder: codecs.IncrementalDecoder = field(default_factory=new_text_decoder)
     t0: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
@@ -91,6 +93,8 @@ class ServeEngine:
         self.load_ms = (time.perf_counter() - t0) * 1e3
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         self.vocab = Vocab(llama_cpp.llama_model_get_vocab(self.model))
+        self.max_token_bytes = self.vocab.longest_token_bytes()
+        GrammarSampler.warm_up(self.vocab)
         self.n_ctx, self.n_seq_max, self.n_batch = params.n_ctx, params.n_seq_max, params.n_batch
         self.slots = [_Slot(seq=i) for i in range(self.n_seq_max)]
         self.lot = ParkingLot(park_bytes)
@@ -107,7 +111,8 @@ class ServeEngine:
                 "n_ctx_seq_cells": int(llama_cpp.llama_n_ctx_seq(self.ctx)), "load_ms": self.load_ms,
                 "model_bytes": int(llama_cpp.llama_model_size(self.model)), "park_bytes": self.lot.limit,
                 "bos": int(llama_cpp.llama_vocab_bos(v)), "eos": int(llama_cpp.llama_vocab_eos(v)),
-                "eot": int(llama_cpp.llama_vocab_eot(v)), "add_bos": bool(llama_cpp.llama_vocab_get_add_bos(v))}
+                "eot": int(llama_cpp.llama_vocab_eot(v)), "add_bos": bool(llama_cpp.llama_vocab_get_add_bos(v)),
+                "max_token_bytes": self.max_token_bytes}
 
     # -- admission ------------------------------------------------------------------------------------
     def submit(self, key: int, raw: dict[str, Any]) -> None:
@@ -115,15 +120,17 @@ class ServeEngine:
 
         Raises:
             EngineError: ``bad_request`` (invalid fields or token ids, a running rid), ``context_overflow``
-                (prompt + max_tokens > n_ctx), ``busy`` (every sequence is running a request).
+                (prompt + max_tokens > n_ctx), ``busy`` (every sequence is running a request),
+                ``bad_grammar`` (llama.cpp refused the grammar).
         """
         args = self._validate(raw)
         free = [s for s in self.slots if s.req is None]
         if not free:
             raise EngineError("busy", f"all {self.n_seq_max} sequences are generating: retry when one finishes")
+        grammar = GrammarSampler(self.vocab, args.grammar) if args.grammar is not None else None
         slot, cached = self._place(np.asarray(args.prompt, dtype=np.int32), free)
         slot.req = _Request(key=key, args=args, chain=build_chain(args, self.vocab.n_vocab),
-                            pending=list(args.prompt[cached:]), cached=cached)
+                            pending=list(args.prompt[cached:]), cached=cached, grammar=grammar)
         slot.last_used, slot.conversation = next(self._clock), args.conversation
         self._by_rid[args.rid] = slot
         self.counters["prefix_hits"] += cached > 0
@@ -257,7 +264,10 @@ class ServeEngine:
         if req.args.logprobs:
             ptr = llama_cpp.llama_get_logits_ith(self.ctx, idx)
             lp = log_softmax(np.ctypeslib.as_array(ptr, shape=(self.vocab.n_vocab,)))
-        tok = int(llama_cpp.llama_sampler_sample(req.chain, self.ctx, idx))
+        if req.grammar is not None:
+            tok = req.grammar.sample(req.chain, self.ctx, idx)
+        else:
+            tok = int(llama_cpp.llama_sampler_sample(req.chain, self.ctx, idx))
         if self.vocab.is_eog(tok):
             self._finish(slot, "stop")
             return
@@ -284,6 +294,8 @@ class ServeEngine:
         slot.last_used = next(self._clock)
         self._by_rid.pop(req.args.rid, None)
         llama_cpp.llama_sampler_free(req.chain)
+        if req.grammar is not None:
+            req.grammar.close()
         return req
 
     def _finish(self, slot: _Slot, reason: FinishReason) -> None:

@@ -58,3 +58,12 @@ class RoutingMismatch(EngineError):
         self.got = got
         super().__init__("routing_mismatch", f"the routing trace is for another model: its {what} is {got!r}, "
                          f"this model's is {expected!r}; record a trace of this model (`routing_counts`)")
+
+
+class GrammarError(EngineError):
+    """A JSON schema (or grammar) that cannot be turned into a decoding constraint; ``where`` names it."""
+
+    def __init__(self, where: str, reason: str) -> None:
+        self.where = where
+        self.reason = reason
+        super().__init__("bad_grammar", f"{where}: {reason}")

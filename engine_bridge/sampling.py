@@ -17,6 +17,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine_bridge.errors import EngineError
+from engine_bridge.gbnf import GrammarSpec
 
 MAX_TOP_LOGPROBS = 20
 
@@ -39,6 +40,7 @@ class GenerateArgs(BaseModel):
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     conversation: str | None = Field(None, description="an opaque conversation label (reported, not required)")
     progress: bool = Field(False, description="also stream prefill progress events (type 'prefill')")
+    grammar: GrammarSpec | None = Field(None, description="constrain the reply to this grammar (GBNF)")
 
 
 def build_chain(args: GenerateArgs, n_vocab: int) -> Any:
@@ -108,6 +110,16 @@ class Vocab:
                 n = llama_cpp.llama_token_to_piece(self.ptr, token, buf, len(buf), 0, False)
             got = self._pieces[token] = buf.raw[:max(n, 0)]
         return got
+
+    def longest_token_bytes(self) -> int:
+        """Bytes of the longest token text, control tokens written out (a prompt of more bytes than n_ctx
+        times this cannot fit n_ctx tokens)."""
+        buf = ctypes.create_string_buffer(512)
+        longest = 0
+        for t in range(self.n_vocab):
+            n = llama_cpp.llama_token_to_piece(self.ptr, t, buf, len(buf), 0, True)
+            longest = max(longest, abs(n))  # negative: the size it needs (longer than the buffer)
+        return longest
 
     def tokenize(self, text: str, special: bool = True, add_special: bool = False) -> list[int]:
         """Token ids of ``text``; ``special`` parses control tokens, ``add_special`` adds BOS if the model does."""

@@ -8,7 +8,9 @@ Requests are read by a reader thread into a queue, so the worker keeps accepting
 generates. The main thread drains the queue (cheap ops are answered at once, ``generate`` is admitted
 into the serving engine, :mod:`engine_bridge.batch`), then runs one batched decode step, and blocks on
 the queue only when nothing is generating. Blocking ops (load, timed_run, ...) run on the main thread
-and pause generation while they run.
+and pause generation while they run. ``tokenize`` and ``detokenize`` of a serving engine only read its
+vocabulary: the reader thread answers them itself, while the main thread decodes, so a new request's
+prompt is not tokenized one decode step late.
 """
 
 # ruff: noqa: I001  (llama_cpp is imported first on purpose: see below)
@@ -52,6 +54,7 @@ class Worker:
         self.model: Any = None
         self.engine: Any = None
         self._lock = threading.Lock()
+        self.engine_lock = threading.Lock()  # held while the serving engine is made or freed
 
     def send(self, msg: dict[str, Any]) -> None:
         """Write one protocol line (serialized: the reader thread reports bad lines itself)."""
@@ -78,9 +81,23 @@ class Worker:
             self.model.close()
             self.model = None
         if self.engine is not None:
-            self.engine.cancel_all()
-            self.engine.close()
-            self.engine = None
+            with self.engine_lock:
+                self.engine.cancel_all()
+                self.engine.close()
+                self.engine = None
+
+    def answer_now(self, msg: dict[str, Any]) -> bool:
+        """Answer a vocabulary op on the calling (reader) thread; False when it must wait in the queue (no
+        serving engine, or one being made or freed)."""
+        if not self.engine_lock.acquire(blocking=False):
+            return False
+        try:
+            if self.engine is None:
+                return False
+            handle(self, msg)
+            return True
+        finally:
+            self.engine_lock.release()
 
     def need_engine(self) -> Any:
         """The serving engine, or a typed error."""
@@ -142,8 +159,9 @@ def op_serve_load(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
 
     w.unload()
     params = EngineParams.model_validate(args["params"])
-    w.engine = ServeEngine(Path(args["model"]), params, int(args.get("park_bytes", 0)), w)
-    return w.engine.info()
+    with w.engine_lock:
+        w.engine = ServeEngine(Path(args["model"]), params, int(args.get("park_bytes", 0)), w)
+    return dict(w.engine.info())
 
 
 def op_generate(w: Worker, key: int, args: dict[str, Any]) -> None:
@@ -213,6 +231,7 @@ OPS: dict[str, Op] = {"hello": op_hello, "devices": op_devices, "load": op_load,
                       "serve_load": op_serve_load, "cancel": op_cancel, "serve_stats": op_serve_stats,
                       "routing_counts": op_routing_counts}
 STREAM_OPS: dict[str, StreamOp] = {"generate": op_generate}
+READER_OPS = frozenset({"tokenize", "detokenize"})  # answered by the reader thread while serving
 
 
 def handle(w: Worker, msg: dict[str, Any]) -> bool:
@@ -261,9 +280,13 @@ def _read(fd: int, inbox: queue.Queue[Any], w: Worker) -> None:
         if not line.strip():
             continue
         try:
-            inbox.put(decode(line))
+            msg = decode(line)
         except ValueError as exc:
             w.send({"id": -1, "ok": False, "error": {"code": "bad_request", "message": str(exc)}})
+            continue
+        if msg.get("op") in READER_OPS and w.answer_now(msg):
+            continue
+        inbox.put(msg)
     inbox.put(_EOF)
 
 

@@ -6,11 +6,14 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from litestar import Litestar
+from litestar.datastructures import State
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from artifacts.config import Settings
+from server import access
 from server.errors import EXCEPTION_HANDLERS
 from server.routes import routers
 from server.service import FluxService
@@ -18,7 +21,7 @@ from tasks.models import Plan
 
 log = logging.getLogger(__name__)
 
-MIN_BODY_BYTES = 16 * 2**20
+MIN_BODY_BYTES = 2**20
 BODY_BYTES_PER_CTX_TOKEN = 32  # a whole context of text with JSON escaping fits
 
 
@@ -30,9 +33,9 @@ def client_write_timeout(timeout_s: float) -> Callable[[ASGIApp], ASGIApp]:
     """ASGI middleware: a response write that waits on its client longer than ``timeout_s`` ends the response.
 
     A client that stops reading a stream makes the server's writes wait once the socket's buffers are
-    full. After ``timeout_s`` the response is abandoned, which closes the connection; the stream's own
-    generation is then cancelled as for a client that disconnected, so its sequence is free for others,
-    and the request's journal keeps what was generated for a resuming reader.
+    full. After ``timeout_s`` the response is abandoned, which closes the connection; as for any client
+    that goes away, the generation runs on into the journal for a resuming reader (and is cancelled if
+    nobody follows it for the journal's TTL).
     """
 
     def wrap(app: ASGIApp) -> ASGIApp:
@@ -64,20 +67,28 @@ def client_write_timeout(timeout_s: float) -> Callable[[ASGIApp], ASGIApp]:
     return wrap
 
 
-def create_app(settings: Settings, plan: Plan, api_key: str | None = None) -> Litestar:
+def max_body_bytes(settings: Settings, plan: Plan) -> int:
+    """The largest request body: ``serve.max_body_bytes``, or enough for a whole context of text."""
+    if settings.serve.max_body_bytes:
+        return settings.serve.max_body_bytes
+    return max(MIN_BODY_BYTES, plan.candidate.params.n_ctx * BODY_BYTES_PER_CTX_TOKEN)
+
+
+def create_app(settings: Settings, plan: Plan, api_key: str | None = None, model_path: Path | None = None) -> Litestar:
     """The OpenAI-compatible app for ``plan``; the worker starts when the app starts.
 
     Args:
         settings: the process's settings (serve.*, timeouts, logs_dir).
         plan: a plan already checked against this machine.
-        api_key: when set, /v1 and /flux want ``Authorization: Bearer <api_key>``.
+        api_key: when set, /v1, /flux and /metrics want ``Authorization: Bearer <api_key>``.
+        model_path: the plan's model at another path (already checked to hold the same bytes).
     """
-    service = FluxService(settings, plan)
+    service = FluxService(settings, plan, model_path)
+    access.configure(settings.serve.access_log)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         info = await service.start()
-        app.state.flux = service
         log.info("serving plan %s (%s): n_ctx %d, %d sequences", plan.id[:12], plan.model_name, info.n_ctx,
                  info.n_seq_max)
         try:
@@ -85,7 +96,7 @@ def create_app(settings: Settings, plan: Plan, api_key: str | None = None) -> Li
         finally:
             await service.close()
 
-    max_body = max(MIN_BODY_BYTES, (plan.candidate.params.n_ctx * BODY_BYTES_PER_CTX_TOKEN))
     return Litestar(route_handlers=routers(api_key), lifespan=[lifespan], exception_handlers=EXCEPTION_HANDLERS,
-                    request_max_body_size=max_body, openapi_config=None,
-                    middleware=[client_write_timeout(settings.serve.client_write_timeout_s)])
+                    request_max_body_size=max_body_bytes(settings, plan), openapi_config=None,
+                    state=State({"flux": service}),
+                    middleware=[access.access_log, client_write_timeout(settings.serve.client_write_timeout_s)])

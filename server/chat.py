@@ -5,6 +5,12 @@ sandboxed environment with ``trim_blocks``/``lstrip_blocks``, loop controls, ``r
 ``strftime_now``, a ``tojson`` that keeps non-ASCII text, ``bos_token``/``eos_token`` and
 ``add_generation_prompt=True``. The rendered text already holds the template's special tokens, so it is
 tokenized with special tokens parsed and no BOS added.
+
+Tools reach the template as ``tools`` (OpenAI's list). What a template can do is probed once, as
+llama-server's ``common_chat_templates`` caps do, by rendering small conversations
+(:class:`TemplateCaps`); the messages are then adjusted the way llama-server adjusts them: ``developer``
+becomes ``system``, a system turn a template drops is merged into the next message, and a tool call's
+``arguments`` string becomes an object when the template writes objects as JSON.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -71,19 +78,24 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self._template = env.from_string(source)
+        self.caps = TemplateCaps.probe(self)
 
-    def render(self, messages: Sequence[dict[str, Any]]) -> str:
-        """The prompt text for ``messages``, ending where the assistant's reply starts.
+    def raw(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """The template's text for ``messages`` as given (jinja2 errors propagate)."""
+        return self._template.render(
+            messages=list(messages), bos_token=self.bos_token, eos_token=self.eos_token, add_generation_prompt=True,
+            raise_exception=_raise, strftime_now=lambda f: datetime.now().strftime(f), tools=tools or None,
+            functions=None)
+
+    def render(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """The prompt text for ``messages`` (and ``tools``), ending where the assistant's reply starts.
 
         Raises:
             InvalidRequest: the template refuses the conversation (e.g. roles that do not alternate) or
                 cannot render it.
         """
         try:
-            return self._template.render(
-                messages=[_content_or_empty(m) for m in messages], bos_token=self.bos_token, eos_token=self.eos_token,
-                add_generation_prompt=True, raise_exception=_raise,
-                strftime_now=lambda f: datetime.now().strftime(f), tools=None, functions=None)
+            return self.raw(self.caps.adjust(messages), tools)
         except TemplateRefused as exc:
             raise InvalidRequest(f"the model's chat template refused these messages: {exc}",
                                  param="messages", code="invalid_messages") from exc
@@ -120,8 +132,78 @@ class TemplateInfo:
         self.eos_text = _token_text(md, "tokenizer.ggml.eos_token_id")
 
 
-def _content_or_empty(message: dict[str, Any]) -> dict[str, Any]:
-    """An assistant turn with tool calls may carry ``content: null``; templates concatenate it (as llama-server)."""
-    if message.get("content") is None:
-        return {**message, "content": ""}
-    return message
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "flux_probe_tool", "description": "Tool description",
+    "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}, "required": ["arg"]}}}
+_MARK = "flux-probe-7f3a"
+
+
+def _probe_call(i: int, arguments: Any) -> dict[str, Any]:
+    return {"id": f"call0000{i}", "type": "function", "function": {"name": f"flux_probe_call{i}", "arguments": arguments}}
+
+
+@dataclass(frozen=True)
+class TemplateCaps:
+    """What a chat template renders, found by rendering probe conversations (llama-server's caps)."""
+
+    system_role: bool = True
+    tools: bool = False
+    tool_calls: bool = False
+    object_arguments: bool = False
+    parallel_tool_calls: bool = False
+
+    @classmethod
+    def probe(cls, template: ChatTemplate) -> TemplateCaps:
+        """Render a few conversations with ``template`` and see what comes out."""
+        def out(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+            try:
+                return template.raw(messages, tools)
+            except Exception:  # noqa: BLE001 - a template that fails on a probe lacks that capability
+                return ""
+
+        user: dict[str, Any] = {"role": "user", "content": "User message"}
+        system = out([{"role": "system", "content": _MARK}, user])
+        tools = out([user], [_PROBE_TOOL])
+        calls: list[dict[str, Any]] = [user, {"role": "assistant", "content": "", "tool_calls": [_probe_call(1, {"arg": _MARK})]},
+                 {"role": "tool", "tool_call_id": "call00001", "content": "Tool response"}]
+        with_object = out(calls, [_PROBE_TOOL])
+        parallel: list[dict[str, Any]] = [user, {"role": "assistant", "content": "", "tool_calls": [
+            _probe_call(1, json.dumps({"arg": _MARK})), _probe_call(2, json.dumps({"arg": _MARK}))]},
+            {"role": "tool", "tool_call_id": "call00001", "content": "r1"},
+            {"role": "tool", "tool_call_id": "call00002", "content": "r2"}]
+        two = out(parallel, [_PROBE_TOOL])
+        return cls(system_role=_MARK in system, tools="flux_probe_tool" in tools,
+                   tool_calls="flux_probe_call1" in with_object or "flux_probe_call1" in two,
+                   object_arguments=f'"arg": "{_MARK}"' in with_object or f'"arg":"{_MARK}"' in with_object,
+                   parallel_tool_calls="flux_probe_call1" in two and "flux_probe_call2" in two)
+
+    def adjust(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Messages as this template wants them (llama-server's workarounds)."""
+        out = [_for_template(m, self.object_arguments) for m in messages]
+        if not self.system_role and out and out[0].get("role") == "system":
+            first = out.pop(0)
+            if out:
+                out[0] = {**out[0], "content": f"{first['content']}\n{out[0]['content']}"}
+        return out
+
+
+def _for_template(message: dict[str, Any], object_arguments: bool) -> dict[str, Any]:
+    """``content: null`` as "" (templates concatenate it), ``developer`` as ``system``, and tool-call
+    arguments as objects when the template writes them as JSON."""
+    m = {**message, "content": message.get("content") or ""}
+    if m.get("role") == "developer":
+        m["role"] = "system"
+    if object_arguments and m.get("tool_calls"):
+        m["tool_calls"] = [_object_arguments(c) for c in m["tool_calls"]]
+    return m
+
+
+def _object_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call  # not JSON: the template gets the string as sent
+    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call

@@ -15,9 +15,14 @@ from typing import Any
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
+from artifacts.errors import FluxError
 from engine_bridge.errors import EngineError, WorkerDied, WorkerTimeout
 
 log = logging.getLogger(__name__)
+
+
+class ServeSetupError(FluxError):
+    """``flux serve`` cannot start as asked (a busy port, an empty key, ...): one line, exit 2."""
 
 
 class ApiError(Exception):
@@ -69,7 +74,7 @@ class Unauthorized(ApiError):
 
     def __init__(self) -> None:
         super().__init__("Incorrect or missing API key: send 'Authorization: Bearer <key>' with the key the "
-                         "server was started with (--api-key).", code="invalid_api_key")
+                         "server was started with.", code="invalid_api_key")
 
 
 class NotFound(ApiError):
@@ -127,7 +132,7 @@ def from_engine(exc: EngineError) -> ApiError:
     if isinstance(exc, WorkerTimeout):
         return EngineFailed(f"{exc.message}; the worker was restarted: send the request again",
                             code="worker_timeout", status=504)
-    if exc.code == "bad_request":
+    if exc.code in ("bad_request", "bad_grammar"):
         return InvalidRequest(f"the engine refused the request: {exc.message}", code="invalid_value")
     if exc.code == "context_overflow":
         return InvalidRequest(exc.message, code="context_length_exceeded", param="messages")

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 Kind = Literal["chat", "text"]
 TokenEvent = dict[str, Any]  # {"token", "text", "logprob", "top_logprobs": [{"token", "text", "logprob"}]}
+ToolCallBody = dict[str, Any]  # {"id", "type": "function", "function": {"name", "arguments"}}
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -62,8 +63,13 @@ class Builder(ABC):
         """The last chunk, with usage and no choices (``stream_options.include_usage``)."""
         return {**self._head(self.chunk_object), "choices": [], "usage": usage}
 
+    def tool_call(self, index: int, call: ToolCallBody, tokens: list[TokenEvent]) -> dict[str, Any]:
+        """A chunk carrying one whole tool call (only chat replies have them)."""
+        raise NotImplementedError(f"{self.kind} completions have no tool calls")
+
     @abstractmethod
-    def response(self, text: str, tokens: list[TokenEvent], reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+    def response(self, text: str, tokens: list[TokenEvent], reason: str, usage: dict[str, Any],
+                 tool_calls: list[ToolCallBody] | None = None) -> dict[str, Any]:
         """The whole (non-streamed) response."""
 
 
@@ -93,13 +99,21 @@ class ChatBuilder(Builder):
         """``delta: {content}``."""
         return self._chunk({"content": text}, self._lp(tokens), None)
 
+    def tool_call(self, index: int, call: ToolCallBody, tokens: list[TokenEvent]) -> dict[str, Any]:
+        """``delta: {tool_calls: [{index, id, type, function: {name, arguments}}]}``: a whole call at once."""
+        return self._chunk({"tool_calls": [{"index": index, **call}]}, self._lp(tokens), None)
+
     def finish(self, reason: str) -> dict[str, Any]:
         """Empty delta with the finish reason."""
         return self._chunk({}, None, reason)
 
-    def response(self, text: str, tokens: list[TokenEvent], reason: str, usage: dict[str, Any]) -> dict[str, Any]:
-        """``chat.completion``."""
-        message = {"role": "assistant", "content": text, "refusal": None}
+    def response(self, text: str, tokens: list[TokenEvent], reason: str, usage: dict[str, Any],
+                 tool_calls: list[ToolCallBody] | None = None) -> dict[str, Any]:
+        """``chat.completion`` (``content`` is null when the reply is only tool calls, as OpenAI's)."""
+        message: dict[str, Any] = {"role": "assistant", "content": text if text or not tool_calls else None,
+                                   "refusal": None}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
         return {**self._head(self.object), "usage": usage,
                 "choices": [{"index": 0, "message": message, "logprobs": self._lp(tokens), "finish_reason": reason}]}
 
@@ -141,7 +155,8 @@ class TextBuilder(Builder):
         """Empty text with the finish reason."""
         return self._chunk("", None, reason)
 
-    def response(self, text: str, tokens: list[TokenEvent], reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+    def response(self, text: str, tokens: list[TokenEvent], reason: str, usage: dict[str, Any],
+                 tool_calls: list[ToolCallBody] | None = None) -> dict[str, Any]:
         """``text_completion``."""
         return {**self._head(self.object), "usage": usage,
                 "choices": [{"index": 0, "text": text, "logprobs": self._lp(tokens, self.echo_chars),

@@ -4,8 +4,12 @@ The task is decoupled from the HTTP connection: a streaming response follows the
 client does), a plain response awaits the task. The task owns an admission slot and gives it back only
 when the worker has answered the generation's end, so the sequence is free in the worker by then.
 Stop sequences are matched on the text here; on a match the worker is told to cancel and its remaining
-output is dropped. A client that disconnects cancels the same way. A worker failure ends the request
-with an error event (streamed) or an error response (plain).
+output is dropped. A client that disconnects does not stop it: the reply runs on (to ``max_tokens`` at
+most) into the journal, so a client that resumes gets all of it; a reply nobody has followed for
+``orphan_s`` (the journal's TTL) is cancelled, and ``DELETE /v1/requests/{id}`` cancels at once. A worker
+failure ends the request with an error event (streamed) or an error response (plain). With tools, the text after stop matching
+goes through the format's call parser: content streams as it comes, each tool call once it is whole,
+and a reply with calls ends with ``finish_reason: "tool_calls"``.
 """
 
 from __future__ import annotations
@@ -14,18 +18,22 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine_bridge.errors import EngineError
+from engine_bridge.gbnf import GrammarSpec
 from server.engine import Admission, Engine
 from server.errors import ApiError, error_event
-from server.formats import Builder, TokenEvent, usage_body
+from server.formats import Builder, TokenEvent, ToolCallBody, usage_body
 from server.journal import Entry, Journal
 from server.stats import Outcome
 from server.stops import StopMatcher
+from server.tools.formats import ToolFormat
+from server.tools.parse import CallParser, Piece
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +52,9 @@ class GenSpec:
     include_usage: bool
     echo: str = ""
     stream: bool = False
+    arrived: float = field(default_factory=time.monotonic)  # when the request came in (before its queue wait)
+    grammar: GrammarSpec | None = None
+    tool_format: ToolFormat | None = None  # parse tool calls in this format
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,22 @@ class GenContext:
     timeout_s: float
     on_tokens: Callable[[int], None]
     on_outcome: Callable[[Outcome], None]
+    on_finish: Callable[[Generation], None] = lambda gen: None
+    orphan_s: float = 600.0  # a reply nobody follows for this long is cancelled
+
+
+@dataclass(frozen=True)
+class FinishStats:
+    """How a generation went, for metrics and the access log."""
+
+    outcome: Outcome
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    prefill_s: float  # the worker's prompt time
+    decode_s: float  # the worker's generation time
+    ttft_s: float | None  # from the request's arrival to its first token
+    duration_s: float  # from the request's arrival to its end
 
 
 @dataclass
@@ -64,6 +91,7 @@ class _Acc:
     text: list[str] = field(default_factory=list)
     tokens: list[TokenEvent] = field(default_factory=list)
     pending: list[TokenEvent] = field(default_factory=list)
+    calls: list[ToolCallBody] = field(default_factory=list)
     n_tokens: int = 0
 
 
@@ -81,11 +109,18 @@ class Generation:
         self.error: EngineError | ApiError | None = None
         self._acc = _Acc()
         self._matcher = StopMatcher(spec.stops)
+        self._parser: CallParser | None = spec.tool_format.parser() if spec.tool_format is not None else None
         self._cancel_requested = False
         self._cancel_sent = False
         self._started = time.monotonic()
+        self._first_token: float | None = None
+        self._result: dict[str, Any] = {}
+        self.stats: FinishStats | None = None
         self._task: asyncio.Task[None] | None = None
         self._side: set[asyncio.Task[None]] = set()  # cancel calls in flight (a reference keeps them alive)
+        self._readers = 1  # its own client, until its response ends (see detach)
+        self._orphan: asyncio.TimerHandle | None = None
+        self._when_done: list[Callable[[], None]] = []
 
     def start(self) -> None:
         """Run in the background."""
@@ -102,16 +137,52 @@ class Generation:
         return self._task is not None and self._task.done()
 
     def cancel(self) -> None:
-        """Stop generating (client disconnected): the worker frees the sequence at once."""
+        """Stop generating now (an explicit cancel, or nobody followed it): the worker frees the sequence."""
         if self.done or self._cancel_requested:
             return
         self._cancel_requested = True
         self._send_cancel()
 
+    @property
+    def orphaned(self) -> bool:
+        """True while running with nobody following it (its client left and no resume reads it)."""
+        return self._readers == 0 and not self.done and self._task is not None
+
+    @property
+    def cancelling(self) -> bool:
+        """True once a cancel was asked for."""
+        return self._cancel_requested
+
+    def when_done(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once the generation has ended (at once if it has)."""
+        if self.done and self.stats is not None:
+            fn()
+        else:
+            self._when_done.append(fn)
+
+    def attach(self) -> None:
+        """Another client follows the reply (a resume); the request's own client counts from the start."""
+        self._readers += 1
+        if self._orphan is not None:
+            self._orphan.cancel()
+            self._orphan = None
+
+    def detach(self) -> None:
+        """A client stopped following; with none left the reply runs on for ``orphan_s``, then is cancelled."""
+        self._readers = max(0, self._readers - 1)
+        if self._readers == 0 and not self.done and self._orphan is None:
+            self._orphan = asyncio.get_running_loop().call_later(self.ctx.orphan_s, self._orphaned)
+
+    def _orphaned(self) -> None:
+        self._orphan = None
+        if self._readers == 0 and not self.done:
+            log.info("request %s: nobody followed it for %g s: cancelled", self.spec.rid, self.ctx.orphan_s)
+            self.cancel()
+
     def response(self) -> dict[str, Any]:
         """The whole response (after :meth:`wait`)."""
         return self.builder.response("".join(self._acc.text), self._acc.tokens, self.finish_reason or "stop",
-                                     self.usage)
+                                     self.usage, self._acc.calls or None)
 
     # -- the task -----------------------------------------------------------------------------------------
     def _emit(self, chunk: dict[str, Any] | None) -> None:
@@ -131,13 +202,14 @@ class Generation:
             self._emit(self.builder.first())
             if self.spec.echo:
                 self.builder.echo_chars = len(self.spec.echo)
-                self._text(self.spec.echo, [])
+                self._text(self.spec.echo)
             result = await self._pump()
             # bytes of an incomplete UTF-8 character held by the worker's decoder come with the result
-            self._text(self._matcher.feed(str(result.get("text_tail") or "")) + self._matcher.flush(),
-                       self._acc.pending)
+            self._text(self._matcher.feed(str(result.get("text_tail") or "")) + self._matcher.flush())
+            self._end_text()
+            self._result = result
             reason = "stop" if self._matcher.stopped else str(result.get("finish_reason", "stop"))
-            self.finish_reason = reason
+            self.finish_reason = "tool_calls" if self._acc.calls and reason == "stop" else reason
             outcome = "cancelled" if self.finish_reason == "cancelled" else "completed"
             self.usage = usage_body(int(result.get("prompt_tokens", len(self.spec.prompt))), self._acc.n_tokens,
                                     int(result.get("cached_tokens", 0)))
@@ -155,12 +227,28 @@ class Generation:
         finally:
             self.ctx.journal.finish(self.entry)
             self.ctx.admission.release(time.monotonic() - self._started)
+            if self._orphan is not None:
+                self._orphan.cancel()
+            self.stats = self._finish_stats(outcome)
             self.ctx.on_outcome(outcome)
+            self.ctx.on_finish(self)
+            for fn in self._when_done:
+                fn()
+
+    def _finish_stats(self, outcome: Outcome) -> FinishStats:
+        r, now, t0 = self._result, time.monotonic(), self.spec.arrived
+        return FinishStats(outcome=outcome, prompt_tokens=int(r.get("prompt_tokens", len(self.spec.prompt))),
+                           cached_tokens=int(r.get("cached_tokens", 0)), completion_tokens=self._acc.n_tokens,
+                           prefill_s=float(r.get("prefill_ms", 0.0)) / 1e3, decode_s=float(r.get("decode_ms", 0.0)) / 1e3,
+                           ttft_s=None if self._first_token is None else self._first_token - t0, duration_s=now - t0)
 
     def _args(self) -> dict[str, Any]:
         s = self.spec
-        return {"rid": s.rid, "prompt": s.prompt, "max_tokens": s.max_tokens, **s.sampling,
+        args = {"rid": s.rid, "prompt": s.prompt, "max_tokens": s.max_tokens, **s.sampling,
                 "logprobs": s.logprobs, "top_logprobs": s.top_logprobs}
+        if s.grammar is not None:
+            args["grammar"] = s.grammar.model_dump()
+        return args
 
     async def _pump(self) -> dict[str, Any]:
         """Consume the worker's events until its result; returns the result."""
@@ -181,18 +269,40 @@ class Generation:
         return result
 
     def _token(self, ev: TokenEvent) -> None:
+        if self._first_token is None:
+            self._first_token = time.monotonic()
         self._acc.n_tokens += 1
         self.ctx.on_tokens(1)
         if self.spec.logprobs:
             self._acc.pending.append(ev)
         out = self._matcher.feed(str(ev.get("text", "")))
         if out or (self._matcher.stopped and self._acc.pending):
-            self._text(out, self._acc.pending)
+            self._text(out)
 
-    def _text(self, text: str, tokens: list[TokenEvent]) -> None:
-        if not text and not tokens:
+    def _text(self, text: str) -> None:
+        """Reply text after stop matching: content, or through the tool-call parser."""
+        if self._parser is None:
+            if text or self._acc.pending:
+                self._piece(Piece("content", text))
             return
-        self._acc.text.append(text)
+        for piece in self._parser.feed(text):
+            self._piece(piece)
+
+    def _end_text(self) -> None:
+        """What the parser still holds, and logprobs of tokens no piece carried yet."""
+        for piece in self._parser.finish() if self._parser is not None else []:
+            self._piece(piece)
+        if self._acc.pending:
+            self._piece(Piece("content", ""))
+
+    def _piece(self, piece: Piece) -> None:
+        tokens, self._acc.pending = self._acc.pending, []
         self._acc.tokens.extend(tokens)
-        self._emit(self.builder.piece(text, list(tokens)))
-        self._acc.pending = []
+        if piece.call is None:
+            self._acc.text.append(piece.text)
+            self._emit(self.builder.piece(piece.text, tokens))
+            return
+        call: ToolCallBody = {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+                              "function": {"name": piece.call.name, "arguments": piece.call.arguments}}
+        self._acc.calls.append(call)
+        self._emit(self.builder.tool_call(len(self._acc.calls) - 1, call, tokens))

@@ -25,18 +25,20 @@ from tasks.probe import facts_fingerprint, machine_facts
 
 log = logging.getLogger(__name__)
 PLAN_KIND = "plan"
+MODEL_PATH_KIND = "model_path"  # where `flux plan` saw a model's bytes (flows.stages.remember_model_path)
 
 
 class PlanMismatch(FluxError):
     """The plan does not match this machine (or was edited); serving it would be serving a guess."""
 
-    def __init__(self, plan_id: str, field: str, expected: object, found: object, model: str) -> None:
+    def __init__(self, plan_id: str, field: str, expected: object, found: object, model: str,
+                 hint: str = "") -> None:
         self.plan_id = plan_id
         self.field = field
         self.expected = expected
         self.found = found
         super().__init__(f"plan {plan_id[:12]} cannot be served here: {field} differs (plan: {_short(expected)}, "
-                         f"this machine: {_short(found)}); run `flux plan {model} --replan`")
+                         f"this machine: {_short(found)}){hint}; run `flux plan {model} --replan`")
 
 
 def _short(value: object) -> str:
@@ -58,44 +60,64 @@ def check_integrity(raw: dict[str, Any]) -> None:
                            str(raw.get("model_path", "<model>")))
 
 
-def _model_hash(plan: Plan, settings: Settings) -> str | None:
-    """This machine's hash of the plan's model files; None when they are missing."""
+def _model_hash(model: Path, settings: Settings) -> str | None:
+    """This machine's hash of the model files at ``model``; None when they are missing."""
     try:
-        return model_hash(shard_paths(Path(plan.model_path)), settings.cache_dir)
+        return model_hash(shard_paths(model), settings.cache_dir)
     except ModelFileError as exc:
         log.info("plan check: %s", exc)
         return None
 
 
-def current_facts(plan: Plan, settings: Settings) -> dict[str, object]:
-    """This machine's values of the fields a plan is keyed by (cheap: no measurement)."""
+def current_facts(plan: Plan, settings: Settings, model: Path | None = None) -> dict[str, object]:
+    """This machine's values of the fields a plan is keyed by (cheap: no measurement); the model's hash is
+    that of ``model`` when given, else of the plan's own model path."""
     facts = machine_facts()
     return {
         "backend_build": backend_info(settings.cache_dir).build_id,
         "driver": facts.driver,
         "hardware_fingerprint": facts_fingerprint(facts),
-        "model_hash": _model_hash(plan, settings),
+        "model_hash": _model_hash(model or Path(plan.model_path), settings),
     }
 
 
-def check_plan(plan: Plan, raw: dict[str, Any], settings: Settings) -> None:
+def check_plan(plan: Plan, raw: dict[str, Any], settings: Settings, model: Path | None = None) -> None:
     """Refuse a plan that was edited or was measured on another machine, build, driver or model file.
+
+    Args:
+        model: serve the plan's model from this file instead of the path the plan records: allowed when
+            its content hashes to the plan's model hash (a copy, a move, a rename).
 
     Raises:
         PlanMismatch: the first field that differs.
     """
     check_integrity(raw)
-    found = current_facts(plan, settings)
+    found = current_facts(plan, settings, model)
     for field in ("backend_build", "driver", "hardware_fingerprint", "model_hash"):
         expected = getattr(plan, field)
         if found[field] != expected:
-            raise PlanMismatch(plan.id, field, expected, found[field], plan.model_path)
+            raise PlanMismatch(plan.id, field, expected, found[field], str(model or plan.model_path),
+                               _model_hint(plan, model, found[field]) if field == "model_hash" else "")
     log.info("plan %s matches this machine (build %s, driver %s)", plan.id[:12], plan.backend_build,
              plan.driver or "none")
 
 
-def load_checked_plan(settings: Settings, prefix: str) -> Plan:
-    """The saved plan with this id prefix, checked against this machine.
+def _model_hint(plan: Plan, model: Path | None, found: object) -> str:
+    if model is not None:
+        what = "is missing" if found is None else "holds another model"
+        return f": --model {model} {what} (the plan was made for {plan.model_path})"
+    if found is None:
+        return (f": its model file {plan.model_path} is missing; if the same model is elsewhere, serve it with "
+                "`--model PATH` (its content is checked)")
+    return f": {plan.model_path} now holds another model"
+
+
+def load_checked_plan(settings: Settings, prefix: str, model: Path | None = None) -> tuple[Plan, Path]:
+    """The saved plan with this id prefix, checked against this machine, and the model file to serve.
+
+    Args:
+        model: serve the plan's model from this file (its content must be the plan's model); default: the
+            path the plan records.
 
     Raises:
         NotFound / AmbiguousId: no plan or several plans start with ``prefix``.
@@ -105,5 +127,21 @@ def load_checked_plan(settings: Settings, prefix: str) -> Plan:
     raw = store.get_json(PLAN_KIND, store.find(PLAN_KIND, prefix))
     check_integrity(raw)
     plan = Plan.model_validate(raw)
-    check_plan(plan, raw, settings)
-    return plan
+    model = model.expanduser().resolve() if model is not None else recorded_path(store, plan, settings)
+    check_plan(plan, raw, settings, model)
+    return plan, model or Path(plan.model_path)
+
+
+def recorded_path(store: Store, plan: Plan, settings: Settings) -> Path | None:
+    """Where the plan's model bytes are now, when no longer at the plan's own path: the newest path a
+    `flux plan` run saw them at (a rename or move reuses the plan and records the new path). None when the
+    plan's path still holds them, or no recorded path does."""
+    if _model_hash(Path(plan.model_path), settings) == plan.model_hash:
+        return None
+    seen = [r for r in store.list(MODEL_PATH_KIND) if (r.get("meta") or {}).get("model_hash") == plan.model_hash]
+    for row in sorted(seen, key=lambda r: (r.get("meta") or {}).get("seen_at", 0), reverse=True):
+        path = Path(str(row["meta"]["path"]))
+        if path != Path(plan.model_path) and _model_hash(path, settings) == plan.model_hash:
+            log.info("plan %s: its model is now at %s (recorded by flux plan)", plan.id[:12], path)
+            return path
+    return None

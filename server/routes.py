@@ -1,27 +1,30 @@
-"""HTTP routes: the OpenAI API under /v1, resume of journaled streams, and Flux's own /flux and /health.
+"""HTTP routes: the OpenAI API under /v1, resume and cancel of requests, Flux's own /flux, /metrics, /health.
 
 Streams are Server-Sent Events: ``id: N`` + ``data: {chunk}`` per event, ``data: [DONE]`` at the end. A
 streaming reply is the request's journal followed live from event 0; ``GET /v1/requests/{id}/events``
-follows the same journal from ``after`` (or ``Last-Event-ID``). Only the request's own stream cancels the
-generation when its client goes away; a resuming reader does not.
+follows the same journal from ``after`` (or ``Last-Event-ID``). A client going away does not stop the
+generation (it runs on into the journal, for a resume); ``DELETE /v1/requests/{id}`` does.
 """
 
 from __future__ import annotations
 
 import hmac
+import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from litestar import Request, Response, get, post
+from litestar import Request, Response, delete, get, post
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.params import FromPath, QueryParameter
 from litestar.response import Stream
 from litestar.router import Router
 
+from server.access import GEN_KEY, RID_KEY
 from server.errors import InvalidRequest, NotFound, Unauthorized
 from server.generation import Generation
 from server.journal import Entry
+from server.metrics import CONTENT_TYPE
 from server.schemas import AdmissionRequest, parse_body
 from server.service import FluxService
 
@@ -38,47 +41,55 @@ def _sse_event(index: int, data: str) -> str:
     return f"id: {index}\ndata: {data}\n\n"
 
 
-async def _follow(svc: FluxService, entry: Entry, after: int, gen: Generation | None) -> AsyncIterator[str]:
-    """SSE text of the journal after ``after``; a generation's own stream cancels it if the client leaves."""
-    finished = False
+async def _follow(svc: FluxService, entry: Entry, after: int, gen: Generation | None,
+                  own: bool = False) -> AsyncIterator[str]:
+    """SSE text of the journal after ``after``; while it is followed, a running generation is not orphaned
+    (its own client counts from the start; a resuming one from here)."""
+    if gen is not None and not own:
+        gen.attach()
     try:
         async for index, data in svc.journal.follow(entry, after):
             yield _sse_event(index, data)
-        finished = True
         yield "data: [DONE]\n\n"
     finally:
-        if not finished and gen is not None:
-            gen.cancel()
+        if gen is not None:
+            gen.detach()
 
 
 async def _reply(request: AnyRequest, gen: Generation) -> Response[Any]:
     """A stream that follows the journal, or the whole response once the generation ended."""
+    request.scope["state"][GEN_KEY] = gen
     headers = {"x-request-id": gen.spec.rid}
     if gen.spec.stream:
-        return Stream(_follow(_svc(request), gen.entry, 0, gen), media_type="text/event-stream",
+        return Stream(_follow(_svc(request), gen.entry, 0, gen, own=True), media_type="text/event-stream",
                       headers={**SSE_HEADERS, **headers})
-    await gen.wait()
+    try:
+        await gen.wait()
+    finally:
+        gen.detach()
     if gen.error is not None:
         raise gen.error
     return Response(gen.response(), headers=headers)
 
 
+def _request_id(request: AnyRequest, kind: str) -> str:
+    rid = _svc(request).request_id(request.headers.get("x-request-id"), "chat" if kind == "chat" else "text")
+    request.scope["state"][RID_KEY] = rid
+    return rid
+
+
 @post("/chat/completions", status_code=200)
 async def chat_completions(request: AnyRequest) -> Response[Any]:
     """OpenAI chat completions (streamed or not)."""
-    svc = _svc(request)
-    rid = svc.request_id(request.headers.get("x-request-id"), "chat")
-    request.state.request_id = rid
-    return await _reply(request, await svc.chat(rid, await request.body()))
+    arrived, rid = time.monotonic(), _request_id(request, "chat")
+    return await _reply(request, await _svc(request).chat(rid, await request.body(), arrived))
 
 
 @post("/completions", status_code=200)
 async def completions(request: AnyRequest) -> Response[Any]:
     """OpenAI (legacy) text completions (streamed or not)."""
-    svc = _svc(request)
-    rid = svc.request_id(request.headers.get("x-request-id"), "text")
-    request.state.request_id = rid
-    return await _reply(request, await svc.text(rid, await request.body()))
+    arrived, rid = time.monotonic(), _request_id(request, "text")
+    return await _reply(request, await _svc(request).text(rid, await request.body(), arrived))
 
 
 @get("/models")
@@ -106,8 +117,14 @@ async def request_events(request: AnyRequest, rid: FromPath[str],
     if entry is None:
         raise NotFound(f"request '{rid}' is unknown or its journal expired (kept {svc.journal.ttl_s:g} s after "
                        "completion): send the request again", code="request_not_found", param="rid")
-    return Stream(_follow(svc, entry, start, None), media_type="text/event-stream",
+    return Stream(_follow(svc, entry, start, svc.running.get(rid)), media_type="text/event-stream",
                   headers={**SSE_HEADERS, "x-request-id": rid})
+
+
+@delete("/requests/{rid:str}", status_code=200)
+async def cancel_request(request: AnyRequest, rid: FromPath[str]) -> dict[str, Any]:
+    """Cancel a running request now (its journal keeps what it wrote; a resume then ends with 'cancelled')."""
+    return _svc(request).cancel(rid)
 
 
 def _last_event_id(value: str | None) -> int:
@@ -137,6 +154,12 @@ async def flux_admission(request: AnyRequest) -> dict[str, Any]:
     return {"host_reserve_percent": svc.host_reserve_percent}
 
 
+@get("/metrics")
+async def metrics(request: AnyRequest) -> Response[bytes]:
+    """Prometheus metrics (names as llama-server's where they mean the same)."""
+    return Response(await _svc(request).metrics_text(), media_type=CONTENT_TYPE)
+
+
 @get("/health")
 async def health(request: AnyRequest) -> Response[dict[str, Any]]:
     """Liveness: 200 with the worker's state and plan id; 503 while the worker is down."""
@@ -159,9 +182,9 @@ def api_key_guard(key: str | None) -> Any:
 
 
 def routers(api_key: str | None) -> list[Any]:
-    """The app's route handlers; /v1 and /flux want the API key when one is set."""
+    """The app's route handlers; /v1, /flux and /metrics want the API key when one is set."""
     guard = api_key_guard(api_key)
-    v1 = Router(path="/v1", route_handlers=[chat_completions, completions, list_models, get_model, request_events],
-                guards=[guard])
+    v1 = Router(path="/v1", route_handlers=[chat_completions, completions, list_models, get_model, request_events,
+                                            cancel_request], guards=[guard])
     flux = Router(path="/flux", route_handlers=[flux_stats, flux_admission], guards=[guard])
-    return [v1, flux, health]
+    return [v1, flux, Router(path="/", route_handlers=[metrics], guards=[guard]), health]

@@ -19,6 +19,7 @@ MAX_STOP_CHARS = 512
 MAX_TOKENS_LIMIT = 2**31 - 1
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+MAX_TOOLS = 128  # OpenAI's limit
 SEED_RANGE = (-(2**63), 2**64 - 1)
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
@@ -41,13 +42,31 @@ class TextPart(_Req):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+
+
+class CalledFunction(_Req):
+    """The function of a past tool call: ``arguments`` is JSON text (OpenAI) or an object."""
+
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = "{}"
+
+
+class PastToolCall(_Req):
+    """A tool call of an earlier assistant turn, sent back with the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(_Req):
     """One chat message."""
 
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[PastToolCall] | None = None
     tool_call_id: str | None = None
 
     @model_validator(mode="after")
@@ -67,11 +86,74 @@ class Message(_Req):
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates expect it."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for key in ("name", "tool_call_id"):
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
         return out
+
+
+class FunctionSpec(_Req):
+    """A function the model may call: ``parameters`` is the JSON schema of its arguments."""
+
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(_Req):
+    """One entry of ``tools``."""
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ChosenFunction(_Req):
+    """``tool_choice.function``."""
+
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Req):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: that function must be called."""
+
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class TextFormat(_Req):
+    """``response_format: {"type": "text"}``."""
+
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Req):
+    """``response_format: {"type": "json_object"}``: the reply is a JSON object."""
+
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Req):
+    """``response_format.json_schema``."""
+
+    name: FunctionName
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(_Req):
+    """``response_format: {"type": "json_schema", "json_schema": {...}}``: the reply is valid for the schema."""
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -127,6 +209,10 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
 
     def reply_limit(self) -> int | None:
         """``max_completion_tokens`` (the newer name) or ``max_tokens``."""
@@ -174,6 +260,20 @@ class AdmissionRequest(BaseModel):
 
 M = TypeVar("M", bound=BaseModel)
 _BRANCHES = frozenset({"str", "int", "float", "bool", "function-after", "function-before"})
+_TAGGED = {"response_format": frozenset({"text", "json_object", "json_schema"})}  # discriminated unions
+
+
+def _field_path(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """A pydantic error location without union branches (``stop.str``, ``tool_choice.NamedToolChoice``) and
+    discriminator tags (``response_format.json_schema.json_schema`` names ``response_format.json_schema``)."""
+    out: list[int | str] = []
+    for i, p in enumerate(loc):
+        if isinstance(p, str) and ("[" in p or p in _BRANCHES or p[:1].isupper()):
+            continue
+        if i == 1 and isinstance(p, str) and p in _TAGGED.get(str(loc[0]), ()):
+            continue
+        out.append(p)
+    return tuple(out)
 
 
 def _param(loc: tuple[int | str, ...]) -> str | None:
@@ -188,8 +288,7 @@ def _first_error(exc: ValidationError) -> InvalidRequest:
     errors = exc.errors(include_url=False)
     # Union branches add the branch type to the location ("stop.str", "stop.list[str]"): drop them; the
     # deepest error names the field best (an image part: messages[0].content[0].type, not "not a string").
-    locs = [tuple(p for p in e["loc"] if isinstance(p, int) or ("[" not in p and p not in _BRANCHES))
-            for e in errors]
+    locs = [_field_path(tuple(e["loc"])) for e in errors]
     k = max(range(len(errors)), key=lambda i: len(locs[i]))
     first = errors[k]
     param = _param(locs[k])
@@ -216,15 +315,19 @@ def parse_body(raw: bytes, model: type[M]) -> M:
         raise InvalidRequest(f"the request body is not valid UTF-8 (byte {exc.start})", code="invalid_json") from exc
     try:
         value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        detail = f"{exc.msg} at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) \
-            else "nested too deeply"
-        raise InvalidRequest(f"the request body is not valid JSON: {detail}", code="invalid_json") from exc
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column "
+                             f"{exc.colno}", code="invalid_json") from exc
+    except RecursionError as exc:
+        raise InvalidRequest("the request body is not valid JSON: nested too deeply", code="invalid_json") from exc
+    except ValueError as exc:  # a number Python will not convert (an integer of more than 4,300 digits)
+        raise InvalidRequest(f"the request body holds a number that cannot be read: {exc}",
+                             code="invalid_json") from exc
     if not isinstance(value, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {type(value).__name__}",
                              code="invalid_json")
     try:
-        return model.model_validate_json(text, strict=True)
+        return model.model_validate(value, strict=True)  # the parsed value: a 100 KB agent request is parsed once
     except ValidationError as exc:
         raise _first_error(exc) from exc
     except (ValueError, RecursionError) as exc:

@@ -27,22 +27,23 @@ from server.errors import ApiError, Conflict, ContextLengthExceeded, InvalidRequ
 from server.formats import BUILDERS, Kind
 from server.generation import GenContext, Generation, GenSpec
 from server.journal import Journal, RequestIdInUse
+from server.metrics import Metrics, Snapshot
+from server.prompts import prompt_tokens, reply_tokens
 from server.schemas import ChatRequest, CompletionRequest, Sampling, parse_body
 from server.stats import Counters, memory_by_use
+from server.tools.formats import detect_format
+from server.tools.plan import ReplyPlan, ReplyPlanner
 from tasks.models import Plan
 
 log = logging.getLogger(__name__)
 
 GIB = 2**30
 PARK_MAX_BYTES = 1 * GIB
-DIRECT_TOKENIZE_CHARS_PER_TOKEN = 8  # prompts up to n_ctx x this many characters are tokenized whole
-PIECE_SLACK_TOKENS = 4
 MIN_TOP_P = 1e-6  # a cut between two pieces can change the tokens near it by this many
 # llama-server's defaults for what a request leaves out.
 SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05,
                                      "presence_penalty": 0.0, "frequency_penalty": 0.0}
 _RID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-_SPACE = re.compile(r"\s")
 
 
 def park_budget(reserve_percent: float) -> int:
@@ -51,49 +52,36 @@ def park_budget(reserve_percent: float) -> int:
     return int(max(0, min(PARK_MAX_BYTES, vm.available - vm.total * reserve_percent / 100)))
 
 
-def load_spec(settings: Settings, plan: Plan) -> LoadSpec:
+def load_spec(settings: Settings, plan: Plan, model_path: Path | None = None) -> LoadSpec:
     """How the plan's worker is started and loaded (n_seq_max = the concurrency the plan was made for)."""
     params = plan.candidate.params.model_copy(update={"n_seq_max": plan.request.concurrency})
     t = settings.serve.worker_timeouts
-    return LoadSpec(model=plan.model_path, params=params, park_bytes=park_budget(settings.host_reserve_percent),
+    return LoadSpec(model=str(model_path or plan.model_path), params=params, park_bytes=park_budget(settings.host_reserve_percent),
                     log_path=settings.logs_dir / "serve-worker.log", env=params.environment(),
                     hello_s=t.hello_s, load_s=t.load_s, rpc_s=t.rpc_s, write_s=t.write_s)
-
-
-def reply_tokens(n_prompt: int, requested: int | None, n_ctx: int, min_reply: int) -> int:
-    """The reply limit for a prompt, or ContextLengthExceeded when it cannot leave the room it must.
-
-    A request must leave room for ``min(max_tokens, min_reply)`` reply tokens (``min_reply`` when it
-    sets no limit); its reply is then capped by the context that is left.
-    """
-    need = max(1, min(requested if requested is not None else min_reply, min_reply))
-    if n_prompt + need > n_ctx:
-        raise ContextLengthExceeded(n_prompt, need, n_ctx)
-    left = n_ctx - n_prompt
-    return min(requested, left) if requested is not None else left
-
-
-def _cut(text: str, at: int) -> int:
-    """A cut point at or after ``at`` just before whitespace (tokens rarely span it), or the end."""
-    m = _SPACE.search(text, at)
-    return m.start() if m and m.start() > 0 else len(text)
 
 
 class FluxService:
     """Everything the routes need, owned by the app's lifespan."""
 
-    def __init__(self, settings: Settings, plan: Plan) -> None:
-        """Prepare (the worker starts in :meth:`start`)."""
+    def __init__(self, settings: Settings, plan: Plan, model_path: Path | None = None) -> None:
+        """Prepare (the worker starts in :meth:`start`); ``model_path`` serves the plan's model from another
+        file (already checked to hold the same bytes)."""
         self.settings = settings
         self.plan = plan
+        self.model_path = model_path or Path(plan.model_path)
         serve = settings.serve
         self.journal = Journal(serve.journal_max_bytes, serve.journal_ttl_s)
         self.counters = Counters()
+        self.metrics = Metrics()
+        self.running: dict[str, Generation] = {}  # by request id, from admission to the end
+        self._claimed: set[str] = set()  # request ids being parsed, tokenized or queued
         self.host_reserve_percent = settings.host_reserve_percent
-        self.template = TemplateInfo(Path(plan.model_path))
-        self.chat_template = ChatTemplate(self.template.source, self.template.bos_text or "",
-                                          self.template.eos_text or "")
-        self.engine = Engine(load_spec(settings, plan))
+        self.template = TemplateInfo(self.model_path)
+        self.tool_format = detect_format(self.template.source)
+        self._set_template(ChatTemplate(self.template.source, self.template.bos_text or "",
+                                        self.template.eos_text or ""))
+        self.engine = Engine(load_spec(settings, plan, self.model_path))
         self.admission = Admission(plan.request.concurrency, serve.queue_max, serve.queue_wait_s)
         self.started = time.time()
         self.model_id = plan.model_name
@@ -106,8 +94,13 @@ class FluxService:
         if self.template.bos_text is None or self.template.eos_text is None:  # vocabulary too long for the header
             bos = await self._token_text(info.raw.get("bos", self.template.bos_id))
             eos = await self._token_text(info.raw.get("eos", self.template.eos_id))
-            self.chat_template = ChatTemplate(self.template.source, bos, eos)
+            self._set_template(ChatTemplate(self.template.source, bos, eos))
+        log.info("chat template: %s tool calls; %s", self.tool_format.name, self.chat_template.caps)
         return info
+
+    def _set_template(self, template: ChatTemplate) -> None:
+        self.chat_template = template
+        self.planner = ReplyPlanner(self.tool_format, template.caps)
 
     async def _token_text(self, tid: object) -> str:
         if not isinstance(tid, int) or tid < 0:
@@ -133,8 +126,8 @@ class FluxService:
         """Accept no model, this model's name, file name, or plan id (prefix of 8+); else 404."""
         if not model:
             return
-        path = Path(self.plan.model_path)
-        names = {self.model_id, path.name, path.stem, self.plan.id}
+        path, recorded = self.model_path, Path(self.plan.model_path)
+        names = {self.model_id, path.name, path.stem, recorded.name, recorded.stem, self.plan.id}
         if model in names or (len(model) >= 8 and self.plan.id.startswith(model)):
             return
         raise NotFound(f"The model '{model}' does not exist: this server serves '{self.model_id}' "
@@ -151,19 +144,8 @@ class FluxService:
 
     # -- admission --------------------------------------------------------------------------------------
     async def _tokens(self, text: str, add_special: bool = False) -> list[int]:
-        """Tokens of a prompt; a prompt far over the context is refused after tokenizing about one context."""
-        wait = self.settings.serve.queue_wait_s
-        limit = self.n_ctx
-        if len(text) <= limit * DIRECT_TOKENIZE_CHARS_PER_TOKEN:
-            return await self.engine.tokenize(text, wait, add_special)
-        count, pos, pieces = 0, 0, 0
-        while pos < len(text):
-            end = _cut(text, pos + limit * 4)
-            count += len(await self.engine.tokenize(text[pos:end], wait))
-            pieces, pos = pieces + 1, end
-            if count - pieces * PIECE_SLACK_TOKENS > limit:
-                raise ContextLengthExceeded(count - pieces * PIECE_SLACK_TOKENS, 1, limit, at_least=True)
-        return await self.engine.tokenize(text, wait, add_special)
+        """Tokens of a prompt, refused early when it cannot fit (see :func:`server.prompts.prompt_tokens`)."""
+        return await prompt_tokens(self.engine, text, self.n_ctx, self.settings.serve.queue_wait_s, add_special)
 
     def _check_host_memory(self) -> None:
         """Refuse new work while available RAM is below the host reserve (503); shrink the journal too."""
@@ -175,8 +157,16 @@ class FluxService:
                               code="host_memory_low", retry_after_s=5)
 
     @contextlib.contextmanager
-    def _counting(self) -> Iterator[None]:
-        """Count a request refused before it runs (by status), or failed by the engine while admitted."""
+    def _counting(self, rid: str) -> Iterator[None]:
+        """Hold ``rid`` while the request is parsed, tokenized and queued (a second request with a running or
+        waiting request's id is a 409 at once); count a request refused before it runs (by status), or
+        failed by the engine while admitted."""
+        if rid in self._claimed or rid in self.running:
+            self.counters.rejected(409)
+            raise Conflict(f"request id {rid!r} belongs to a request that is still running (cancel it with "
+                           f"DELETE /v1/requests/{rid}, or use another id)", code="request_id_in_use",
+                           param="x-request-id")
+        self._claimed.add(rid)
         try:
             yield
         except ApiError as exc:
@@ -185,8 +175,10 @@ class FluxService:
         except EngineError:
             self.counters.outcome("errored")
             raise
+        finally:
+            self._claimed.discard(rid)
 
-    async def chat(self, rid: str, body: bytes) -> Generation:
+    async def chat(self, rid: str, body: bytes, arrived: float | None = None) -> Generation:
         """Parse, admit and start a chat completion.
 
         Raises:
@@ -194,18 +186,19 @@ class FluxService:
                 out (503), host memory low (503).
             EngineError: the worker failed while tokenizing.
         """
-        with self._counting():
+        with self._counting(rid):
             req = parse_body(body, ChatRequest)
             self.check_model(req.model)
-            prompt = self.chat_template.render([m.for_template() for m in req.messages])
-            tokens = await self._tokens(prompt)
+            reply = self.planner.plan(req)
+            messages, tools = self.planner.messages([m.for_template() for m in req.messages], reply.tools)
+            tokens = await self._tokens(self.chat_template.render(messages, tools))
             top = req.top_logprobs or 0
             return await self._submit(rid, "chat", req, tokens, req.reply_limit(), bool(req.logprobs) or top > 0,
-                                      top)
+                                      top, reply=reply, arrived=arrived)
 
-    async def text(self, rid: str, body: bytes) -> Generation:
+    async def text(self, rid: str, body: bytes, arrived: float | None = None) -> Generation:
         """Parse, admit and start a text completion (raises as :meth:`chat`)."""
-        with self._counting():
+        with self._counting(rid):
             req = parse_body(body, CompletionRequest)
             self.check_model(req.model)
             try:
@@ -214,7 +207,8 @@ class FluxService:
                 exc.param = "prompt"
                 raise
             lp = req.logprobs
-            return await self._submit(rid, "text", req, tokens, req.reply_limit(), lp is not None, lp or 0, echo)
+            return await self._submit(rid, "text", req, tokens, req.reply_limit(), lp is not None, lp or 0, echo,
+                                      arrived=arrived)
 
     async def _text_prompt(self, req: CompletionRequest) -> tuple[list[int], str]:
         """Tokens of a completion prompt (text, or token ids checked against the vocabulary), and its echo."""
@@ -233,13 +227,16 @@ class FluxService:
         return tokens, text if req.echo else ""
 
     async def _submit(self, rid: str, kind: Kind, req: Sampling, prompt: list[int], requested: int | None,
-                      logprobs: bool, top_logprobs: int, echo: str = "") -> Generation:
+                      logprobs: bool, top_logprobs: int, echo: str = "", reply: ReplyPlan | None = None,
+                      arrived: float | None = None) -> Generation:
+        arrived = time.monotonic() if arrived is None else arrived
         try:
             max_tokens = reply_tokens(len(prompt), requested, self.n_ctx, self.min_reply)
         except ContextLengthExceeded as exc:
             exc.param = "messages" if kind == "chat" else "prompt"
             raise
         self._check_host_memory()
+        self._preempt_orphan()
         await self.admission.acquire()
         try:
             entry = self.journal.open(rid)
@@ -248,15 +245,51 @@ class FluxService:
             raise Conflict(str(exc), code="request_id_in_use", param="x-request-id") from exc
         spec = GenSpec(rid=rid, prompt=prompt, max_tokens=max_tokens, sampling=self._sampling(req), stops=req.stops(),
                        logprobs=logprobs, top_logprobs=top_logprobs, include_usage=req.include_usage() or not req.stream,
-                       echo=echo, stream=bool(req.stream))
+                       echo=echo, stream=bool(req.stream), arrived=arrived, grammar=reply.grammar if reply else None,
+                       tool_format=self.tool_format if reply and reply.parse_tools else None)
         builder = BUILDERS[kind](rid, self.model_id, self.fingerprint, logprobs, top_logprobs)
         serve = self.settings.serve
         ctx = GenContext(engine=self.engine, admission=self.admission, journal=self.journal, wait_s=serve.queue_wait_s,
                          timeout_s=max(serve.prefill_timeout_s, serve.decode_timeout_s),
-                         on_tokens=self.counters.tokens, on_outcome=self.counters.outcome)
+                         on_tokens=self.counters.tokens, on_outcome=self.counters.outcome, on_finish=self._finished,
+                         orphan_s=max(serve.journal_ttl_s, 1.0))
         gen = Generation(spec, builder, entry, ctx)
+        self.running[rid] = gen
         gen.start()
         return gen
+
+    def _preempt_orphan(self) -> None:
+        """With every sequence taken, cancel the oldest reply nobody follows: a live request comes first (an
+        agent that aborted a request and sent the next must not wait for the old reply to run out)."""
+        if self.admission.active < self.admission.slots:
+            return
+        orphans = [g for g in self.running.values() if g.orphaned and not g.cancelling]
+        if orphans:
+            victim = min(orphans, key=lambda g: g.spec.arrived)
+            log.info("request %s: nobody follows it and a new request needs its sequence: cancelled",
+                     victim.spec.rid)
+            victim.cancel()
+
+    def _finished(self, gen: Generation) -> None:
+        if self.running.get(gen.spec.rid) is gen:
+            del self.running[gen.spec.rid]
+        if gen.stats is not None:
+            self.metrics.finished(gen.stats)
+
+    def cancel(self, rid: str) -> dict[str, Any]:
+        """``DELETE /v1/requests/{rid}``: stop a running request now (its journal keeps what it wrote).
+
+        Raises:
+            NotFound: no running or journaled request has this id.
+        """
+        gen = self.running.get(rid)
+        if gen is not None and not gen.done:
+            gen.cancel()
+            return {"id": rid, "object": "request", "status": "cancelling", "cancelled": True}
+        if self.journal.get(rid) is None:
+            raise NotFound(f"request '{rid}' is not running and its journal expired (or it never existed)",
+                           code="request_not_found", param="rid")
+        return {"id": rid, "object": "request", "status": "completed", "cancelled": False}
 
     @staticmethod
     def _sampling(req: Sampling) -> dict[str, Any]:
@@ -271,7 +304,8 @@ class FluxService:
         """``GET /v1/models``."""
         p = self.plan
         meta = {"n_ctx": self.n_ctx, "n_seq_max": self.engine.info.n_seq_max, "n_vocab": self.engine.info.n_vocab,
-                "min_reply": self.min_reply, "plan_id": p.id, "model_path": p.model_path, "model_hash": p.model_hash,
+                "min_reply": self.min_reply, "plan_id": p.id, "model_path": str(self.model_path),
+                "model_hash": p.model_hash, "tool_call_format": self.tool_format.name,
                 "backend_build": p.backend_build, "quality_profile": p.quality_profile, "kv": p.request.kv}
         card = {"id": self.model_id, "object": "model", "created": int(self.started), "owned_by": "flux",
                 "context_length": self.n_ctx, "max_model_len": self.n_ctx, "meta": meta}
@@ -305,6 +339,14 @@ class FluxService:
                        "last_exit": self.engine.last_exit, "serve_stats": worker},
             "n_ctx": self.n_ctx, "min_reply": self.min_reply,
         }
+
+    async def metrics_text(self) -> bytes:
+        """``GET /metrics``: Prometheus text."""
+        worker = await self.engine.stats()
+        return self.metrics.render(Snapshot(
+            processing=self.admission.active, deferred=self.admission.waiting, worker_up=self.engine.alive,
+            restarts=self.engine.restarts, journal_bytes=self.journal.nbytes, journal_requests=len(self.journal),
+            requests=dict(self.counters.requests), worker=worker))
 
     def candidate_bytes(self) -> dict[str, dict[str, int]]:
         """Weights and KV per device as the plan measured them."""

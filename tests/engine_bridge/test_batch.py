@@ -8,6 +8,7 @@ core is taken away.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 from artifacts.synth import synthesize
 from engine_bridge.batch import MIN_PARK_TOKENS, ServeEngine
 from engine_bridge.errors import EngineError
+from engine_bridge.gbnf import GrammarBuilder, Trigger, schema_grammar
 from engine_bridge.native import NativeModel
 from engine_bridge.params import EngineParams, TensorOverride
 from engine_bridge.sampling import new_text_decoder
@@ -260,3 +262,53 @@ def test_moe_with_tensor_overrides_serves_the_same_tokens(tiny_moe: Path) -> Non
     with pytest.raises(EngineError) as exc:
         make(tiny_moe, tensor_overrides=(TensorOverride(pattern="exps", device="CUDA7"),))
     assert exc.value.code == "bad_override"
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                            "unit": {"enum": ["c", "f"]}, "days": {"type": "integer", "minimum": 0}},
+           "required": ["city", "unit"], "additionalProperties": False}
+
+
+def _reply(engine: ServeEngine, rec: Recorder, key: int) -> str:
+    return "".join(e["text"] for e in rec.events.get(key, []) if e["type"] == "token") + \
+        rec.results[key].get("text_tail", "")
+
+
+def test_grammar_constrains_every_reply_to_the_schema(ctx_model: Path) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    engine, rec = make(ctx_model)
+    spec = schema_grammar(WEATHER).model_dump()
+    prompt = engine.vocab.tokenize(text(3, 12))
+    for seed in range(6):
+        run(engine, seed, prompt, n=120, temperature=1.0, seed=seed, grammar=spec)
+        assert rec.results[seed]["finish_reason"] == "stop", "a complete value ends the reply"
+        jsonschema.validate(json.loads(_reply(engine, rec, seed)), WEATHER)
+    run(engine, 10, prompt, n=120, temperature=0.0, grammar=spec)
+    jsonschema.validate(json.loads(_reply(engine, rec, 10)), WEATHER)
+    engine.close()
+
+
+def test_lazy_grammar_starts_at_its_trigger(ctx_model: Path) -> None:
+    engine, rec = make(ctx_model)
+    g = GrammarBuilder()
+    body = g.schema("args", {"enum": [1, 2]})
+    # the reply is free until "e" appears; from there it must be 1 or 2, then it ends
+    spec = g.build(body, Trigger(words=["e"])).model_dump()
+    prompt = engine.vocab.tokenize(text(4, 12))
+    hits = 0
+    for seed in range(8):
+        run(engine, seed, prompt, n=60, temperature=1.0, seed=seed, grammar=spec)
+        out = _reply(engine, rec, seed)
+        if "e" in out:
+            hits += 1
+            assert out[out.index("e"):] in ("e1", "e2") and rec.results[seed]["finish_reason"] == "stop", out
+    assert hits, "some reply contained the trigger"
+    engine.close()
+
+
+def test_a_grammar_llama_cpp_refuses_is_a_typed_error(ctx_model: Path) -> None:
+    engine, _ = make(ctx_model)
+    with pytest.raises(EngineError) as exc:
+        engine.submit(1, {"rid": "g", "prompt": [1, 2], "max_tokens": 4, "grammar": {"gbnf": "root ::= undefined-rule"}})
+    assert exc.value.code == "bad_grammar" and not engine.has_work()
+    engine.close()

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import ServeEnv, Server, serve_env, start_server, stop_server
+from support import ServeEnv, Server, serve_env, start_server, stop_server, with_chat_template
 
 from artifacts.config import Settings
+from artifacts.synth_presets import CHATML
 from engine_bridge.params import EngineParams
 from tasks.models import (
     Plan,
@@ -70,3 +71,24 @@ def slow_server(senv: ServeEnv, slow_plan: Plan) -> Iterator[Server]:
     stop_server(srv)
 
 
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_template() -> str:
+    """The twins' chat template (Qwen3-style ChatML with tools)."""
+    return CHATML
+
+
+@pytest.fixture(scope="session")
+def llama3_template() -> str:
+    """Llama 3.1's chat template (JSON tool calls, an ipython turn for results)."""
+    return (Path(__file__).parent / "data" / "llama3_1.jinja").read_text()
+
+
+@pytest.fixture(scope="session")
+def llama3_twin(tiny_moe: Path, llama3_template: str) -> Path:
+    """tiny-moe's weights with Llama 3.1's chat template."""
+    path = tiny_moe.with_name("tiny-moe-llama3-template.gguf")
+    if not path.exists():
+        with_chat_template(tiny_moe, path, llama3_template)
+    return path

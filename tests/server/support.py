@@ -130,3 +130,27 @@ def chunk_json(data: str) -> dict[str, Any]:
     """One SSE data payload as JSON."""
     out: dict[str, Any] = json.loads(data)
     return out
+
+
+def with_chat_template(src: Path, dst: Path, template: str) -> Path:
+    """A copy of the GGUF ``src`` at ``dst`` whose ``tokenizer.chat_template`` is ``template`` (same weights)."""
+    import struct
+
+    from artifacts.gguf_header import read_header
+
+    h = read_header(src)
+    raw = src.read_bytes()
+    key = b"tokenizer.chat_template"
+
+    def kv(text: str) -> bytes:
+        value = text.encode()
+        return struct.pack("<Q", len(key)) + key + struct.pack("<IQ", 8, len(value)) + value
+
+    old = kv(str(h.metadata["tokenizer.chat_template"]))
+    meta = raw[:h.metadata_end]
+    assert meta.count(old) == 1, "the template's key/value is in the header once"
+    infos_end = h.metadata_end + sum(8 + len(t.name.encode()) + 4 + 8 * len(t.shape) + 4 + 8 for t in h.tensors)
+    head = meta.replace(old, kv(template)) + raw[h.metadata_end:infos_end]
+    head += b"\0" * (-len(head) % h.alignment)
+    dst.write_bytes(head + raw[h.data_offset:])
+    return dst

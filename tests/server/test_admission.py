@@ -8,7 +8,7 @@ import pytest
 
 from server.engine import Admission
 from server.errors import ContextLengthExceeded, QueueFull, Unavailable
-from server.service import reply_tokens
+from server.prompts import reply_tokens
 
 
 def test_reply_room_is_min_of_max_tokens_and_min_reply() -> None:

@@ -42,3 +42,16 @@ def test_sandbox_blocks_attribute_escapes() -> None:
 def test_fallback_is_chatml() -> None:
     out = ChatTemplate(FALLBACK_TEMPLATE).render([{"role": "user", "content": "hi"}])
     assert out.endswith("<|im_start|>assistant\n")
+
+
+def test_messages_are_adjusted_as_llama_server_does(tiny_moe_template: str) -> None:
+    t = ChatTemplate(tiny_moe_template)
+    out = t.render([{"role": "developer", "content": "Rules."}, {"role": "user", "content": "hi"}])
+    assert out.startswith("<|im_start|>system\nRules.<|im_end|>"), "developer is system"
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
+    out = t.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]}])
+    assert '{"name": "f", "arguments": {"a": 1}}' in out, "arguments as an object, written by the template's tojson"
+    no_system = ChatTemplate("{% for m in messages %}{% if m.role != 'system' %}[{{ m.content }}]{% endif %}"
+                             "{% endfor %}")
+    assert not no_system.caps.system_role
+    assert no_system.render([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]) == "[S\nU]"

@@ -55,6 +55,26 @@ junk_completion = st.fixed_dictionaries({"max_tokens": limit.filter(lambda v: v 
     "prompt": _or_junk(text | st.lists(st.integers(-3, 600), max_size=5) | st.lists(text, max_size=2)),
     "logprobs": _or_junk(st.integers(-1, 7)), "echo": _or_junk(st.booleans()), "suffix": _or_junk(text)})
 
+schema = st.recursive(st.fixed_dictionaries({}, optional={
+    "type": _or_junk(st.sampled_from(["object", "string", "integer", "number", "boolean", "array", "null", "x"])),
+    "enum": st.lists(json_scalars, max_size=3), "maxLength": st.integers(-1, 8), "minItems": st.integers(-1, 3),
+    "$ref": st.sampled_from(["#", "#/$defs/a", "http://x"])}),
+    lambda inner: st.fixed_dictionaries({"type": st.just("object")}, optional={
+        "properties": st.dictionaries(st.text(max_size=4), inner, max_size=3), "required": st.lists(st.text(max_size=4)),
+        "items": inner, "anyOf": st.lists(inner, max_size=2), "additionalProperties": st.booleans() | inner}),
+    max_leaves=6)
+tool = st.fixed_dictionaries({"type": _or_junk(st.just("function")), "function": _or_junk(st.fixed_dictionaries(
+    {"name": _or_junk(st.sampled_from(["f", "get_weather", "bad name"]))}, optional={"parameters": _or_junk(schema)}))})
+junk_tools = st.fixed_dictionaries({"messages": st.just([{"role": "user", "content": "hi"}]),
+                                    "max_tokens": st.integers(1, 8)}, optional={
+    "tools": _or_junk(st.lists(tool, max_size=3)), "parallel_tool_calls": _or_junk(st.booleans()),
+    "tool_choice": _or_junk(st.sampled_from(["none", "auto", "required"]) | st.fixed_dictionaries(
+        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g"])})})),
+    "response_format": _or_junk(st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema",
+                                                                                   "bogus"])},
+                                                      optional={"json_schema": st.fixed_dictionaries(
+                                                          {"name": st.just("x")}, optional={"schema": schema})}))})
+
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 
@@ -102,6 +122,15 @@ def test_fuzz_junk_chat(server: Server, body: dict[str, Any]) -> None:
 @settings(FUZZ, max_examples=10)
 def test_fuzz_junk_completions(server: Server, body: dict[str, Any]) -> None:
     _check_any(_post(server, "/v1/completions", body))
+
+
+@given(body=junk_tools)
+@settings(FUZZ, max_examples=25)
+def test_fuzz_tools_and_formats(server: Server, body: dict[str, Any]) -> None:
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code < 500, (r.status_code, r.text)
+    if r.status_code != 200:
+        assert set(r.json()["error"]) == ERROR_KEYS
 
 
 def test_worker_still_answers_after_fuzzing(server: Server) -> None:

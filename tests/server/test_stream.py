@@ -1,4 +1,5 @@
-"""Streaming against a real uvicorn server: disconnect frees the sequence, resume gets each later event once."""
+"""Streaming against a real uvicorn server: a dropped stream runs on and resume gets all of it, each later event
+once; DELETE cancels; a running or waiting request's id is taken (409)."""
 
 from __future__ import annotations
 
@@ -46,26 +47,53 @@ def _wait_idle(srv: Server, timeout: float = 10) -> dict[str, Any]:
         time.sleep(0.05)
 
 
-def test_disconnect_frees_the_sequence_and_resume_gets_each_later_event_once(slow_server: Server) -> None:
-    cancelled_before = slow_server.stats()["requests"]["cancelled"]
-    seen = _read_events(slow_server, LONG, "drop-1", 6)
+def test_a_dropped_stream_runs_on_and_resume_returns_the_whole_reply(slow_server: Server) -> None:
+    body = {**LONG, "max_tokens": 300, "stream_options": {"include_usage": True}}
+    seen = _read_events(slow_server, body, "drop-1", 6)
     assert [i for i, _ in seen] == [1, 2, 3, 4, 5, 6]
-    t0 = time.monotonic()
-    stats = _wait_idle(slow_server)
-    assert time.monotonic() - t0 < 3, "the disconnect freed the sequence at once"
-    assert stats["requests"]["cancelled"] == cancelled_before + 1
+    time.sleep(0.5)
+    assert slow_server.stats()["active"] == 1, "the generation goes on without its client"
     status, rest = _resume(slow_server, "drop-1", after=6)
     assert status == 200
     ids = [i for i, _ in rest if i is not None]
     assert ids == list(range(7, 7 + len(ids))), "every later event once, in order"
     assert rest[-1] == (None, "[DONE]")
-    last = json.loads(rest[-2][1])
-    assert last["choices"][0]["finish_reason"] == "cancelled"
-    tokens = sum(1 for _, d in rest[:-1] if json.loads(d)["choices"][0]["delta"].get("content"))
-    assert tokens < 900 - 5, "generation stopped when the client left"
+    chunks = [json.loads(d) for _, d in seen + rest[:-1]]
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
+    assert reasons[-1] in ("length", "stop"), "the reply ran to its end, not cancelled"
+    usage = chunks[-1]["usage"]
+    assert reasons[-1] == "stop" or usage["completion_tokens"] == 300, f"the whole reply: {usage}"
     status, everything = _resume(slow_server, "drop-1", last_event_id=0)
     assert everything[:6] == seen, "the journal holds what the client saw"
     assert everything[6:] == rest
+    _wait_idle(slow_server)
+
+
+def test_delete_cancels_a_running_request_at_once(slow_server: Server) -> None:
+    cancelled_before = slow_server.stats()["requests"]["cancelled"]
+    _read_events(slow_server, LONG, "cancel-1", 3)
+    r = httpx.delete(f"{slow_server.base}/v1/requests/cancel-1", timeout=30)
+    assert r.status_code == 200 and r.json() == {"id": "cancel-1", "object": "request", "status": "cancelling",
+                                                  "cancelled": True}
+    t0 = time.monotonic()
+    stats = _wait_idle(slow_server)
+    assert time.monotonic() - t0 < 3 and stats["requests"]["cancelled"] == cancelled_before + 1
+    status, rest = _resume(slow_server, "cancel-1", after=3)
+    assert status == 200 and json.loads(rest[-2][1])["choices"][0]["finish_reason"] == "cancelled"
+    again = httpx.delete(f"{slow_server.base}/v1/requests/cancel-1", timeout=30)
+    assert again.status_code == 200 and again.json()["cancelled"] is False
+    assert httpx.delete(f"{slow_server.base}/v1/requests/never-was", timeout=30).status_code == 404
+
+
+def test_a_dropped_requests_id_is_still_in_use(slow_server: Server) -> None:
+    _read_events(slow_server, LONG, "dup-drop", 3)
+    clash = httpx.post(f"{slow_server.base}/v1/chat/completions", json={**LONG, "max_tokens": 2}, timeout=30,
+                       headers={"x-request-id": "dup-drop"})
+    assert clash.status_code == 409 and clash.json()["error"]["code"] == "request_id_in_use"
+    status, events = _resume(slow_server, "dup-drop", last_event_id=0)
+    assert status == 200 and json.loads(events[0][1])["id"] == "dup-drop"
+    httpx.delete(f"{slow_server.base}/v1/requests/dup-drop", timeout=30)
+    _wait_idle(slow_server)
 
 
 def test_resume_follows_a_running_request_live(slow_server: Server) -> None:
@@ -105,6 +133,7 @@ def test_running_request_id_cannot_be_reused(slow_server: Server) -> None:
         clash = c.post(f"{slow_server.base}/v1/chat/completions", json={**LONG, "stream": False},
                        headers={"x-request-id": "dup-1"})
         assert clash.status_code == 409 and clash.json()["error"]["code"] == "request_id_in_use"
+    httpx.delete(f"{slow_server.base}/v1/requests/dup-1", timeout=30)
     _wait_idle(slow_server)
     assert httpx.post(f"{slow_server.base}/v1/chat/completions", json={**LONG, "max_tokens": 2},
                       headers={"x-request-id": "bad id!"}).status_code == 400
@@ -119,6 +148,53 @@ def test_non_streamed_request_is_journaled_too(slow_server: Server) -> None:
     text = "".join(json.loads(d)["choices"][0]["text"] for _, d in events[:-1] if json.loads(d)["choices"])
     assert text == r.json()["choices"][0]["text"]
     assert json.loads(events[-2][1])["usage"] == r.json()["usage"]
+
+
+def test_a_new_request_takes_the_sequence_of_a_reply_nobody_follows(slow_server: Server) -> None:
+    for i in range(4):  # every sequence runs a reply whose client left
+        _read_events(slow_server, LONG, f"orphan-{i}", 2)
+    assert slow_server.stats()["active"] == 4
+    t0 = time.monotonic()
+    r = httpx.post(f"{slow_server.base}/v1/chat/completions", json={**LONG, "stream": False, "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200 and time.monotonic() - t0 < 2.5, "served at once, not after a queue wait"
+    reasons = []
+    for i in range(4):
+        status, events = _resume(slow_server, f"orphan-{i}", after=0)
+        reasons.append(json.loads(events[-2][1])["choices"][0]["finish_reason"])
+    assert reasons.count("cancelled") >= 1, reasons
+    for i in range(4):
+        httpx.delete(f"{slow_server.base}/v1/requests/orphan-{i}", timeout=30)
+    _wait_idle(slow_server)
+
+
+def test_a_waiting_requests_id_is_in_use_too(slow_server: Server) -> None:
+    with httpx.Client(timeout=60) as c:
+        streams = [c.stream("POST", f"{slow_server.base}/v1/chat/completions", json=LONG) for _ in range(4)]
+        opened = [s.__enter__() for s in streams]
+        got: dict[str, int] = {}
+
+        def queued() -> None:  # waits for a sequence (all 4 busy), holding its id
+            got["first"] = httpx.post(f"{slow_server.base}/v1/chat/completions", timeout=60,
+                                      json={**LONG, "stream": False, "max_tokens": 2},
+                                      headers={"x-request-id": "queued-1"}).status_code
+
+        t = threading.Thread(target=queued)
+        t.start()
+        try:
+            time.sleep(0.5)
+            r = c.post(f"{slow_server.base}/v1/chat/completions", json={**LONG, "max_tokens": 2},
+                       headers={"x-request-id": "queued-1"})
+            assert r.status_code == 409, r.text
+            assert r.elapsed.total_seconds() < 1, "refused at once, not after a queue wait"
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+            for i in range(4):
+                httpx.delete(f"{slow_server.base}/v1/requests/{opened[i].headers['x-request-id']}", timeout=30)
+            t.join()
+    assert got["first"] in (200, 503)
+    _wait_idle(slow_server)
 
 
 def test_all_sequences_busy_then_the_wait_times_out_with_503(slow_server: Server) -> None:
@@ -136,6 +212,8 @@ def test_all_sequences_busy_then_the_wait_times_out_with_503(slow_server: Server
         finally:
             for s in streams:
                 s.__exit__(None, None, None)
+            for r in opened:
+                httpx.delete(f"{slow_server.base}/v1/requests/{r.headers['x-request-id']}", timeout=30)
     stats = _wait_idle(slow_server)
     assert stats["requests"]["rejected_503"] >= 1
 
