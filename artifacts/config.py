@@ -76,6 +76,9 @@ class ServeSettings(_Section):
     max_body_bytes: int = Field(0, ge=0, description="largest request body; 0: 32 bytes per context token, "
                                                      "at least 1 MiB")
     access_log: bool = Field(True, description="one log line per request (logger flux.access)")
+    device_free_bytes: dict[str, int] = Field(default_factory=dict, description=(
+        "what-if for the serve-time shortfall check: treat these devices ('CUDA0', 'CPU') as having this many "
+        "bytes free instead of what they report"))
     worker_timeouts: WorkerTimeouts = WorkerTimeouts()
 
 

@@ -129,7 +129,54 @@ def load_checked_plan(settings: Settings, prefix: str, model: Path | None = None
     plan = Plan.model_validate(raw)
     model = model.expanduser().resolve() if model is not None else recorded_path(store, plan, settings)
     check_plan(plan, raw, settings, model)
-    return plan, model or Path(plan.model_path)
+    return fit_to_memory(settings, store, plan, model or Path(plan.model_path)), model or Path(plan.model_path)
+
+
+def device_free(device: str, settings: Settings) -> int | None:
+    """Free bytes of a ggml device now (``serve.device_free_bytes`` overrides): NVML for ``CUDAk`` (the k-th
+    GPU), available RAM for ``CPU``; None when unknown."""
+    if device in settings.serve.device_free_bytes:
+        return settings.serve.device_free_bytes[device]
+    if device == "CPU":
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    if device.startswith("CUDA") and device[4:].isdigit():
+        from tasks.probe_gpu import nvml_inventory
+
+        gpus = nvml_inventory().gpus
+        k = int(device[4:])
+        return gpus[k].memory_free if k < len(gpus) else None
+    return None
+
+
+def fit_to_memory(settings: Settings, store: Store, plan: Plan, model: Path) -> Plan:
+    """The plan as it can be served now: with the least-routed GPU copies of its experts dropped when a device
+    has less free memory than the plan measured there (a warning names how many and what it costs).
+
+    Raises:
+        SplitShortfall: dropping every copy on a device cannot cover its shortfall.
+    """
+    split = plan.candidate.params.expert_split
+    if split is None:
+        return plan
+    from artifacts.model_info import model_info
+    from engine_bridge.routing_trace import check_routing_table
+    from tasks.shortfall import fit_split
+
+    info = model_info(model)
+    free = {d: f for d in sorted({h.device for h in split.layers}) if (f := device_free(d, settings)) is not None}
+    shares = None
+    if plan.routing_trace and store.has("routing", plan.routing_trace):
+        counts = check_routing_table(store.get_table("routing", plan.routing_trace), plan.model_hash, info.n_layer,
+                                     info.n_expert).astype(float)
+        shares = counts / counts.sum(axis=1, keepdims=True).clip(min=1.0)
+    params, dropped = fit_split(plan, info, free, shares)
+    for d in dropped:
+        log.warning("plan %s: %s", plan.id[:12], d.message())
+    if not dropped:
+        return plan
+    return plan.model_copy(update={"candidate": plan.candidate.model_copy(update={"params": params})})
 
 
 def recorded_path(store: Store, plan: Plan, settings: Settings) -> Path | None:
