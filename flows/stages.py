@@ -231,11 +231,21 @@ def prune_stage(ctx: PlanContext, hw: HardwareReport, space: PlacementSpace) -> 
     state = cached(ctx.store, "finalists", key, Finalists,
                    lambda: prune(space, ctx.info, hw, work, ctx.req.finalists))
     fin: Finalists = state.data
+    log = get_run_logger()
+    log.info("prune: %d finalists of %d candidates for a workload of %d prompt + %d generated tokens: %s",
+             len(fin.finalists), fin.n_ranked, work.prefill_tokens, work.decode_tokens, "; ".join(
+                 f"{c.id} {c.family} ctx {c.params.n_ctx} ub {c.params.n_ubatch} t {c.params.n_threads} "
+                 f"{'kv-gpu' if c.params.offload_kqv else 'kv-host'} predicted {p.score_s:.2f} s "
+                 f"({p.prefill_tps:.0f}/{p.decode_tps:.1f} tok/s)"
+                 for c, p in zip(fin.finalists, fin.predictions, strict=True)))
     create_table_artifact(key="finalists", description="Finalists and their predicted speed", table=[
-        {"candidate": c.id, "family": c.family, "threads": f"{c.params.n_threads}/{c.params.n_threads_batch}",
+        {"candidate": c.id, "family": c.family, "ctx": c.params.n_ctx, "kv": "gpu" if c.params.offload_kqv else "host",
+         "threads": f"{c.params.n_threads}/{c.params.n_threads_batch}",
          "ubatch": c.params.n_ubatch, "flash_attn": c.params.flash_attn, "load": c.params.load_mode,
          "host": "repacked" if c.params.no_host else "gpu-host",
-         "pred_prefill_tps": round(p.prefill_tps, 1), "pred_decode_tps": round(p.decode_tps, 1)}
+         "hot_experts": sum(len(h.experts) for h in c.params.expert_split.layers) if c.params.expert_split else 0,
+         "pred_workload_s": round(p.score_s, 3), "pred_prefill_tps": round(p.prefill_tps, 1),
+         "pred_decode_tps": round(p.decode_tps, 1)}
         for c, p in zip(fin.finalists, fin.predictions, strict=True)])
     return state
 
@@ -320,7 +330,12 @@ def validate_stage(ctx: PlanContext, hw: HardwareReport, fin: Finalists, measure
                         timeout_s=ctx.settings.plan.measure_timeout_s, reference=ref, floor_variants=variants,
                         cache=cache, progress=log.info)
 
-    return cached(ctx.store, "validation", key, ValidationReport, run, fault=ctx.settings.fault_inject)
+    state = cached(ctx.store, "validation", key, ValidationReport, run, fault=ctx.settings.fault_inject)
+    report: ValidationReport = state.data
+    log.info("validate: chose %s, the fastest measured finalist that matches the reference (limits: mean KL %s, "
+             "top-1 %s)", report.winner_id, f"{report.kl_limit:.2e}" if report.kl_limit is not None else "?",
+             f"{report.top1_limit:.3f}" if report.top1_limit is not None else "?")
+    return state
 
 
 @task(name="persist", cache_policy=NO_CACHE)
