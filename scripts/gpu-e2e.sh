@@ -46,7 +46,10 @@ fi
 # 3. twins
 mkdir -p "$MODELS"
 for m in $(echo "$PAIRS" | tr ',' '\n' | cut -d: -f1 | sort -u); do
-  [ -f "$MODELS/$m-Q4_0.gguf" ] || { flux synth --like "$m" --quant Q4_0 -o "$MODELS/$m-Q4_0.gguf" >> "$OUT/synth.log" 2>&1
+  # artifacts.synth directly (what `flux synth` runs): it needs no database, so it runs before the second
+  # call's wheels (DuckDB, Prefect) have arrived
+  [ -f "$MODELS/$m-Q4_0.gguf" ] || { python3 -c "import sys; from pathlib import Path; from artifacts.synth import synthesize
+synthesize(sys.argv[1], Path(sys.argv[2]), quant='Q4_0')" "$m" "$MODELS/$m-Q4_0.gguf" >> "$OUT/synth.log" 2>&1
                                      say "synthesized $m"; }
 done
 [ "${FLUX_E2E_STEPS:-all}" = setup ] && { say "setup done"; exit 0; }
