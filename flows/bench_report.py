@@ -12,6 +12,7 @@ import json
 import logging
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,8 @@ from rich.table import Table
 from artifacts.errors import NotFound
 from artifacts.logs import console
 from artifacts.store import Store
-from flows.cmd_bench import BenchSuite
 from flows.cmd_plan import load_plan
-from tasks.bench_common import (
+from tasks.bench.common import (
     SUMMARY_KIND,
     VERDICT_SUITES,
     BenchError,
@@ -119,7 +119,7 @@ def print_rows(rows: Sequence[dict[str, Any]], raw: pa.Table | None, title: str)
 
 def print_run(run: BenchRun) -> None:
     """Print a finished run (as stored)."""
-    from tasks.bench_common import summary_table as rows_of
+    from tasks.bench.common import summary_table as rows_of
 
     rows = rows_of(run).to_pylist()
     title = f"flux bench {run.suite}: plan {run.ctx.plan.id[:12]} — {run.verdict.upper()}"
@@ -330,14 +330,23 @@ def _show_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", default="run", help="which suite's newest run (default run)")
 
 
-def bench_suites() -> list[BenchSuite]:
-    """``show`` and ``matrix``: they read stored results."""
-    return [
-        BenchSuite("show", "print one suite's newest results for a plan and plot them (PNG)",
-                   "Tables from the stored results, and PNGs under <data_dir>/bench/<plan>/<suite>-*.png: the "
-                   "CDF of per-trial tok/s per engine, and for `run` the finalists' tok/s with the chosen one "
-                   "marked.", _show_args, cmd_show),
-        BenchSuite("matrix", "print pass/fail of every suite over every saved plan",
-                   "Rows: saved plans; columns: suites; cells: the newest run's verdict, or — when never run.",
-                   lambda p: None, cmd_matrix),
-    ]
+@dataclass(frozen=True)
+class Report:
+    """A ``flux bench`` subcommand that reads stored results instead of measuring."""
+
+    name: str
+    help: str
+    description: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    handler: Callable[[argparse.Namespace], int]
+
+
+REPORTS = (
+    Report("show", "print one suite's newest results for a plan and plot them (PNG)",
+           "Tables from the stored results, and PNGs under <data_dir>/bench/<plan>/<suite>-*.png: the CDF of "
+           "per-trial tok/s per engine, and for `run` the finalists' tok/s with the chosen one marked.",
+           _show_args, cmd_show),
+    Report("matrix", "print pass/fail of every suite over every saved plan",
+           "Rows: saved plans; columns: suites; cells: the newest run's verdict, or — when never run.",
+           lambda p: None, cmd_matrix),
+)

@@ -10,7 +10,7 @@ trained context):
 2. ``flux show <plan>`` saved next to the results;
 3. ``flux bench run <plan> --via serve`` — the plan served by ``flux serve`` raced against llama-server
    ``--fit`` at the same budget holding the same context, the best ``--n-cpu-moe`` and the most ``-ngl``
-   (tasks/bench_served.py), every contender timed through the same streaming HTTP client; its rows land in
+   (tasks/bench/served.py), every contender timed through the same streaming HTTP client; its rows land in
    the store's ``bench_summary`` table;
 4. one record row: ratios (``tg_vs_fit``, ``pp_vs_fit``, ``agent_vs_fit``, ... against each baseline), the
    plan's own measured decode against its decode through HTTP, GPU memory of every contender, planning

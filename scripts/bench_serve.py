@@ -60,9 +60,9 @@ from artifacts.synth import synthesize  # noqa: E402
 from engine_bridge.backend import llama_server_path  # noqa: E402
 from engine_bridge.llama_server import HOST, LlamaServer, free_port  # noqa: E402
 from engine_bridge.params import KV_TYPE_IDS, EngineParams  # noqa: E402
-from tasks.bench_arrivals import timing  # noqa: E402
-from tasks.bench_common import load_avg, paired_ratio  # noqa: E402
-from tasks.bench_http import FluxServe, exchange, finish_reason  # noqa: E402
+from tasks.bench.arrivals import timing  # noqa: E402
+from tasks.bench.common import load_avg, paired_ratio  # noqa: E402
+from tasks.bench.http import FluxServe, exchange, finish_reason  # noqa: E402
 from tasks.corpus import load_prompts  # noqa: E402
 from tasks.models import (  # noqa: E402
     Plan,

@@ -41,7 +41,7 @@ from artifacts.config import load_settings  # noqa: E402
 from artifacts.synth import cached_twin  # noqa: E402
 from engine_bridge.aclient import AsyncWorker  # noqa: E402
 from engine_bridge.params import EngineParams  # noqa: E402
-from tasks.bench_http import FluxServe  # noqa: E402
+from tasks.bench.http import FluxServe  # noqa: E402
 from tasks.corpus import load_prompts  # noqa: E402
 from tasks.testing import stored_plan  # noqa: E402
 

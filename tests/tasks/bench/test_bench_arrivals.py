@@ -12,15 +12,15 @@ from bench_support import make_plan, session_cache
 from test_bench_soak import serve_settings
 
 from engine_bridge.params import EngineParams
-from tasks.arrivals_stats import engine_stats
-from tasks.bench_arrivals import (
+from tasks.bench.arrivals import (
     ArrivalsOptions,
     Workload,
     bench_arrivals,
     chat_messages,
     chat_turns,
 )
-from tasks.bench_common import BenchContext, open_bench, save_run
+from tasks.bench.arrivals_stats import engine_stats
+from tasks.bench.common import BenchContext, open_bench, save_run
 
 RATES = (0.5, 1.0, 2.0)
 REQUESTS = 5
@@ -142,9 +142,8 @@ def test_engine_stats_count_errors_and_throughput() -> None:
 
 def test_flux_bench_arrivals_runs_from_the_cli(ctx: BenchContext, monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    from flows import cli, cmd_bench
+    from flows import cli
 
-    monkeypatch.setattr(cmd_bench, "SUITE_MODULES", (*cmd_bench.SUITE_MODULES, "tasks.bench_arrivals"))
     if "flows.cmd_bench" not in cli.COMMAND_MODULES:
         monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, "flows.cmd_bench"))
     args = cli.build_parser().parse_args(["bench", "arrivals", ctx.plan.id[:12], "--rates", "1,3", "--requests", "2",
@@ -161,13 +160,13 @@ def test_flux_bench_arrivals_runs_from_the_cli(ctx: BenchContext, monkeypatch: p
 
 def test_benchmark_clients_never_reuse_a_connection() -> None:
     # llama-server sometimes drops a pooled connection after a streamed chat reply, and the next request on
-    # it gets "Server disconnected without sending a response" (tasks/bench_http.py): benchmark clients
+    # it gets "Server disconnected without sending a response" (tasks/bench/http.py): benchmark clients
     # open a connection per request, in a burst or after a pause.
     import asyncio
 
     import httpx
 
-    from tasks.bench_http import client_limits
+    from tasks.bench.http import client_limits
 
     async def run() -> int:
         accepted = 0

@@ -9,7 +9,7 @@ Checks (a registry, :data:`CHECKS`): chat template rendering (``/apply-template`
 (``/props``, ``/detokenize`` and the GGUF header), tokenization (``/tokenize``) of the corpus and of
 unicode/edge strings, greedy outputs, stop sequences, and usage counts. Every disagreement is a row;
 the verdict is ``pass`` when there is none, or when each is explained by a rule in
-:data:`tasks.conformance_rules.EXPLAINED`.
+:data:`tasks.bench.conformance_rules.EXPLAINED`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from artifacts.gguf_header import read_header
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.llama_server import LlamaServer
-from tasks.bench_common import BenchContext, BenchRun, Progress, SummaryRow, load_avg
-from tasks.conformance_rules import Finding, explain
+from tasks.bench.common import BenchContext, BenchRun, Progress, SummaryRow, load_avg
+from tasks.bench.conformance_rules import Finding, explain
+from tasks.bench.registry import Suite
 from tasks.corpus import load_conversations, load_prompts, sized_prompts
 
 RAW_SCHEMA = pa.schema([("check", pa.string()), ("case", pa.string()), ("ok", pa.bool_()),
@@ -346,3 +347,12 @@ def bench_conformance(ctx: BenchContext, opts: ConformanceOptions, progress: Pro
                      n_samples=len(findings), metrics=metrics)
     raw = pa.Table.from_pylist([f.model_dump() for f in findings], schema=RAW_SCHEMA)
     return BenchRun(suite="conformance", ctx=ctx, rows=[row], raw=raw)
+
+
+SUITE = Suite(
+    name="conformance", help="check that the native engine and llama-server agree",
+    description="Chat template rendering, special tokens, tokenization (corpus + unicode/edge strings), greedy "
+                "outputs, stop sequences and usage counts; lists every disagreement. Pass when none is left "
+                "unexplained. Exit 1 on fail.",
+    options=ConformanceOptions, run=bench_conformance, flags=("n_gen", "conversations", "seed"),
+    help_text={"conversations": "agent conversations rendered"})

@@ -36,8 +36,8 @@ import httpx
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.bench_common import BenchContext, BenchError, BenchRun, Progress, SummaryRow, load_avg
-from tasks.bench_http import (  # noqa: F401 - some are re-exported for tests
+from tasks.bench.common import BenchContext, BenchError, BenchRun, Progress, SummaryRow, load_avg
+from tasks.bench.http import (  # noqa: F401 - some are re-exported for tests
     OUTCOMES,
     Exchange,
     FluxServe,
@@ -50,13 +50,13 @@ from tasks.bench_http import (  # noqa: F401 - some are re-exported for tests
     json_object,
     serve_toml,
 )
-from tasks.bench_outcomes import Fault, classify, fault_row
+from tasks.bench.registry import Suite
+from tasks.bench.soak_outcomes import Fault, classify, fault_row
 from tasks.corpus import load_prompts
 
 if TYPE_CHECKING:
-    import argparse
 
-    from flows.cmd_bench import BenchSuite
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -363,34 +363,13 @@ def bench_soak(ctx: BenchContext, opts: SoakOptions, progress: Progress | None =
 
 
 # -- flux bench soak ------------------------------------------------------------------------------------
-def _soak_args(p: argparse.ArgumentParser) -> None:
-    d = SoakOptions()
-    p.add_argument("plan", help="a unique prefix of a plan id")
-    p.add_argument("--requests", type=int, default=d.requests, help=f"requests to send (default {d.requests})")
-    p.add_argument("--seconds", type=float, default=d.seconds,
-                   help=f"start no new wave after this many seconds (default {d.seconds:g})")
-    p.add_argument("--concurrency-factor", type=float, default=d.concurrency_factor,
-                   help=f"requests at once per sequence of the plan (default {d.concurrency_factor:g})")
-    p.add_argument("--no-faults", action="store_true", help="do not kill the worker")
-    p.add_argument("--seed", type=int, default=d.seed)
-
-
-def _soak(args: argparse.Namespace) -> int:
-    from flows.cmd_bench import run_plan_suite
-
-    opts = SoakOptions(requests=args.requests, seconds=args.seconds, concurrency_factor=args.concurrency_factor,
-                       faults=not args.no_faults, seed=args.seed)
-    return run_plan_suite(args, bench_soak, opts)
-
-
-def bench_suites() -> list[BenchSuite]:
-    """``flux bench soak``."""
-    from flows.cmd_bench import BenchSuite
-
-    return [BenchSuite(
-        "soak", "hit flux serve with overload, cancellations, disconnects, resumes and injected faults",
-        "Starts the plan's server and sends waves of concurrency-factor x its concurrency requests at once: "
-        "streams, whole responses, early closes, disconnects resumed with /v1/requests/{id}/events?after=N, "
-        "slow readers; kills the worker while idle and mid-request. Each request is completed, errored "
-        "(explicitly), cancelled, resumed, hung or lost; pass iff none hung or was lost, every 429/503 had "
-        "Retry-After, and the server ends up with every slot free. Exit 1 on fail.", _soak_args, _soak)]
+SUITE = Suite(
+    name="soak", help="hit flux serve with overload, cancellations, disconnects, resumes and injected faults",
+    description="Starts the plan's server and sends waves of concurrency-factor x its concurrency requests at "
+                "once: streams, whole responses, early closes, disconnects resumed with "
+                "/v1/requests/{id}/events?after=N, slow readers; kills the worker while idle and mid-request. "
+                "Each request is completed, errored (explicitly), cancelled, resumed, hung or lost; pass iff none "
+                "hung or was lost, every 429/503 had Retry-After, and the server ends up with every slot free. "
+                "Exit 1 on fail.",
+    options=SoakOptions, run=bench_soak, flags=("requests", "seconds", "concurrency_factor", "faults", "seed"),
+    help_text={"requests": "requests to send", "faults": "do not kill the worker"})

@@ -10,8 +10,8 @@ import pytest
 from bench_support import bench_settings, make_plan, session_cache
 
 from engine_bridge.params import EngineParams, TensorOverride
-from tasks.bench_ablate import EXPERTS_ON_CPU, VARIANTS, AblateOptions, bench_ablate, variants
-from tasks.bench_common import llama_cpp_python_defaults, open_bench, save_run
+from tasks.bench.ablate import EXPERTS_ON_CPU, VARIANTS, AblateOptions, bench_ablate, variants
+from tasks.bench.common import llama_cpp_python_defaults, open_bench, save_run
 from tasks.models import Candidate, Placement
 
 

@@ -37,9 +37,9 @@ from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.llama_server import HOST, LlamaServer
 from engine_bridge.params import EngineParams
-from tasks.arrivals_stats import summary_row
-from tasks.arrivals_workload import Workload, chat_messages, chat_turns
-from tasks.bench_common import (
+from tasks.bench.arrivals_stats import summary_row
+from tasks.bench.arrivals_workload import Workload, chat_messages, chat_turns
+from tasks.bench.common import (
     BenchContext,
     BenchError,
     BenchRun,
@@ -47,13 +47,13 @@ from tasks.bench_common import (
     fit_server_args,
     load_avg,
 )
-from tasks.bench_http import Exchange, FluxServe, client_limits, error_body, exchange, json_object
+from tasks.bench.http import Exchange, FluxServe, client_limits, error_body, exchange, json_object
+from tasks.bench.registry import Suite
 from tasks.corpus import load_conversations, sized_prompts
 
 if TYPE_CHECKING:
-    import argparse
 
-    from flows.cmd_bench import BenchSuite
+    pass
 
 log = logging.getLogger(__name__)
 LADDER = (32, 64, 128, 256, 512)  # prompt lengths of the arrivals (those that fit the plan's context)
@@ -299,36 +299,16 @@ def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
 
 
-def _arrivals_args(p: argparse.ArgumentParser) -> None:
-    d = ArrivalsOptions()
-    p.add_argument("plan", help="a unique prefix of a plan id")
-    p.add_argument("--rates", type=_floats, default=d.rates,
-                   help="arrival rates as multiples of the single-stream capacity (default 0.5,1,2)")
-    p.add_argument("--requests", type=int, default=d.requests, help=f"arrivals per rate (default {d.requests})")
-    p.add_argument("--n-gen", type=int, default=d.n_gen, help=f"tokens decoded per request (default {d.n_gen})")
-    p.add_argument("--rounds", type=int, default=d.rounds, help=f"rounds, engines in a new order each (default {d.rounds})")
-    p.add_argument("--chat-turns", type=int, default=d.chat_turns, help=f"turns of the long chat (default {d.chat_turns})")
-    p.add_argument("--capacity", type=float, help="single-stream capacity in requests/s (default: measure it)")
-    p.add_argument("--seed", type=int, default=d.seed)
-
-
-def _arrivals(args: argparse.Namespace) -> int:
-    from flows.cmd_bench import run_plan_suite
-
-    opts = ArrivalsOptions(rates=args.rates, requests=args.requests, n_gen=args.n_gen, rounds=args.rounds,
-                           chat_turns=args.chat_turns, capacity=args.capacity, seed=args.seed)
-    return run_plan_suite(args, bench_arrivals, opts)
-
-
-def bench_suites() -> list[BenchSuite]:
-    """``flux bench arrivals``."""
-    from flows.cmd_bench import BenchSuite
-
-    return [BenchSuite(
-        "arrivals", "replay Poisson arrivals and a long-running chat on Flux and on llama.cpp auto-fit",
-        "Measures the plan's single-stream capacity on flux serve, then replays seeded Poisson arrivals at "
-        "--rates x that capacity (plus one long chat growing its context) on flux serve and on llama-server "
-        "with its automatic fit, same prompts and seeds, engines in a new random order each round. Prints "
-        "p50/p95/p99 TTFT and inter-token latency and throughput per engine and rate, with Flux/llama-server "
-        "ratios. Fail when a Flux request fails or Flux is slower on both TTFT and decode. Exit 1 on fail.",
-        _arrivals_args, _arrivals)]
+SUITE = Suite(
+    name="arrivals", help="replay Poisson arrivals and a long-running chat on Flux and on llama.cpp auto-fit",
+    description="Measures the plan's single-stream capacity on flux serve, then replays seeded Poisson arrivals at "
+                "--rates x that capacity (plus one long chat growing its context) on flux serve and on llama-server "
+                "with its automatic fit, same prompts and seeds, engines in a new random order each round. Prints "
+                "p50/p95/p99 TTFT and inter-token latency and throughput per engine and rate, with Flux/llama-server "
+                "ratios. Fail when a Flux request fails or Flux is slower on both TTFT and decode. Exit 1 on fail.",
+    options=ArrivalsOptions, run=bench_arrivals,
+    flags=("rates", "requests", "n_gen", "rounds", "chat_turns", "capacity", "seed"),
+    parsers={"rates": lambda text: tuple(float(x) for x in text.split(",") if x.strip())},
+    help_text={"rates": "arrival rates as multiples of the single-stream capacity",
+               "rounds": "rounds, engines in a new order each", "chat_turns": "turns of the long chat",
+               "capacity": "single-stream capacity in requests/s (default: measure it)"})

@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine_bridge.params import EngineParams, TensorOverride
-from tasks.bench_common import (
+from tasks.bench.common import (
     BenchContext,
     BenchRun,
     EngineSpec,
@@ -30,7 +30,8 @@ from tasks.bench_common import (
     load_avg,
     plan_engine,
 )
-from tasks.bench_run import (
+from tasks.bench.registry import Suite
+from tasks.bench.run import (
     compare,
     engine_error,
     prompt_lengths,
@@ -171,3 +172,12 @@ def bench_ablate(ctx: BenchContext, opts: AblateOptions, progress: Progress | No
     rows = [_row(n, p, ctx, table, opts, common) if isinstance(p, EngineParams)
             else SummaryRow(baseline=n, verdict="info", detail=p, metrics=common) for n, p in found.items()]
     return BenchRun(suite="ablate", ctx=ctx, rows=rows, raw=table)
+
+
+SUITE = Suite(
+    name="ablate", help="compare the full plan with variants that each undo one of its choices",
+    description="Threads, n_ubatch, flash attention, load mode, KV offload, offload threshold, expert placement: "
+                "each choice the plan made differently from the default is undone in one variant, raced in "
+                "paired rounds; prints what each choice is worth.",
+    options=AblateOptions, run=bench_ablate, flags=("rounds", "prompts", "n_gen", "seed"),
+    help_text={"rounds": "paired rounds", "prompts": "corpus prompts per round", "n_gen": "tokens decoded per prompt"})

@@ -38,8 +38,8 @@ from pydantic import BaseModel, ConfigDict
 from artifacts.model_info import ModelInfo, model_info
 from engine_bridge.gpumem import GpuMemoryMeter
 from engine_bridge.llama_server import LlamaServer
-from tasks.bench_common import BenchContext, BenchError, Progress, TrialTiming
-from tasks.bench_http import FluxServe, client_limits
+from tasks.bench.common import BenchContext, BenchError, Progress, TrialTiming
+from tasks.bench.http import FluxServe, client_limits
 
 log = logging.getLogger(__name__)
 GIB, MIB = 2**30, 2**20
@@ -332,7 +332,7 @@ def model_of(ctx: BenchContext) -> ModelInfo:
 
 def _prompts(ctx: BenchContext, turns: Sequence[Turn], n: int, seed: int) -> dict[str, list[list[int]]]:
     """``n`` distinct corpus prompts per turn, in the model's tokens."""
-    from tasks.bench_run import tokenize_prompts
+    from tasks.bench.run import tokenize_prompts
 
     return {t.name: tokenize_prompts(ctx, [t.prompt] * n, "held_out", seed + k) for k, t in enumerate(turns)}
 
@@ -340,8 +340,8 @@ def _prompts(ctx: BenchContext, turns: Sequence[Turn], n: int, seed: int) -> dic
 def _row(name: str, c: Contender, table: pa.Table, turns: Sequence[Turn], opts: Any,
          extra: dict[str, Any]) -> Any:
     """Plan vs one contender: paired ratios per turn (same round), a verdict on the first turn's speeds."""
-    from tasks.bench_common import SummaryRow, paired_ratio
-    from tasks.bench_run import ratio_row
+    from tasks.bench.common import SummaryRow, paired_ratio
+    from tasks.bench.run import ratio_row
 
     def pair(turn: int, metric: str) -> tuple[list[float], list[float]]:
         by: dict[str, dict[int, float]] = {"plan": {}, name: {}}
@@ -369,7 +369,7 @@ def _row(name: str, c: Contender, table: pa.Table, turns: Sequence[Turn], opts: 
 
 def bench_served(ctx: BenchContext, opts: Any, progress: Progress | None = None) -> Any:
     """The served race (module docstring); one summary row per baseline."""
-    from tasks.bench_common import BenchRun, SummaryRow
+    from tasks.bench.common import BenchRun, SummaryRow
 
     say = progress or log.info
     asked = tuple(Turn(name=f"p{p}-g{g}", prompt=p, gen=g) for p, g in opts.turns) if opts.turns else DEFAULT_TURNS

@@ -1,6 +1,6 @@
 """The arrivals replay's workload shapes: prompts and gaps per rate, and chat turns from agent conversations.
 
-Pure: :func:`tasks.bench_arrivals.make_workload` fills a :class:`Workload` with the plan's own tokens.
+Pure: :func:`tasks.bench.arrivals.make_workload` fills a :class:`Workload` with the plan's own tokens.
 """
 
 from __future__ import annotations

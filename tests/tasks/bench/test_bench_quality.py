@@ -11,8 +11,8 @@ import pytest
 from bench_support import bench_settings, make_plan, session_cache
 
 from engine_bridge.params import EngineParams
-from tasks.bench_common import open_bench, save_run
-from tasks.bench_quality import QualityOptions, bench_quality
+from tasks.bench.common import open_bench, save_run
+from tasks.bench.quality import QualityOptions, bench_quality
 
 OPTS = QualityOptions(n_tokens=6, held_out=(48,), conversations=2, ppl_windows=2, ppl_tokens=48)
 
@@ -60,7 +60,7 @@ def test_raw_rows_cover_prompts_conversations_and_perplexity(stored: dict[str, A
 
 
 def test_a_non_reference_quality_profile_is_info(tmp_path_factory: pytest.TempPathFactory, tiny_moe: Path) -> None:
-    from tasks.bench_quality import _verdict
+    from tasks.bench.quality import _verdict
 
     st, _ = bench_settings(tmp_path_factory.mktemp("bench-quality-kv"), session_cache(tmp_path_factory))
     plan = make_plan(st, tiny_moe, quality_profile="kv-q8_0")

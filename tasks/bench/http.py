@@ -24,14 +24,14 @@ import httpx
 
 from artifacts.config import Settings
 from engine_bridge.llama_server import free_port
-from tasks.bench_common import BenchError
+from tasks.bench.common import BenchError
 
 if TYPE_CHECKING:
 
     pass
 
 log = logging.getLogger(__name__)
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
 # Benchmark clients open a connection per request. llama-server (cpp-httplib) sometimes drops a pooled
 # connection after a streamed chat reply: the next request on it fails at once with "Server disconnected

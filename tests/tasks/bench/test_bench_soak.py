@@ -11,8 +11,8 @@ from bench_support import bench_settings, make_plan, session_cache
 
 from artifacts.config import Settings, load_settings
 from engine_bridge.params import EngineParams
-from tasks.bench_common import BenchContext, BenchError, open_bench, save_run
-from tasks.bench_soak import BEHAVIORS, Exchange, SoakOptions, bench_soak, classify, plan_waves, serve_toml
+from tasks.bench.common import BenchContext, BenchError, open_bench, save_run
+from tasks.bench.soak import BEHAVIORS, Exchange, SoakOptions, bench_soak, classify, plan_waves, serve_toml
 
 # A dense twin ~10x slower than tiny-moe (as tests/server's): a 400-token reply lasts seconds, long enough
 # to kill the worker under it on a busy 2-core machine.
@@ -163,9 +163,8 @@ def test_serve_toml_round_trips_the_settings(tmp_path: Path) -> None:
 
 def test_flux_bench_soak_runs_from_the_cli_and_stores_its_run(ctx: BenchContext, monkeypatch: pytest.MonkeyPatch,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    from flows import cli, cmd_bench
+    from flows import cli
 
-    monkeypatch.setattr(cmd_bench, "SUITE_MODULES", (*cmd_bench.SUITE_MODULES, "tasks.bench_soak"))
     if "flows.cmd_bench" not in cli.COMMAND_MODULES:
         monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, "flows.cmd_bench"))
     args = cli.build_parser().parse_args(["bench", "soak", ctx.plan.id[:12], "--requests", "4", "--seconds", "30",

@@ -9,7 +9,7 @@ is on one side of 1; otherwise the two are the same within noise. A run during w
 average exceeded its CPU count is ``info`` (inconclusive), whatever the ratios say.
 
 Timings come from inside llama.cpp on both sides (the worker's perf counters, llama-server's ``timings``)
-and are normalized to one definition (:class:`tasks.bench_common.TrialTiming`): prefill = prompt tokens
+and are normalized to one definition (:class:`tasks.bench.common.TrialTiming`): prefill = prompt tokens
 over the time to process them, decode = decode steps over their time. Each trial row records its source.
 
 Baselines (a registry, :data:`BASELINES`): ``llama-server`` with its automatic fit (only ``-c``/``-np``),
@@ -32,7 +32,7 @@ from artifacts.model_info import model_info
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.params import EngineParams
-from tasks.bench_common import (
+from tasks.bench.common import (
     BenchContext,
     BenchError,
     BenchRun,
@@ -48,6 +48,7 @@ from tasks.bench_common import (
     paired_ratio,
     plan_engine,
 )
+from tasks.bench.registry import Suite, csv
 from tasks.corpus import sized_prompts
 
 log = logging.getLogger(__name__)
@@ -67,12 +68,14 @@ class RunOptions(BaseModel):
     rounds: int = Field(3, ge=1, le=50)
     prompts: int = Field(3, ge=1, le=20, description="corpus prompts per round (64, 256, 1024, ... tokens)")
     n_gen: int = Field(32, ge=2, le=1024, description="tokens decoded per prompt")
-    baselines: tuple[str, ...] = ("llama-server", "defaults", "n-cpu-moe")
+    baselines: tuple[str, ...] = Field((), description=(
+        "baselines to race (default: all of the chosen --via: llama-server, defaults, n-cpu-moe for worker; "
+        "fit, n-cpu-moe, most-ngl for serve)"))
     seed: int = 0
     n_boot: int = Field(4000, ge=100)
     via: Literal["worker", "serve"] = Field("worker", description=(
         "worker: the plan in an engine worker, each engine restarted every round; serve: the plan served by "
-        "flux serve against llama-server at the plan's GPU budget and context (tasks.bench_served)"))
+        "flux serve against llama-server at the plan's GPU budget and context"))
     turns: tuple[tuple[int, int], ...] = Field((), description="serve: (prompt, generated) tokens per turn")
     gpu_mem_budget_gib: list[float] | None = Field(None, description="serve: GiB per GPU (default: the plan's)")
 
@@ -266,10 +269,12 @@ def bench_run(ctx: BenchContext, opts: RunOptions, progress: Progress | None = N
         BenchError: an unknown baseline name.
     """
     if opts.via == "serve":
-        from tasks.bench_served import bench_served
+        from tasks.bench.served import bench_served
 
-        run: BenchRun = bench_served(ctx, opts, progress)
+        run: BenchRun = bench_served(ctx, opts.model_copy(update={"baselines": opts.baselines or SERVED_BASELINES}),
+                                     progress)
         return run
+    opts = opts.model_copy(update={"baselines": opts.baselines or tuple(BASELINES)})
     unknown = [b for b in opts.baselines if b not in BASELINES]
     if unknown:
         raise BenchError(f"unknown baseline(s) {', '.join(unknown)}: choose from {', '.join(BASELINES)}")
@@ -285,3 +290,34 @@ def bench_run(ctx: BenchContext, opts: RunOptions, progress: Progress | None = N
     rows = [_verdict_row(name, r, table, opts, common) if isinstance(r, EngineSpec)
             else SummaryRow(baseline=name, verdict="info", detail=r, metrics=common) for name, r in resolved.items()]
     return BenchRun(suite="run", ctx=ctx, rows=rows, raw=table)
+
+
+def _turns(text: str) -> tuple[tuple[int, int], ...]:
+    """``PROMPT:GEN,...`` pairs of positive integers."""
+    try:
+        pairs = [tuple(int(x) for x in part.split(":")) for part in csv(text)]
+    except ValueError:
+        raise ValueError(f"expected PROMPT:GEN pairs, e.g. 512:128,2048:32, got {text!r}") from None
+    if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+        raise ValueError(f"expected PROMPT:GEN pairs of positive integers, got {text!r}")
+    return tuple((a, b) for a, b in pairs)
+
+
+def _floats(text: str) -> list[float]:
+    """Comma-separated numbers."""
+    return [float(x) for x in csv(text)]
+
+
+SUITE = Suite(
+    name="run", help="race the plan against llama-server auto-fit and llama-cpp-python defaults",
+    description="Paired, randomized rounds on the same corpus prompts, each engine started fresh per round; prints "
+                "prefill and decode ratios plan/baseline with 95% bootstrap intervals and a verdict (faster, same "
+                "within noise, slower; fail if slower). With --via serve: the plan served by flux serve against "
+                "llama-server --fit, the best --n-cpu-moe and the most -ngl at the plan's GPU budget and context. "
+                "Exit 1 on fail.",
+    options=RunOptions, run=bench_run,
+    flags=("rounds", "prompts", "n_gen", "baselines", "via", "turns", "gpu_mem_budget_gib", "seed"),
+    rename={"gpu_mem_budget_gib": "--gpu-mem-budget"},
+    parsers={"baselines": csv, "turns": _turns, "gpu_mem_budget_gib": _floats},
+    help_text={"turns": "with --via serve: PROMPT:GEN tokens per turn, e.g. 512:128,2048:32 (the default)",
+               "gpu_mem_budget_gib": "with --via serve: GiB per GPU for the baselines (default: the plan's budget)"})

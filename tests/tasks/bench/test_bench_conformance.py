@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from bench_support import bench_settings, make_plan, session_cache
 
-from tasks.bench_common import open_bench, save_run
-from tasks.bench_conformance import (
+from tasks.bench.common import open_bench, save_run
+from tasks.bench.conformance import (
     CHECKS,
     NEAR_TIE,
     TIE_NATS,
@@ -18,7 +18,7 @@ from tasks.bench_conformance import (
     bench_conformance,
     near_tie,
 )
-from tasks.conformance_rules import EXPLAINED, Finding, explain
+from tasks.bench.conformance_rules import EXPLAINED, Finding, explain
 
 OPTS = ConformanceOptions(n_gen=8, prompts=(32,), conversations=2, corpus_chars=300)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.bench_common import RatioCI, SummaryRow, paired_ratio
+from tasks.bench.common import RatioCI, SummaryRow, paired_ratio
 
 PCTS = (50, 95, 99)
 

@@ -1,7 +1,7 @@
 """What one soak request's client saw, reduced to an outcome and its reason, and whether an injected
 worker kill was recovered from (``flux bench soak``).
 
-Pure: it reads :class:`~tasks.bench_http.Exchange` records (the request, its resume, the journal's
+Pure: it reads :class:`~tasks.bench.http.Exchange` records (the request, its resume, the journal's
 replay) and the soak's rows, and never touches the network.
 """
 
@@ -11,8 +11,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tasks.bench_common import SummaryRow
-from tasks.bench_http import Exchange, Outcome, error_body, finish_reason, json_object
+from tasks.bench.common import SummaryRow
+from tasks.bench.http import Exchange, Outcome, error_body, finish_reason, json_object
 
 
 def _ids_problem(events: list[tuple[int | None, str]], start: int) -> str | None:

@@ -11,8 +11,8 @@ from bench_support import bench_settings, make_plan, session_cache
 
 from engine_bridge.llama_server import LlamaServer, LlamaServerError
 from engine_bridge.params import EngineParams
-from tasks.bench_common import BenchContext, EngineSpec, open_bench, save_run
-from tasks.bench_run import RunOptions, bench_run, race
+from tasks.bench.common import BenchContext, EngineSpec, open_bench, save_run
+from tasks.bench.run import RunOptions, bench_run, race
 
 ROUNDS = 2
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from artifacts.errors import NotFound
 from engine_bridge.params import EngineParams
-from tasks.bench_common import (
+from tasks.bench.common import (
     SUMMARY_SCHEMA,
     BenchError,
     BenchRun,
@@ -28,7 +28,7 @@ from tasks.bench_common import (
     paired_ratio,
     save_run,
 )
-from tasks.bench_run import prompt_lengths
+from tasks.bench.run import prompt_lengths
 
 speeds = st.lists(st.floats(min_value=0.1, max_value=1e4), min_size=2, max_size=30)
 

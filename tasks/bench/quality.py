@@ -28,7 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine_bridge.client import WorkerClient
 from engine_bridge.params import EngineParams
-from tasks.bench_common import BenchContext, BenchRun, Progress, SummaryRow, Verdict, load_avg
+from tasks.bench.common import BenchContext, BenchRun, Progress, SummaryRow, Verdict, load_avg
+from tasks.bench.registry import Suite
 from tasks.corpus import conversation_text, load_conversations, sized_prompts
 from tasks.quality_gate import compare
 from tasks.validate import reference_params
@@ -166,3 +167,14 @@ def bench_quality(ctx: BenchContext, opts: QualityOptions, progress: Progress | 
     row = SummaryRow(baseline="reference", verdict=verdict, detail=detail, n_samples=int(kl_all.size), metrics=metrics)
     raw = pa.Table.from_pylist([{f.name: r.get(f.name) for f in RAW_SCHEMA} for r in rows], schema=RAW_SCHEMA)
     return BenchRun(suite="quality", ctx=ctx, rows=[row], raw=raw)
+
+
+SUITE = Suite(
+    name="quality", help="compare the plan with the reference placement: KL, top-1, perplexity",
+    description="Greedy continuations of held-out prompts and agent conversations scored by both configurations "
+                "(mean/max KL, top-1 agreement) and teacher-forced perplexity of held-out text. Pass within the "
+                "limits the plan was validated with (the noise floor of correct kernels; else [plan] max_kl and "
+                "min_top1); info for a non-reference quality profile. Exit 1 on fail.",
+    options=QualityOptions, run=bench_quality, flags=("n_tokens", "conversations", "ppl_windows", "seed"),
+    rename={"n_tokens": "--tokens"},
+    help_text={"conversations": "agent conversations compared", "ppl_windows": "held-out text windows for perplexity"})

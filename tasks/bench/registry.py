@@ -1,0 +1,65 @@
+"""The bench suite registry: each suite module declares one :class:`Suite`; ``flux bench`` is built from them.
+
+A suite's flags are its options model's fields, named ``--field-name`` unless ``rename`` says otherwise, typed
+and documented by the model (a bool that defaults to true becomes ``--no-field-name``; a ``Literal`` becomes a
+choice; tuples and lists take comma-separated values). Adding a suite is adding a module with ``SUITE`` in this
+package: nothing else changes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from tasks.bench.common import BenchContext, BenchRun, Progress
+
+RunFn = Callable[[BenchContext, Any, Progress | None], BenchRun]
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One ``flux bench`` suite.
+
+    Attributes:
+        flags: the option fields offered as flags, in the order ``--help`` lists them.
+        rename: field -> flag name where it differs from ``--field-name`` (e.g. ``n_tokens`` -> ``--tokens``).
+        parsers: field -> parser of the flag's text, where the field's type alone does not say.
+        help_text: field -> help where the field's description is not what a user needs.
+    """
+
+    name: str
+    help: str
+    description: str
+    options: type[BaseModel]
+    run: RunFn
+    flags: tuple[str, ...]
+    rename: Mapping[str, str] = field(default_factory=dict)
+    parsers: Mapping[str, Callable[[str], Any]] = field(default_factory=dict)
+    help_text: Mapping[str, str] = field(default_factory=dict)
+
+    def flag(self, name: str) -> str:
+        """The command-line flag of option field ``name``."""
+        return self.rename.get(name) or "--" + name.replace("_", "-")
+
+
+def suites() -> dict[str, Suite]:
+    """Every suite this package declares, by name, in module order."""
+    import tasks.bench as package
+
+    out: dict[str, Suite] = {}
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+        suite = getattr(importlib.import_module(f"tasks.bench.{info.name}"), "SUITE", None)
+        if isinstance(suite, Suite):
+            out[suite.name] = suite
+    order = ("run", "quality", "conformance", "soak", "arrivals", "ablate")
+    return dict(sorted(out.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0])))
+
+
+def csv(text: str) -> tuple[str, ...]:
+    """Comma-separated values."""
+    return tuple(x.strip() for x in text.split(",") if x.strip())

@@ -1,0 +1,109 @@
+"""The layering the architecture promises, checked on the source (imports parsed, nothing run).
+
+- flows/ composes; no module of tasks/, artifacts/, engine_bridge/ or server/ imports flows;
+- only engine_bridge imports llama_cpp (the worker links llama.cpp), only artifacts imports duckdb;
+- the worker-side package ``engine_bridge.worker`` is spawned, never imported, by any other package;
+- no import cycles between modules (module-level imports; those under ``TYPE_CHECKING`` and inside
+  functions are excluded: they do not run at import time).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("flows", "tasks", "artifacts", "engine_bridge", "server")
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            rel = path.relative_to(REPO).with_suffix("")
+            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            out[".".join(parts)] = path
+    return out
+
+
+def _resolve(mod: str, node: ast.ImportFrom, is_pkg: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    base = base[: len(base) - node.level + 1]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def imports(mod: str, path: Path, top_level_only: bool) -> set[str]:
+    """Modules ``mod`` imports (at module level only, when asked)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(mod, node, path.name == "__init__.py")
+                out.add(base)
+                out.update(f"{base}.{a.name}" for a in node.names)
+            elif not top_level_only:
+                visit(list(ast.iter_child_nodes(node)))  # type: ignore[arg-type]
+            elif isinstance(node, ast.If | ast.Try | ast.With):
+                visit(node.body)  # conditional module-level imports still run at import time
+
+    if top_level_only:
+        visit(tree.body)
+    else:
+        for node in ast.walk(tree):
+            visit([node]) if isinstance(node, ast.Import | ast.ImportFrom) else None
+    return out
+
+
+MODS = modules()
+
+
+@pytest.mark.parametrize("mod", sorted(m for m in MODS if not m.startswith("flows")))
+def test_only_flows_composes(mod: str) -> None:
+    bad = sorted(i for i in imports(mod, MODS[mod], False) if i == "flows" or i.startswith("flows."))
+    assert not bad, f"{mod} imports {bad}: flows composes the packages, never the other way"
+
+
+@pytest.mark.parametrize(("lib", "owner"), [("llama_cpp", "engine_bridge"), ("duckdb", "artifacts")])
+def test_native_and_database_libraries_have_one_owner(lib: str, owner: str) -> None:
+    users = sorted(m for m, p in MODS.items() if any(i == lib or i.startswith(lib + ".")
+                                                   for i in imports(m, p, False)))
+    assert all(m.split(".")[0] == owner for m in users), f"{lib} imported outside {owner}: {users}"
+
+
+def test_the_worker_package_is_spawned_not_imported() -> None:
+    users = sorted(m for m, p in MODS.items() if not m.startswith("engine_bridge.worker")
+                   and any(i == "engine_bridge.worker" or i.startswith("engine_bridge.worker.")
+                           for i in imports(m, p, False)))
+    assert not users, f"client-side modules import the worker side: {users}"
+
+
+def test_no_import_cycles() -> None:
+    graph = {m: {i for i in imports(m, p, True) if i in MODS and i != m} for m, p in MODS.items()}
+    seen: dict[str, int] = {}
+    stack: list[str] = []
+
+    def dfs(m: str) -> list[str] | None:
+        seen[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if seen.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in seen and (cycle := dfs(n)):
+                return cycle
+        seen[m] = 2
+        stack.pop()
+        return None
+
+    for m in sorted(graph):
+        if m not in seen and (cycle := dfs(m)):
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
