@@ -18,7 +18,7 @@ trained context):
 
 Nothing here plans, times or races on its own: it drives the ``flux`` commands and reads what they stored.
 
-    python3 scripts/bench_gpu.py --out DIR --model-dir DIR --pairs qwen3-30b-a3b:8,qwen3-30b-a3b:12@8192 \\
+    python3 scripts/bench_gpu.py --out DIR --model-dir DIR --pairs qwen3-30b-a3b/skewed:8,qwen3-30b-a3b:12@8192 \\
         [--plan-budget-s 300] [--rounds 3] [--run NAME]
     python3 scripts/bench_gpu.py --import --out DIR      # put DIR's record into the store (table bench_gpu)
 """
@@ -58,21 +58,30 @@ def flux(*args: str, out: Path, name: str, timeout_s: float = 3600) -> subproces
     return proc
 
 
-def parse_pair(text: str) -> tuple[str, float, int | None]:
-    """``MODEL:BUDGET[@CTX]`` → (model, budget GiB, ctx or None)."""
+def parse_pair(text: str) -> tuple[str, str, float, int | None]:
+    """``MODEL[/ROUTING]:BUDGET[@CTX]`` → (model, routing, budget GiB, ctx or None)."""
     model, _, rest = text.partition(":")
+    model, _, routing = model.partition("/")
     budget, _, ctx = rest.partition("@")
+    if routing not in ("", "uniform", "skewed"):
+        raise SystemExit(f"--pairs {text!r}: routing must be uniform or skewed, e.g. qwen3-30b-a3b/skewed:10")
     try:
-        return model, float(budget or 0), int(ctx) if ctx else None
+        return model, routing or "uniform", float(budget or 0), int(ctx) if ctx else None
     except ValueError:
-        raise SystemExit(f"--pairs {text!r}: expected MODEL:BUDGET or MODEL:BUDGET@CTX, e.g. qwen3-30b-a3b:12@8192") from None
+        raise SystemExit(f"--pairs {text!r}: expected MODEL[/ROUTING]:BUDGET[@CTX], e.g. qwen3-30b-a3b/skewed:12@8192") from None
 
 
-def twin(model_dir: Path, preset: str, extra: list[str], out: Path) -> Path:
+def twin_path(model_dir: Path, preset: str, routing: str) -> Path:
+    """Where the twin of ``preset`` with ``routing`` lives (scripts/gpu-e2e.sh writes the same names)."""
+    return model_dir / (f"{preset}-Q4_0.gguf" if routing == "uniform" else f"{preset}-{routing}-Q4_0.gguf")
+
+
+def twin(model_dir: Path, preset: str, routing: str, extra: list[str], out: Path) -> Path:
     """The twin file, written once by ``flux synth``."""
-    path = model_dir / f"{preset}-Q4_0.gguf"
+    path = twin_path(model_dir, preset, routing)
     if not path.exists():
-        proc = flux("synth", "--like", preset, "--quant", "Q4_0", "-o", str(path), *extra, out=out, name=f"synth-{preset}")
+        proc = flux("synth", "--like", preset, "--quant", "Q4_0", "--routing", routing, "-o", str(path), *extra,
+                    out=out, name=f"synth-{preset}-{routing}")
         if proc.returncode != 0:
             raise SystemExit(f"flux synth failed: {proc.stderr[-500:]}")
     return path
@@ -101,7 +110,7 @@ def plan_facts(plan_id: str) -> dict[str, Any]:
     store = Store(load_settings().data_dir)
     plan = Plan.model_validate(store.get_json("plan", store.find("plan", plan_id)))
     c = plan.candidate
-    return {"plan_family": c.family, "plan_flags": " ".join(c.params.cli_args()), "ctx": c.params.n_ctx,
+    return {**whole_tensor_facts(plan), "plan_family": c.family, "plan_flags": " ".join(c.params.cli_args()), "ctx": c.params.n_ctx,
             "plan_prefill_tps": plan.measured.prefill_tps, "plan_decode_tps": plan.measured.decode_tps,
             "plan_workload_s": plan.measured.workload_s, "plan_workload_iqr": plan.measured.workload_iqr,
             "plan_rounds": plan.measured.n_rounds, "plan_kv_gpu_gib": sum(b for d, b in c.kv_bytes.items() if d != "CPU") / GIB,
@@ -109,9 +118,24 @@ def plan_facts(plan_id: str) -> dict[str, Any]:
             "plan_kl_limit": plan.kl_limit, "plan_top1": plan.validation.top1_agreement}
 
 
-def record_row(run: str, preset: str, budget: float, plan_id: str, plan_s: float, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def whole_tensor_facts(plan: Any) -> dict[str, Any]:
+    """The plan against the best whole-tensor finalist its own measurement raced (experts-hot plans only):
+    the same `flux plan` run timed both in its paired rounds."""
+    whole = [s for s in plan.finalists if plan.families.get(s.candidate_id, "experts-hot") != "experts-hot"
+             and s.decode_tps and s.workload_s]
+    best = min(whole, key=lambda s: s.workload_s, default=None)
+    if best is None or plan.candidate.family != "experts-hot":
+        return {}
+    m = plan.measured
+    return {"whole_id": best.candidate_id, "whole_family": plan.families[best.candidate_id],
+            "whole_decode_tps": best.decode_tps, "whole_prefill_tps": best.prefill_tps,
+            "tg_vs_whole": (m.decode_tps or 0) / best.decode_tps,
+            "workload_vs_whole": best.workload_s / m.workload_s if m.workload_s else None}
+
+
+def record_row(run: str, preset: str, routing: str, budget: float, plan_id: str, plan_s: float, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One record row from the plan and the race's summary rows."""
-    out: dict[str, Any] = {"run": run, "model": preset, "budget_gib": budget, "plan_id": plan_id, "plan_s": plan_s,
+    out: dict[str, Any] = {"run": run, "model": preset, "routing": routing, "budget_gib": budget, "plan_id": plan_id, "plan_s": plan_s,
                            **plan_facts(plan_id)}
     for r in rows:
         key = BASELINE_KEYS.get(r["baseline"])
@@ -166,9 +190,9 @@ def main() -> int:
         return 0
     args.model_dir.mkdir(parents=True, exist_ok=True)
     for text in args.pairs.split(","):
-        preset, budget, ctx = parse_pair(text)
-        model = twin(args.model_dir, preset, args.synth.split(), args.out)
-        tag = f"{preset}-{budget:g}" + (f"@{ctx}" if ctx else "")
+        preset, routing, budget, ctx = parse_pair(text)
+        model = twin(args.model_dir, preset, routing, args.synth.split(), args.out)
+        tag = f"{preset}-{routing}-{budget:g}" + (f"@{ctx}" if ctx else "")
         plan_args = ["plan", str(model), *(["--gpu-mem-budget", f"{budget:g}"] if budget else []),
                      *(["--ctx", str(ctx)] if ctx else []),
                      *(["--budget-s", f"{args.plan_budget_s:g}"] if args.plan_budget_s else [])]
@@ -177,7 +201,7 @@ def main() -> int:
         plan_s = time.monotonic() - t0
         if proc.returncode != 0:
             log(f"{tag}: flux plan failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
-            write_rows([{"run": args.run, "model": preset, "budget_gib": budget, "plan_s": plan_s,
+            write_rows([{"run": args.run, "model": preset, "routing": routing, "budget_gib": budget, "plan_s": plan_s,
                          "error": proc.stderr.strip()[-500:]}], args.out / RESULTS)
             continue
         plan_id = proc.stdout.strip().splitlines()[-1]
@@ -189,8 +213,8 @@ def main() -> int:
         got = summary_rows(plan_id, t1)
         if not got:
             log(f"{tag}: flux bench run stored nothing ({bench.returncode}): {bench.stderr.strip()[-300:]}")
-        row = record_row(args.run, preset, budget, plan_id, plan_s, got)
-        log(f"{tag}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k.endswith(("_vs_fit", "_vs_plan_decode"))
+        row = record_row(args.run, preset, routing, budget, plan_id, plan_s, got)
+        log(f"{tag}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k.endswith(("_vs_fit", "_vs_whole", "_vs_plan_decode"))
                                    and isinstance(v, float)))
         write_rows([row], args.out / RESULTS)
     store_results(args.out)

@@ -9,7 +9,7 @@
 #      (scripts/bench_gpu.py drives those commands and writes the record);
 #   5. `flux serve` of the first plan, answered by the `openai` client (chat, streamed chat, models).
 #
-#   scripts/gpu-e2e.sh OUT [MODEL:BUDGET[@CTX],...] [bench_gpu.py flags...]
+#   scripts/gpu-e2e.sh OUT [MODEL[/ROUTING]:BUDGET[@CTX],...] [bench_gpu.py flags...]   (ROUTING: uniform, skewed)
 #
 # Steps that are already done (wheels installed, backend built, twins written) are skipped, so the same
 # command can continue in a second call on a machine that stayed warm. FLUX_E2E_STEPS=setup stops after
@@ -47,12 +47,15 @@ fi
 
 # 3. twins
 mkdir -p "$MODELS"
-for m in $(echo "$PAIRS" | tr ',' '\n' | cut -d: -f1 | sort -u); do
+for mr in $(echo "$PAIRS" | tr ',' '\n' | cut -d: -f1 | sort -u); do
+  m=${mr%%/*}; r=uniform; [ "$mr" = "$m" ] || r=${mr#*/}
+  f="$MODELS/$m-Q4_0.gguf"; [ "$r" = uniform ] || f="$MODELS/$m-$r-Q4_0.gguf"  # bench_gpu.py's twin_path
   # artifacts.synth directly (what `flux synth` runs): it needs no database, so it runs before the second
   # call's wheels (DuckDB, Prefect) have arrived
-  [ -f "$MODELS/$m-Q4_0.gguf" ] || { python3 -c "import sys; from pathlib import Path; from artifacts.synth import synthesize
-synthesize(sys.argv[1], Path(sys.argv[2]), quant='Q4_0')" "$m" "$MODELS/$m-Q4_0.gguf" >> "$OUT/synth.log" 2>&1
-                                     say "synthesized $m"; }
+  [ -f "$f" ] || { python3 -c "import sys; from pathlib import Path; from artifacts.synth import synthesize
+r = sys.argv[3]; synthesize(sys.argv[1], Path(sys.argv[2]), quant='Q4_0', overrides=None if r == 'uniform' else {'routing': r})" \
+                     "$m" "$f" "$r" >> "$OUT/synth.log" 2>&1
+                   say "synthesized $m ($r routing)"; }
 done
 [ "${FLUX_E2E_STEPS:-all}" = setup ] && { say "setup done"; exit 0; }
 

@@ -262,6 +262,7 @@ class Plan(_Model):
     predicted: Prediction
     validation: ValidationResult
     finalists: list[MeasureSummary]
+    families: dict[str, str] = Field(default_factory=dict, description="each finalist's family, by candidate id")
     predictions: list[Prediction]
     median_prediction_error: float | None
     roofline_decode_tps: float | None

@@ -18,6 +18,7 @@ import pyarrow as pa
 from artifacts.ids import content_id
 from artifacts.store import Store
 from tasks.models import (
+    Candidate,
     Finalists,
     HardwareReport,
     MeasureResults,
@@ -101,10 +102,27 @@ def plan_notes(space: PlacementSpace, finalists: Finalists, measured: MeasureRes
                 "over rounds; the ranking is the whole round's time)")
             notes.append(f"{s.candidate_id} prefilled and decoded faster ({s.prefill_tps:.1f} / {s.decode_tps:.1f} "
                          f"tok/s vs {win_s.prefill_tps:.1f} / {win_s.decode_tps:.1f}) but was not chosen: {why}")
+    notes += expert_split_notes(by_id, sums, win.id)
     if win_s.n_rounds < 2:
         notes.append(f"measured in {win_s.n_rounds} round(s) only: no spread (the budget of {measured.budget_s:g} s "
                      "ran out); a larger --budget-s gives more")
     return notes
+
+
+def expert_split_notes(by_id: dict[str, Candidate], sums: dict[str, MeasureSummary], win_id: str) -> list[str]:
+    """Per-expert placement against whole expert tensors, as this run measured them: the best finalist of
+    each kind (by workload time), when both were measured."""
+    def best(hot: bool) -> MeasureSummary | None:
+        got = [s for i, s in sums.items() if s.workload_s and s.decode_tps and (by_id[i].family == "experts-hot") == hot
+               and by_id[i].placement.gpu_layers() > 0]
+        return min(got, key=lambda s: s.workload_s or 0.0, default=None)
+    hot, whole = best(True), best(False)
+    if hot is None or whole is None or win_id not in (hot.candidate_id, whole.candidate_id):
+        return []
+    return [f"per-expert placement ({hot.candidate_id}): decode {hot.decode_tps:.1f} tok/s, workload "
+            f"{hot.workload_s:.2f} s; the best whole-tensor finalist ({whole.candidate_id}, {by_id[whole.candidate_id].family}): "
+            f"{whole.decode_tps:.1f} tok/s, {whole.workload_s:.2f} s; "
+            f"{'per-expert' if win_id == hot.candidate_id else 'whole-tensor'} won"]
 
 
 def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: str, hw: HardwareReport,
@@ -128,7 +146,8 @@ def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: s
         "measured": next(s for s in summaries if s.candidate_id == win).model_dump(),
         "predicted": next(p for p in finalists.predictions if p.candidate_id == win).model_dump(),
         "validation": next(r for r in validation.results if r.candidate_id == win).model_dump(),
-        "finalists": [s.model_dump() for s in summaries], "predictions": [p.model_dump() for p in finalists.predictions],
+        "finalists": [s.model_dump() for s in summaries], "families": {c.id: c.family for c in finalists.finalists},
+        "predictions": [p.model_dump() for p in finalists.predictions],
         "median_prediction_error": prediction_error(finalists, summaries),
         "roofline_decode_tps": roofline_decode_tps, "memory_budget": memory_limits, "trials_table": trials_id,
         "quality_profile": validation.quality_profile, "workload_prefill_share": prefill_share,
