@@ -28,6 +28,7 @@ from artifacts.ids import content_id
 from artifacts.model_info import ModelInfo
 from artifacts.store import Store
 from engine_bridge.backend import backend_info
+from engine_bridge.errors import EngineError
 from engine_bridge.params import EngineParams
 from engine_bridge.routing_trace import routing_table
 from flows import workload as wl
@@ -199,7 +200,11 @@ def route_stage(ctx: PlanContext, hw: HardwareReport) -> RoutingProfile | None:
                  100 * prof.coverage(0.25), 100 * prof.coverage(0.5))
         return prof
 
-    return cached(ctx.store, "routing_profile", _route_key(ctx), RoutingProfile, run)
+    try:
+        return cached(ctx.store, "routing_profile", _route_key(ctx), RoutingProfile, run)
+    except EngineError as e:  # the plan is still made, from whole expert tensors
+        log.warning("route: the routing trace failed (%s); planning without per-expert placement", e)
+        return None
 
 
 def _space_key(ctx: PlanContext, hw: HardwareReport, routing: RoutingProfile | None = None) -> dict[str, Any]:

@@ -62,7 +62,9 @@ def trace(model: Path, prompts: list[list[int]], params: EngineParams, log_path:
     """Count the router's picks of every layer over ``prompts`` (prefilled, then TRACE_GEN greedy tokens each)."""
     req = RoutingRequest(model=str(model), params=params, prompts=tuple(tuple(p) for p in trace_prompts(prompts)),
                          n_gen=TRACE_GEN)
-    with WorkerClient(log_path=log_path, env=params.environment()) as w:
+    # On the CPU with the GPUs hidden (as the probe's CPU kernels): the router's picks do not depend on the
+    # device, and a CUDA build's evaluation callback crashed the worker reading ids computed on the GPU.
+    with WorkerClient(log_path=log_path, env={**params.environment(), "CUDA_VISIBLE_DEVICES": ""}) as w:
         return trace_routing(w, req, timeout=timeout_s)
 
 
