@@ -24,14 +24,20 @@ import signal
 import sys
 from collections.abc import AsyncGenerator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from pydantic import BaseModel
+
+from engine_bridge import ops
 from engine_bridge.errors import EngineError, ProtocolMismatch, WorkerDied, WorkerTimeout
 from engine_bridge.protocol import PROTOCOL_VERSION, decode, encode
 
+A = TypeVar("A", bound=BaseModel)
+R = TypeVar("R", bound=BaseModel)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # ops whose streams are cancelled by a follow-up op naming the stream's args["rid"]
-CANCEL_OPS = {"generate": "cancel"}
+CANCEL_OPS = {ops.GENERATE.name: ops.CANCEL.name}
 _LINE_LIMIT = 1 << 26  # a tokenize result of a long text is one long line
 _DIED = object()
 
@@ -76,7 +82,7 @@ class AsyncWorker:
                 log.close()  # the child holds its own descriptor
         self._eof = False
         self._reader = asyncio.create_task(self._read(self.proc), name=f"worker-{self.proc.pid}-reader")
-        hello = await self.call("hello", timeout=self.hello_timeout_s)
+        hello = await self.call(ops.HELLO.name, timeout=self.hello_timeout_s)
         if hello.get("protocol") != PROTOCOL_VERSION:
             self.kill()
             raise ProtocolMismatch(PROTOCOL_VERSION, hello.get("protocol"))
@@ -252,3 +258,21 @@ class AsyncWorker:
                 if "result" in msg:
                     result = msg["result"]
         return result
+
+    # -- typed ops (engine_bridge.ops) ---------------------------------------------------------------
+    async def request(self, spec: ops.OpSpec[A, R], args: A | None = None, timeout: float = 120.0) -> R:
+        """Run one op: ``args`` (its argument model; None for ops without arguments) in, its result model out."""
+        raw = args.model_dump(mode="json") if args is not None else {}
+        return spec.result.model_validate(await self.call(spec.name, raw, timeout))
+
+    async def tokenize(self, text: str, special: bool = True, add_special: bool = False,
+                       timeout: float = 120.0) -> list[int]:
+        """Token ids of ``text`` in the serving engine."""
+        args = ops.TokenizeArgs(text=text, special=special, add_special=add_special)
+        return (await self.request(ops.TOKENIZE, args, timeout)).tokens
+
+    def generate(self, args: Mapping[str, Any], timeout: float = 120.0) -> AsyncGenerator[dict[str, Any], None]:
+        """A ``generate`` stream (:class:`~engine_bridge.ops.GenerateArgs` fields; the worker validates them):
+        token events, then ``{"result": ...}``. Its arguments go as they are: a long prompt is not validated
+        twice on the way to its first token."""
+        return self.stream(ops.GENERATE.name, args, timeout)

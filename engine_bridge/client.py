@@ -7,6 +7,7 @@ imports llama_cpp: planning, benchmarks and the server all drive llama.cpp throu
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import queue
@@ -14,12 +15,18 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
+from pydantic import BaseModel
+
+from engine_bridge import ops
 from engine_bridge.errors import EngineError, ProtocolMismatch, WorkerDied, WorkerTimeout
 from engine_bridge.protocol import PROTOCOL_VERSION, decode, encode
+
+A = TypeVar("A", bound=BaseModel)
+R = TypeVar("R", bound=BaseModel)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _EOF = object()
@@ -53,7 +60,7 @@ class WorkerClient:
             stderr=self._log if self._log is not None else subprocess.DEVNULL, env=env,
             start_new_session=True, cwd=str(REPO_ROOT))
         threading.Thread(target=self._read, args=(self.proc,), daemon=True, name="worker-reader").start()
-        hello = self.call("hello", timeout=self.hello_timeout_s)
+        hello = self.call(ops.HELLO.name, timeout=self.hello_timeout_s)
         if hello.get("protocol") != PROTOCOL_VERSION:
             self.kill()
             raise ProtocolMismatch(PROTOCOL_VERSION, hello.get("protocol"))
@@ -170,3 +177,30 @@ class WorkerClient:
             if "result" in msg:
                 result = msg["result"]
         return result
+
+    # -- typed ops (engine_bridge.ops) ---------------------------------------------------------------
+    def request(self, spec: ops.OpSpec[A, R], args: A | None = None, timeout: float = 120.0) -> R:
+        """Run one op: ``args`` (its argument model; None for ops without arguments) in, its result model out."""
+        raw = args.model_dump(mode="json") if args is not None else {}
+        return spec.result.model_validate(self.call(spec.name, raw, timeout))
+
+    def tokenize(self, text: str, special: bool = True, add_special: bool = False, timeout: float = 120.0) -> list[int]:
+        """Token ids of ``text`` in the loaded model or serving engine."""
+        args = ops.TokenizeArgs(text=text, special=special, add_special=add_special)
+        return self.request(ops.TOKENIZE, args, timeout).tokens
+
+    def detokenize(self, tokens: list[int], special: bool = False, timeout: float = 120.0) -> str:
+        """Text of ``tokens`` in the loaded model or serving engine."""
+        return self.request(ops.DETOKENIZE, ops.DetokenizeArgs(tokens=tokens, special=special), timeout).text
+
+
+@contextlib.contextmanager
+def tokenizer(model: Path, log_path: Path | None = None, timeout: float = 300.0) -> Iterator[Callable[[str], list[int]]]:
+    """Text → this model's token ids (control tokens parsed, no BOS), while the block runs: one worker holding
+    ``model`` in a small context on the CPU (the vocabulary is all it needs; the GPUs stay untouched)."""
+    from engine_bridge.params import EngineParams
+
+    params = EngineParams(n_ctx=256, n_batch=64, n_ubatch=64)
+    with WorkerClient(log_path=log_path, env={"CUDA_VISIBLE_DEVICES": ""}) as w:
+        w.request(ops.LOAD, ops.LoadArgs(model=str(model), params=params), timeout)
+        yield lambda text: w.tokenize(text, timeout=timeout)

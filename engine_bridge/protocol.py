@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: typed ops (engine_bridge.ops); load without logits_all
 
 
 def encode(msg: dict[str, Any]) -> bytes:

@@ -1,8 +1,8 @@
 """Routing traces: per-layer expert selection counts of a model on a workload, as the planner stores them.
 
-The worker op ``routing_counts`` (:func:`trace_routing` here is its typed client call) loads a model with a
+The worker op ``routing_counts`` (:data:`engine_bridge.ops.ROUTING_COUNTS`) loads a model with a
 plan's :class:`~engine_bridge.params.EngineParams`, prefills and greedily decodes the workload's prompts, and
-counts which experts llama.cpp's router selected in every layer (see :mod:`engine_bridge.routing`).
+counts which experts llama.cpp's router selected in every layer (see :mod:`engine_bridge.worker.routing`).
 :func:`routing_table` turns the counts into the store's table (columns ``layer``, ``expert``, ``count``, with the
 model's identity in the schema metadata) and :func:`check_routing_table` refuses a table recorded for another
 model. Nothing here imports llama_cpp.
@@ -12,53 +12,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
-from pydantic import BaseModel, ConfigDict, Field
 
 from engine_bridge.errors import RoutingMismatch
-from engine_bridge.params import EngineParams
-
-if TYPE_CHECKING:
-    from engine_bridge.client import WorkerClient
+from engine_bridge.ops import RoutingCounts
 
 ROUTING_SCHEMA = pa.schema([("layer", pa.int32()), ("expert", pa.int32()), ("count", pa.int64())])
 # Schema metadata keys of a routing table (bytes, as Parquet keeps them).
 _META_KEYS = ("model_hash", "architecture", "n_layer", "n_expert", "n_expert_used", "n_tokens")
-
-
-class RoutingRequest(BaseModel):
-    """Arguments of the worker op ``routing_counts``."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    model: str
-    params: EngineParams
-    prompts: tuple[tuple[int, ...], ...] = Field(min_length=1, description="token ids of each prompt")
-    n_gen: int = Field(0, ge=0, description="greedy tokens decoded after each prompt, counted too")
-
-
-class RoutingCounts(BaseModel):
-    """How often llama.cpp's router selected each expert of each layer over a workload."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    architecture: str
-    n_layer: int
-    n_expert: int
-    n_expert_used: int
-    n_tokens: int = Field(description="tokens evaluated: every prompt token and every decoded token")
-    counts: tuple[tuple[int, ...], ...] = Field(description="[n_layer][n_expert] selections")
-
-    def array(self) -> NDArray[np.int64]:
-        """The counts as an int64 array [n_layer, n_expert]."""
-        return np.asarray(self.counts, dtype=np.int64).reshape(self.n_layer, self.n_expert)
-
-
-def trace_routing(client: WorkerClient, request: RoutingRequest, timeout: float = 600.0) -> RoutingCounts:
-    """Record a routing trace in a worker (the op replaces any model the worker had loaded)."""
-    return RoutingCounts.model_validate(client.call("routing_counts", request.model_dump(mode="json"), timeout=timeout))
 
 
 def routing_table(counts: RoutingCounts, model_hash: str) -> pa.Table:

@@ -9,6 +9,7 @@ from pathlib import Path
 from artifacts.config import Settings, default_toml
 from artifacts.logs import console
 from artifacts.model_info import model_info
+from engine_bridge import ops
 from engine_bridge.backend import backend_info
 from engine_bridge.client import WorkerClient
 from engine_bridge.params import EngineParams
@@ -81,11 +82,11 @@ def _worker(settings: Settings) -> WorkerClient:
 def cmd_devices(args: argparse.Namespace) -> int:
     """List ggml devices (through a worker: only it links llama.cpp)."""
     with _worker(args.settings) as w:
-        devices = w.call("devices")["devices"]
+        devices = w.request(ops.DEVICES).devices
     con = console()
     for d in devices:
-        con.print(f"{d['name']:<8} {d['kind']:<5} {d['description']}  "
-                  f"{d['memory_free'] / 2**30:.1f}/{d['memory_total'] / 2**30:.1f} GiB free")
+        con.print(f"{d.name:<8} {d.kind:<5} {d.description}  "
+                  f"{d.memory_free / 2**30:.1f}/{d.memory_total / 2**30:.1f} GiB free")
     return 0
 
 
@@ -97,21 +98,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
                           n_threads=args.threads, n_threads_batch=args.threads)
     con = console()
     with _worker(settings) as w:
-        load = w.call("load", {"model": str(args.model), "params": params.model_dump()},
-                      timeout=settings.serve.worker_timeouts.load_s)
+        load = w.request(ops.LOAD, ops.LoadArgs(model=str(args.model), params=params),
+                         timeout=settings.serve.worker_timeouts.load_s)
         if args.chat:
-            reply = w.call("chat", {"messages": [{"role": "user", "content": args.prompt}],
-                                    "max_tokens": args.max_tokens})
-            con.print(reply["choices"][0]["message"]["content"], markup=False)
-            usage = reply.get("usage", {})
+            reply = w.request(ops.CHAT, ops.ChatArgs(messages=[{"role": "user", "content": args.prompt}],
+                                                     max_tokens=args.max_tokens))
+            con.print(reply.choices[0]["message"]["content"], markup=False)
+            usage = reply.model_dump().get("usage") or {}
             con.print(f"[dim]{usage.get('prompt_tokens')} prompt + {usage.get('completion_tokens')} "
-                      f"completion tokens; load {load['load_ms']:.0f} ms[/]")
+                      f"completion tokens; load {load.load_ms:.0f} ms[/]")
             return 0
-        prompt = w.call("tokenize", {"text": args.prompt})["tokens"]
-        out = w.call("greedy", {"prompt": prompt, "n_gen": args.max_tokens, "stop_eog": False})
-        timing = w.call("timed_run", {"prompt": prompt, "n_gen": args.max_tokens})
-    con.print(args.prompt + out["text"], markup=False)
-    con.print(f"[dim]{len(out['tokens'])} tokens; prefill {timing['prompt_tokens']} tok in "
-              f"{timing['prompt_ms']:.1f} ms, decode {timing['gen_tokens']} tok in {timing['gen_ms']:.1f} ms; "
-              f"load {load['load_ms']:.0f} ms[/]")
+        prompt = w.tokenize(args.prompt)
+        out = w.request(ops.GREEDY, ops.GreedyArgs(prompt=prompt, n_gen=args.max_tokens, stop_eog=False))
+        timing = w.request(ops.TIMED_RUN, ops.TimedRunArgs(prompt=prompt, n_gen=args.max_tokens))
+    con.print(args.prompt + out.text, markup=False)
+    con.print(f"[dim]{len(out.tokens)} tokens; prefill {timing.prompt_tokens} tok in "
+              f"{timing.prompt_ms:.1f} ms, decode {timing.gen_tokens} tok in {timing.gen_ms:.1f} ms; "
+              f"load {load.load_ms:.0f} ms[/]")
     return 0

@@ -8,8 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from artifacts.model_info import ModelInfo
-from engine_bridge.client import WorkerClient
-from engine_bridge.params import EngineParams
+from engine_bridge.client import tokenizer
 from tasks.corpus import conversation_text, load_conversations, sized_prompts
 from tasks.costmodel import Workload, cpu_bandwidth, layer_bytes
 from tasks.errors import ImpossiblePlan
@@ -78,27 +77,17 @@ def check_budget(fin: Finalists, lengths: list[int], n_gen: int, budget_s: float
             f"use --budget-s {int(need * 1.5) + 1} or more")
 
 
-def _tokenizer_params(n_ctx: int = 256) -> EngineParams:
-    return EngineParams(n_ctx=n_ctx, n_batch=64, n_ubatch=64)
-
-
 def tune_prompts(model: Path, lengths: list[int], seed: int, log_path: Path) -> list[list[int]]:
     """Corpus prompts ('tune' split) cut to exactly ``lengths`` tokens of this model's tokenizer."""
-    with WorkerClient(log_path=log_path) as w:
-        w.call("load", {"model": str(model), "params": _tokenizer_params().model_dump()})
-        return sized_prompts(lambda t: w.call("tokenize", {"text": t})["tokens"], lengths, split="tune", seed=seed)
+    with tokenizer(model, log_path) as tok:
+        return sized_prompts(tok, lengths, split="tune", seed=seed)
 
 
 def validation_prompts(model: Path, n_ctx: int, n_tokens: int, seed: int,
                        log_path: Path) -> tuple[list[list[int]], list[list[int]]]:
     """(validation prompts: agent conversations + held-out prompts, held-out prompts to time)."""
     cap = max(16, min(VALIDATION_CAP, n_ctx - n_tokens - 8))
-    with WorkerClient(log_path=log_path) as w:
-        w.call("load", {"model": str(model), "params": _tokenizer_params().model_dump()})
-
-        def tok(text: str) -> list[int]:
-            return list(w.call("tokenize", {"text": text})["tokens"])
-
+    with tokenizer(model, log_path) as tok:
         convs = [tok(conversation_text(c))[-cap:] for c in load_conversations()]
         held = sized_prompts(tok, [min(cap, n) for n in (128, 512)], split="held_out", seed=seed)
     return convs + held, held

@@ -39,6 +39,7 @@ import llama_cpp  # noqa: E402
 
 from artifacts.config import load_settings  # noqa: E402
 from artifacts.synth import cached_twin  # noqa: E402
+from engine_bridge import ops  # noqa: E402
 from engine_bridge.aclient import AsyncWorker  # noqa: E402
 from engine_bridge.params import EngineParams  # noqa: E402
 from tasks.bench.http import FluxServe  # noqa: E402
@@ -74,15 +75,14 @@ async def worker(model: Path, params: EngineParams, prompts: list[str], log: Pat
     """(tokenize round trip, tokenize + generate to the first token event), seconds."""
     w = AsyncWorker(log)
     await w.start()
-    await w.call("serve_load", {"model": str(model), "params": params.model_dump(mode="json"), "park_bytes": 0},
-                 timeout=600)
+    await w.request(ops.SERVE_LOAD, ops.ServeLoadArgs(model=str(model), params=params), timeout=600)
     tok, first = [], []
     for i, t in enumerate(prompts):
         t0 = time.perf_counter()
-        ids = (await w.call("tokenize", {"text": t, "special": True, "add_special": True}, timeout=60))["tokens"]
+        ids = await w.tokenize(t, special=True, add_special=True, timeout=60)
         t1 = time.perf_counter()
         t2 = None
-        async for msg in w.stream("generate", {"rid": f"r{i}", "prompt": ids, "max_tokens": 4, "temperature": 0.0},
+        async for msg in w.generate({"rid": f"r{i}", "prompt": ids, "max_tokens": 4, "temperature": 0.0},
                                   timeout=60):
             if msg.get("type") == "token" and t2 is None:
                 t2 = time.perf_counter()
@@ -119,8 +119,8 @@ def http(model: Path, params: EngineParams, prompts: list[str], max_tokens: int,
 
 async def _worker_first(w: AsyncWorker, rid: str, text: str, max_tokens: int) -> float:
     t0, first = time.perf_counter(), None
-    ids = (await w.call("tokenize", {"text": text, "special": True, "add_special": True}, timeout=60))["tokens"]
-    async for msg in w.stream("generate", {"rid": rid, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0},
+    ids = await w.tokenize(text, special=True, add_special=True, timeout=60)
+    async for msg in w.generate({"rid": rid, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0},
                               timeout=60):
         if msg.get("type") == "token" and first is None:
             first = time.perf_counter()
@@ -146,8 +146,7 @@ async def paired(model: Path, params: EngineParams, prompts: list[str], rounds: 
     srv.start()
     w = AsyncWorker(logs / "bench-ttft-worker.log")
     await w.start()
-    await w.call("serve_load", {"model": str(model), "params": params.model_dump(mode="json"), "park_bytes": 0},
-                 timeout=600)
+    await w.request(ops.SERVE_LOAD, ops.ServeLoadArgs(model=str(model), params=params), timeout=600)
     ws, hs = [], []
     try:
         async with httpx.AsyncClient(timeout=60) as c:

@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 from artifacts.config import load_settings  # noqa: E402
 from artifacts.gguf_header import read_header  # noqa: E402
 from artifacts.synth import synthesize  # noqa: E402
+from engine_bridge import ops  # noqa: E402
 from engine_bridge.client import WorkerClient  # noqa: E402
 from engine_bridge.params import EngineParams  # noqa: E402
 from flows.workload import validation_prompts  # noqa: E402
@@ -80,10 +81,10 @@ def logprobs(model: Path, params: EngineParams, seqs: list[tuple[list[int], list
     """Log-softmax rows of ``model`` with ``params`` before each continuation token of ``seqs``."""
     out = []
     with WorkerClient(log_path=log, env=params.environment()) as w:
-        w.call("load", {"model": str(model), "params": params.model_dump()}, timeout=1800)
+        w.request(ops.LOAD, ops.LoadArgs(model=str(model), params=params), 1800)
         for i, (prompt, cont) in enumerate(seqs):
             path = tmp / f"lp-{i}.npy"
-            w.call("logprobs", {"prompt": prompt, "continuation": cont, "out": str(path)}, timeout=1800)
+            w.request(ops.LOGPROBS, ops.LogprobsArgs(prompt=prompt, continuation=cont, out=str(path)), 1800)
             out.append(np.load(path))
     return out
 
@@ -92,8 +93,8 @@ def reference(model: Path, params: EngineParams, prompts: list[list[int]], n_tok
               log: Path) -> list[tuple[list[int], list[int]]]:
     """The reference's greedy continuation of each prompt."""
     with WorkerClient(log_path=log) as w:
-        w.call("load", {"model": str(model), "params": params.model_dump()}, timeout=1800)
-        return [(p, w.call("greedy", {"prompt": p, "n_gen": n_tokens, "stop_eog": False}, timeout=1800)["tokens"])
+        w.request(ops.LOAD, ops.LoadArgs(model=str(model), params=params), 1800)
+        return [(p, w.request(ops.GREEDY, ops.GreedyArgs(prompt=p, n_gen=n_tokens, stop_eog=False), 1800).tokens)
                 for p in prompts]
 
 

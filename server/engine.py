@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine_bridge import ops
 from engine_bridge.aclient import AsyncWorker
 from engine_bridge.errors import EngineError
 from engine_bridge.params import EngineParams
@@ -90,13 +91,13 @@ class Engine:
         worker = AsyncWorker(s.log_path, env=dict(s.env), hello_timeout_s=s.hello_s, write_timeout_s=s.write_s)
         try:
             await worker.start()
-            res = await worker.call("serve_load", {"model": s.model, "params": s.params.model_dump(mode="json"),
-                                                   "park_bytes": s.park_bytes}, timeout=s.load_s)
+            got = await worker.request(ops.SERVE_LOAD, ops.ServeLoadArgs(model=s.model, params=s.params,
+                                                                           park_bytes=s.park_bytes), timeout=s.load_s)
         except BaseException:
             worker.kill()
             raise
-        info = EngineInfo(n_ctx=int(res["n_ctx"]), n_seq_max=int(res.get("n_seq_max", s.params.n_seq_max)),
-                          n_vocab=int(res.get("n_vocab", 0)), load_ms=float(res.get("load_ms", 0.0)), raw=res)
+        info = EngineInfo(n_ctx=got.n_ctx, n_seq_max=got.n_seq_max, n_vocab=got.n_vocab, load_ms=got.load_ms,
+                          raw=got.model_dump())
         self._worker, self._info = worker, info
         self._ready.set()
         log.info("engine worker %s ready: n_ctx %d per sequence, %d sequences, loaded in %.0f ms", worker.pid,
@@ -182,21 +183,20 @@ class Engine:
         """Tokens of ``text`` with special tokens parsed (templates and prompts carry them); ``add_special``
         adds the BOS the model asks for."""
         worker = await self.ready(wait_s)
-        res = await worker.call("tokenize", {"text": text, "special": True, "add_special": add_special},
-                                timeout=self.spec.rpc_s)
-        return [int(t) for t in res["tokens"]]
+        return await worker.tokenize(text, special=True, add_special=add_special, timeout=self.spec.rpc_s)
 
     async def detokenize(self, tokens: list[int], wait_s: float, special: bool = False) -> str:
         """Text of ``tokens`` (control tokens rendered only with ``special``)."""
         worker = await self.ready(wait_s)
-        res = await worker.call("detokenize", {"tokens": tokens, "special": special}, timeout=self.spec.rpc_s)
-        return str(res["text"])
+        got = await worker.request(ops.DETOKENIZE, ops.DetokenizeArgs(tokens=tokens, special=special),
+                                   timeout=self.spec.rpc_s)
+        return got.text
 
     async def generate(self, args: Mapping[str, Any], wait_s: float,
                        timeout: float) -> AsyncGenerator[dict[str, Any], None]:
         """Events of one generation, then ``{"result": ...}`` (the worker batches concurrent ones)."""
         worker = await self.ready(wait_s)
-        async with contextlib.aclosing(worker.stream("generate", dict(args), timeout=timeout)) as events:
+        async with contextlib.aclosing(worker.generate(args, timeout=timeout)) as events:
             async for msg in events:
                 yield msg
 
@@ -206,14 +206,14 @@ class Engine:
         if worker is None or not worker.alive:
             return
         with contextlib.suppress(EngineError):
-            await worker.call("cancel", {"rid": rid}, timeout=self.spec.rpc_s)
+            await worker.request(ops.CANCEL, ops.CancelArgs(rid=rid), timeout=self.spec.rpc_s)
 
     async def stats(self) -> dict[str, Any] | None:
         """The worker's serve_stats; None while it is down."""
         if not self.alive or self._worker is None:
             return None
         try:
-            return await self._worker.call("serve_stats", timeout=self.spec.rpc_s)
+            return (await self._worker.request(ops.SERVE_STATS, timeout=self.spec.rpc_s)).model_dump()
         except EngineError as exc:
             log.debug("serve_stats failed: %s", exc)
             return None

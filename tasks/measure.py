@@ -18,6 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.gpumem import GpuMemoryMeter, over_budget
@@ -58,14 +59,14 @@ def _visit(cand: Candidate, model: Path, prompts: list[list[int]], n_gen: int, r
     load_ms: float | None = None
     try:
         w.start()
-        load_ms = float(w.call("load", {"model": str(model), "params": cand.params.model_dump()}, timeout=timeout_s)["load_ms"])
-        w.call("timed_run", {"prompt": prompts[0][:16], "n_gen": 2}, timeout=timeout_s)  # first run after a load is slow
+        load_ms = w.request(ops.LOAD, ops.LoadArgs(model=str(model), params=cand.params), timeout_s).load_ms
+        w.request(ops.TIMED_RUN, ops.TimedRunArgs(prompt=prompts[0][:16], n_gen=2), timeout_s)  # first run after a load is slow
         for i, prompt in enumerate(prompts):
-            t = w.call("timed_run", {"prompt": prompt, "n_gen": n_gen}, timeout=timeout_s)
-            rows.append({"candidate_id": cand.id, "round": rnd, "prompt_index": i, "prompt_tokens": t["prompt_tokens"],
-                         "prompt_ms": t["prompt_ms"], "gen_tokens": t["gen_tokens"], "gen_ms": t["gen_ms"],
-                         "prefill_tps": t["prompt_tokens"] / t["prompt_ms"] * 1e3 if t["prompt_ms"] else None,
-                         "decode_tps": t["gen_tokens"] / t["gen_ms"] * 1e3 if t["gen_ms"] else None,
+            t = w.request(ops.TIMED_RUN, ops.TimedRunArgs(prompt=prompt, n_gen=n_gen), timeout_s)
+            rows.append({"candidate_id": cand.id, "round": rnd, "prompt_index": i, "prompt_tokens": t.prompt_tokens,
+                         "prompt_ms": t.prompt_ms, "gen_tokens": t.gen_tokens, "gen_ms": t.gen_ms,
+                         "prefill_tps": t.prefill_tps if t.prompt_ms else None,
+                         "decode_tps": t.decode_tps if t.gen_ms else None,
                          "load_ms": load_ms, "peak_rss_bytes": _peak_rss(w.pid), "error": None})
         used = meter.used_by(w.pid) if meter else None
         why = over_budget(used, gpu_budgets)

@@ -18,6 +18,7 @@ import psutil
 from artifacts.config import Settings
 from artifacts.ids import content_id
 from artifacts.model_info import ModelInfo, model_info
+from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.params import EngineParams
@@ -106,7 +107,7 @@ def _with_copy_bandwidth(gpus: list[GpuInfo], bus_ids: list[str]) -> list[GpuInf
 
 def _prompt(w: WorkerClient, timeout_s: float) -> list[int]:
     """PREFILL_BATCH tokens of the fixed text (repeated if the tokenizer packs it tighter)."""
-    toks = [int(t) for t in w.call("tokenize", {"text": PROMPT_TEXT, "special": False}, timeout=timeout_s)["tokens"]]
+    toks = w.tokenize(PROMPT_TEXT, special=False, timeout=timeout_s)
     if not toks:
         raise EngineError("probe_failed", "the model's tokenizer turned the probe text into no tokens")
     return (toks * (PREFILL_BATCH // len(toks) + 1))[:PREFILL_BATCH]
@@ -116,18 +117,18 @@ def _time_kernels(w: WorkerClient, model_path: Path, params: EngineParams, devic
                   settings: Settings) -> KernelTiming:
     """Load on ``device`` and time a prefill micro-batch and a few decode tokens (best of the repeats)."""
     t = settings.serve.worker_timeouts
-    load = w.call("load", {"model": str(model_path), "params": params.model_dump(mode="json")}, timeout=t.load_s)
+    load = w.request(ops.LOAD, ops.LoadArgs(model=str(model_path), params=params), timeout=t.load_s)
     prompt = _prompt(w, t.rpc_s)
-    args = {"prompt": prompt, "n_gen": DECODE_TOKENS}
-    runs = [w.call("timed_run", args, timeout=settings.plan.measure_timeout_s) for _ in range(1 + TIMED_REPEATS)]
-    runs = [r for r in runs[1:] if r["prompt_tokens"] > 0 and r["gen_tokens"] > 0]
+    args = ops.TimedRunArgs(prompt=prompt, n_gen=DECODE_TOKENS)
+    runs = [w.request(ops.TIMED_RUN, args, timeout=settings.plan.measure_timeout_s) for _ in range(1 + TIMED_REPEATS)]
+    runs = [r for r in runs[1:] if r.prompt_tokens > 0 and r.gen_tokens > 0]
     if not runs:
         raise EngineError("probe_failed", f"llama.cpp reported no timed tokens on {device}")
-    prefill = min(r["prompt_ms"] / r["prompt_tokens"] for r in runs)
-    decode = min(r["gen_ms"] / r["gen_tokens"] for r in runs)
+    prefill = min(r.prompt_ms / r.prompt_tokens for r in runs)
+    decode = min(r.gen_ms / r.gen_tokens for r in runs)
     layers = max(n_layer, 1)
     log.info("probe: %s kernels: load %.0f ms, prefill %.2f ms/token (batch %d), decode %.2f ms/token, %d threads",
-             device, load.get("load_ms", 0.0), prefill, PREFILL_BATCH, decode, params.n_threads)
+             device, load.load_ms, prefill, PREFILL_BATCH, decode, params.n_threads)
     return KernelTiming(device=device, n_threads=params.n_threads, decode_ms_per_token=decode,
                         prefill_ms_per_token=prefill, prefill_batch=PREFILL_BATCH,
                         decode_ms_per_layer=decode / layers, prefill_ms_per_layer=prefill / layers)
@@ -177,7 +178,7 @@ def engine_probe(model_path: Path, info: ModelInfo, threads: int,
         EngineError: the worker failed to start, or the model could not be loaded or run on the CPU.
     """
     with _worker(settings) as w:
-        devices: list[dict[str, Any]] = w.call("devices", timeout=settings.serve.worker_timeouts.rpc_s)["devices"]
+        devices = [d.model_dump() for d in w.request(ops.DEVICES, timeout=settings.serve.worker_timeouts.rpc_s).devices]
         gpus = [d for d in devices if d.get("kind") == "gpu"]
         log.info("probe: ggml devices: %s", ", ".join(f"{d['name']} ({d['kind']})" for d in devices))
         if not gpus:  # nothing to hide: this worker times the CPU too

@@ -15,9 +15,11 @@ import numpy as np
 from numpy.typing import NDArray
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine_bridge import ops
 from engine_bridge.client import WorkerClient
+from engine_bridge.ops import RoutingCounts, RoutingRequest
 from engine_bridge.params import EngineParams
-from engine_bridge.routing_trace import RoutingCounts, RoutingRequest, top_share, trace_routing
+from engine_bridge.routing_trace import top_share
 
 TRACE_TOKENS = 4096  # prompt tokens traced in all: 4096 x 8 picks per layer is ~256 per expert of 128
 TRACE_GEN = 8
@@ -65,7 +67,7 @@ def trace(model: Path, prompts: list[list[int]], params: EngineParams, log_path:
     # On the CPU with the GPUs hidden (as the probe's CPU kernels): the router's picks do not depend on the
     # device, and a CUDA build's evaluation callback crashed the worker reading ids computed on the GPU.
     with WorkerClient(log_path=log_path, env={**params.environment(), "CUDA_VISIBLE_DEVICES": ""}) as w:
-        return trace_routing(w, req, timeout=timeout_s)
+        return w.request(ops.ROUTING_COUNTS, req, timeout_s)
 
 
 def trace_params(n_ctx: int, threads: int) -> EngineParams:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.params import EngineParams
@@ -85,7 +86,7 @@ def _logprobs(w: WorkerClient, seqs: Seqs, tmp: Path, tag: str, timeout_s: float
     out = []
     for i, (prompt, cont) in enumerate(seqs):
         path = tmp / f"{tag}-{i}.npy"
-        w.call("logprobs", {"prompt": prompt, "continuation": cont, "out": str(path)}, timeout=timeout_s)
+        w.request(ops.LOGPROBS, ops.LogprobsArgs(prompt=prompt, continuation=cont, out=str(path)), timeout_s)
         out.append(np.load(path))
         path.unlink()
     return out
@@ -95,7 +96,7 @@ def _scored(model: Path, params: EngineParams, seqs: Seqs, tmp: Path, tag: str, 
             timeout_s: float) -> list[np.ndarray]:
     """Log-probabilities of ``seqs`` under ``params``, in a fresh worker."""
     with WorkerClient(log_path=log_path, env=params.environment()) as w:
-        w.call("load", {"model": str(model), "params": params.model_dump()}, timeout=timeout_s)
+        w.request(ops.LOAD, ops.LoadArgs(model=str(model), params=params), timeout_s)
         return _logprobs(w, seqs, tmp, tag, timeout_s)
 
 
@@ -107,8 +108,8 @@ def _reference(model: Path, params: EngineParams, prompts: list[list[int]], n_to
             conts = [z[f"cont{i}"].tolist() for i in range(len(prompts))]
             return list(zip(prompts, conts, strict=True)), [z[f"lp{i}"] for i in range(len(prompts))]
     with WorkerClient(log_path=log_path) as w:
-        w.call("load", {"model": str(model), "params": params.model_dump()}, timeout=timeout_s)
-        seqs = [(p, w.call("greedy", {"prompt": p, "n_gen": n_tokens, "stop_eog": False}, timeout=timeout_s)["tokens"])
+        w.request(ops.LOAD, ops.LoadArgs(model=str(model), params=params), timeout_s)
+        seqs = [(p, w.request(ops.GREEDY, ops.GreedyArgs(prompt=p, n_gen=n_tokens, stop_eog=False), timeout_s).tokens)
                 for p in prompts]
         lps = _logprobs(w, seqs, tmp, "ref", timeout_s)
     if cache is not None:
@@ -146,11 +147,11 @@ def noise_floor(model: Path, variants: Sequence[tuple[str, EngineParams]], seqs:
 def _candidate(cand: Candidate, model: Path, seqs: Seqs, held_out: list[list[int]], tmp: Path, log_path: Path,
                timeout_s: float) -> tuple[list[np.ndarray], float | None, float | None]:
     with WorkerClient(log_path=log_path, env=cand.params.environment()) as w:
-        w.call("load", {"model": str(model), "params": cand.params.model_dump()}, timeout=timeout_s)
+        w.request(ops.LOAD, ops.LoadArgs(model=str(model), params=cand.params), timeout_s)
         lps = _logprobs(w, seqs, tmp, cand.id, timeout_s)
-        timings = [w.call("timed_run", {"prompt": p, "n_gen": 16}, timeout=timeout_s) for p in held_out]
-    pre = sum(t["prompt_tokens"] for t in timings) / max(1e-9, sum(t["prompt_ms"] for t in timings)) * 1e3 if timings else None
-    dec = sum(t["gen_tokens"] for t in timings) / max(1e-9, sum(t["gen_ms"] for t in timings)) * 1e3 if timings else None
+        timings = [w.request(ops.TIMED_RUN, ops.TimedRunArgs(prompt=p, n_gen=16), timeout_s) for p in held_out]
+    pre = sum(t.prompt_tokens for t in timings) / max(1e-9, sum(t.prompt_ms for t in timings)) * 1e3 if timings else None
+    dec = sum(t.gen_tokens for t in timings) / max(1e-9, sum(t.gen_ms for t in timings)) * 1e3 if timings else None
     return lps, pre, dec
 
 

@@ -33,10 +33,9 @@ import httpx
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine_bridge.client import WorkerClient
+from engine_bridge.client import tokenizer
 from engine_bridge.errors import EngineError
 from engine_bridge.llama_server import HOST, LlamaServer
-from engine_bridge.params import EngineParams
 from tasks.bench.arrivals_stats import summary_row
 from tasks.bench.arrivals_workload import Workload, chat_messages, chat_turns
 from tasks.bench.common import (
@@ -92,13 +91,7 @@ def make_workload(ctx: BenchContext, opts: ArrivalsOptions) -> Workload:
     n_rates = len(opts.rates)
     lengths = [rng.choice(ladder) for _ in range(n_rates * opts.requests + opts.calibration)]
     convs = load_conversations()
-    with WorkerClient(log_path=ctx.worker_log) as w:
-        w.call("load", {"model": str(ctx.model), "params": EngineParams(n_ctx=256, n_batch=64, n_ubatch=64).model_dump()},
-               timeout=ctx.timeout_s)
-
-        def tokenize(text: str) -> list[int]:
-            return [int(t) for t in w.call("tokenize", {"text": text}, timeout=ctx.timeout_s)["tokens"]]
-
+    with tokenizer(ctx.model, ctx.worker_log, ctx.timeout_s) as tokenize:
         prompts = sized_prompts(tokenize, lengths, split=None, seed=opts.seed)
         budget = int((n_ctx - opts.n_gen - CHAT_MARGIN) / 1.1)
         chats = [chat_turns(chat_messages(convs[k % len(convs)].messages, opts.chat_chars), tokenize, budget,

@@ -34,6 +34,7 @@ from artifacts.errors import FluxError
 from artifacts.filehash import model_hash
 from artifacts.model_info import shard_paths
 from artifacts.store import Store
+from engine_bridge import ops
 from engine_bridge.backend import backend_info, llama_server_path
 from engine_bridge.client import WorkerClient
 from engine_bridge.llama_server import LlamaServer, ServerTimings
@@ -305,10 +306,10 @@ class TrialTiming(_Model):
     source: str
 
 
-def worker_timing(t: dict[str, Any]) -> TrialTiming:
+def worker_timing(t: ops.Timing) -> TrialTiming:
     """The worker's wall-clock timing: prefill up to the first token's logits, then ``gen_tokens`` steps."""
-    return TrialTiming(prompt_tokens=int(t["prompt_tokens"]), prompt_ms=float(t["prompt_ms"]),
-                       gen_tokens=int(t["gen_tokens"]), gen_ms=float(t["gen_ms"]), source="worker wall clock")
+    return TrialTiming(prompt_tokens=t.prompt_tokens, prompt_ms=t.prompt_ms, gen_tokens=t.gen_tokens, gen_ms=t.gen_ms,
+                       source="worker wall clock")
 
 
 def server_timing(t: ServerTimings) -> TrialTiming:
@@ -341,12 +342,11 @@ class WorkerEngine:
 
     def start(self) -> float:
         self.w.start()
-        got = self.w.call("load", {"model": str(self.ctx.model), "params": self.params.model_dump()},
-                          timeout=self.ctx.timeout_s)
-        return float(got["load_ms"]) / 1e3
+        got = self.w.request(ops.LOAD, ops.LoadArgs(model=str(self.ctx.model), params=self.params), self.ctx.timeout_s)
+        return got.load_ms / 1e3
 
     def run(self, prompt: list[int], n_gen: int) -> TrialTiming:
-        return worker_timing(self.w.call("timed_run", {"prompt": prompt, "n_gen": n_gen}, timeout=self.ctx.timeout_s))
+        return worker_timing(self.w.request(ops.TIMED_RUN, ops.TimedRunArgs(prompt=prompt, n_gen=n_gen), self.ctx.timeout_s))
 
     def stop(self) -> None:
         self.w.close(timeout=5)

@@ -25,6 +25,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from artifacts.gguf_header import read_header
+from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.llama_server import LlamaServer
@@ -78,15 +79,19 @@ class Session:
     engine: dict[str, Any]  # the serving engine's info (bos, eos, eot, add_bos)
     chats: dict[str, dict[str, Any]]  # case -> llama-cpp-python chat completion (load mode, before serving)
 
-    def call(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
-        """One worker call with the bench timeout."""
-        return self.w.call(op, args, timeout=self.ctx.timeout_s)
+    def tokenize(self, text: str, special: bool = True, add_special: bool = False) -> list[int]:
+        """The serving engine's tokens of ``text``."""
+        return self.w.tokenize(text, special=special, add_special=add_special, timeout=self.ctx.timeout_s)
+
+    def detokenize(self, tokens: list[int], special: bool = False) -> str:
+        """The serving engine's text of ``tokens``."""
+        return self.w.detokenize(tokens, special=special, timeout=self.ctx.timeout_s)
 
     def generate(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str, dict[str, Any]]:
         """Greedy generation in the serving engine: (tokens, text, result)."""
         tokens, text, result = [], [], {}
         args = {"rid": f"conf-{time.monotonic_ns()}", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
-        for msg in self.w.stream("generate", args, timeout=self.ctx.timeout_s):
+        for msg in self.w.stream(ops.GENERATE.name, args, timeout=self.ctx.timeout_s):
             if "result" in msg:
                 result = msg["result"]
             elif msg.get("type") == "token":
@@ -134,8 +139,8 @@ def check_template(s: Session) -> list[Finding]:
     source = s.metadata.get("tokenizer.chat_template")
     if not isinstance(source, str) or not source.strip():
         return [Finding(check="template", case="-", ok=True, ours="the GGUF has no chat template")]
-    bos = s.call("detokenize", {"tokens": [s.engine["bos"]], "special": True})["text"] if s.engine.get("bos") is not None else ""
-    eos = s.call("detokenize", {"tokens": [s.engine["eos"]], "special": True})["text"] if s.engine.get("eos") is not None else ""
+    bos = s.detokenize([s.engine["bos"]], special=True) if s.engine.get("bos") is not None else ""
+    eos = s.detokenize([s.engine["eos"]], special=True) if s.engine.get("eos") is not None else ""
     out = []
     for case, messages in _chat_cases(s):
         try:
@@ -157,17 +162,17 @@ def check_special_tokens(s: Session) -> list[Finding]:
         tid = s.engine.get(name)
         if tid is None:
             continue
-        ours = s.call("detokenize", {"tokens": [tid], "special": True})["text"]
+        ours = s.detokenize([tid], special=True)
         out.append(_cmp("special_tokens", f"{name} text (/props)", ours, props.get(f"{name}_token", "")))
-        out.append(_cmp("special_tokens", f"{name} tokenized", s.call("tokenize", {"text": ours})["tokens"],
+        out.append(_cmp("special_tokens", f"{name} tokenized", s.tokenize(ours),
                         s.srv.tokenize(ours)))
     if s.engine.get("eot") is not None:
         tid = s.engine["eot"]
-        out.append(_cmp("special_tokens", "eot text (/detokenize)", s.call("detokenize", {"tokens": [tid], "special": True})["text"],
+        out.append(_cmp("special_tokens", "eot text (/detokenize)", s.detokenize([tid], special=True),
                         s.srv.detokenize([tid])))
     add_bos = bool(md.get("tokenizer.ggml.add_bos_token", False))
     out.append(_cmp("special_tokens", "add_bos (engine vs GGUF header)", bool(s.engine.get("add_bos")), add_bos))
-    out.append(_cmp("special_tokens", "tokenize with add_special", s.call("tokenize", {"text": "a", "add_special": True})["tokens"],
+    out.append(_cmp("special_tokens", "tokenize with add_special", s.tokenize("a", add_special=True),
                     s.srv.tokenize("a", add_special=True)))
     return out
 
@@ -179,7 +184,7 @@ def check_tokenize(s: Session) -> list[Finding]:
     cases += [(f"edge-{i}", t) for i, t in enumerate(EDGE_STRINGS)]
     for case, text in cases:
         for special in (True, False):
-            ours = s.call("tokenize", {"text": text, "special": special})["tokens"]
+            ours = s.tokenize(text, special=special)
             theirs = s.srv.tokenize(text, parse_special=special)
             f = _cmp("tokenize", f"{case} special={special}", ours, theirs)
             out.append(f if f.ok else f.model_copy(update={"ours": f"{_first_diff(ours, theirs)}: {f.ours}"}))
@@ -187,9 +192,9 @@ def check_tokenize(s: Session) -> list[Finding]:
 
 
 def _greedy_prompts(s: Session) -> list[tuple[str, list[int]]]:
-    got = sized_prompts(lambda t: s.call("tokenize", {"text": t})["tokens"], list(s.opts.prompts), "held_out",
+    got = sized_prompts(s.tokenize, list(s.opts.prompts), "held_out",
                         s.opts.seed)
-    chat = s.call("tokenize", {"text": s.srv.apply_template(CHAT_CASES[1][1])})["tokens"]
+    chat = s.tokenize(s.srv.apply_template(CHAT_CASES[1][1]))
     return [*((f"held_out-{len(p)}", p) for p in got), ("chat-system-user", chat)]
 
 
@@ -299,8 +304,8 @@ CHECKS: dict[str, Check] = {"template": check_template, "special_tokens": check_
 # -- the suite ----------------------------------------------------------------------------------------
 def _chat_completions(ctx: BenchContext, w: WorkerClient, n_gen: int) -> dict[str, dict[str, Any]]:
     """llama-cpp-python's chat completions (needs the model loaded with ``load``, not ``serve_load``)."""
-    w.call("load", {"model": str(ctx.model), "params": ctx.params.model_dump()}, timeout=ctx.timeout_s)
-    return {case: w.call("chat", {"messages": m, "max_tokens": n_gen, "temperature": 0.0}, timeout=ctx.timeout_s)
+    w.request(ops.LOAD, ops.LoadArgs(model=str(ctx.model), params=ctx.params), ctx.timeout_s)
+    return {case: w.request(ops.CHAT, ops.ChatArgs(messages=m, max_tokens=n_gen, temperature=0.0), ctx.timeout_s).model_dump()
             for case, m in CHAT_CASES}
 
 
@@ -328,8 +333,8 @@ def bench_conformance(ctx: BenchContext, opts: ConformanceOptions, progress: Pro
                       start_timeout_s=ctx.timeout_s, request_timeout_s=ctx.timeout_s)
     with WorkerClient(log_path=ctx.worker_log, env=ctx.params.environment()) as w, srv:
         chats = _chat_completions(ctx, w, opts.n_gen)
-        engine = w.call("serve_load", {"model": str(ctx.model), "params": ctx.params.model_dump(), "park_bytes": 0},
-                        timeout=ctx.timeout_s)
+        engine = w.request(ops.SERVE_LOAD, ops.ServeLoadArgs(model=str(ctx.model), params=ctx.params),
+                           ctx.timeout_s).model_dump()
         session = Session(ctx=ctx, opts=opts, srv=srv, w=w, metadata=read_header(ctx.model).metadata,
                           engine=engine, chats=chats)
         findings, seconds = run_checks(session, progress)

@@ -26,7 +26,8 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine_bridge.client import WorkerClient
+from engine_bridge import ops
+from engine_bridge.client import WorkerClient, tokenizer
 from engine_bridge.params import EngineParams
 from tasks.bench.common import BenchContext, BenchRun, Progress, SummaryRow, Verdict, load_avg
 from tasks.bench.registry import Suite
@@ -65,13 +66,7 @@ class _Inputs:
 def _inputs(ctx: BenchContext, opts: QualityOptions, n_tokens: int, window: int) -> _Inputs:
     """Tokenize the held-out prompts, the conversations and the perplexity text with the model's tokenizer."""
     cap = max(16, min(PROMPT_CAP, ctx.params.n_ctx - n_tokens - 8))
-    with WorkerClient(log_path=ctx.worker_log) as w:
-        w.call("load", {"model": str(ctx.model), "params": EngineParams(n_ctx=256, n_batch=64, n_ubatch=64).model_dump()},
-               timeout=ctx.timeout_s)
-
-        def tok(text: str) -> list[int]:
-            return [int(t) for t in w.call("tokenize", {"text": text}, timeout=ctx.timeout_s)["tokens"]]
-
+    with tokenizer(ctx.model, ctx.worker_log, ctx.timeout_s) as tok:
         held = sized_prompts(tok, [min(cap, n) for n in opts.held_out], split="held_out", seed=opts.seed)
         convs = [(c.id, tok(conversation_text(c))[-cap:]) for c in load_conversations()[:opts.conversations]]
         windows = sized_prompts(tok, [window + 1] * opts.ppl_windows, split="held_out", seed=opts.seed + 1)
@@ -83,7 +78,7 @@ def _inputs(ctx: BenchContext, opts: QualityOptions, n_tokens: int, window: int)
 def _logprobs(w: WorkerClient, prompt: list[int], cont: list[int], tmp: Path, timeout_s: float) -> np.ndarray:
     """Log-softmax rows before each continuation token (written by the worker as .npy)."""
     path = tmp / "lp.npy"
-    w.call("logprobs", {"prompt": prompt, "continuation": cont, "out": str(path)}, timeout=timeout_s)
+    w.request(ops.LOGPROBS, ops.LogprobsArgs(prompt=prompt, continuation=cont, out=str(path)), timeout_s)
     rows = np.load(path)
     path.unlink()
     return rows
@@ -102,8 +97,8 @@ def _session(ctx: BenchContext, params: EngineParams, seqs: Sequence[tuple[list[
              windows: Sequence[list[int]], tmp: Path, greedy_n: int = 0) -> tuple[list[list[int]], list[np.ndarray], list[float]]:
     """One fresh worker: greedy continuations (when ``greedy_n``), their logprobs, window NLLs."""
     with WorkerClient(log_path=ctx.worker_log, env=params.environment()) as w:
-        w.call("load", {"model": str(ctx.model), "params": params.model_dump()}, timeout=ctx.timeout_s)
-        conts = [list(w.call("greedy", {"prompt": p, "n_gen": greedy_n, "stop_eog": False}, timeout=ctx.timeout_s)["tokens"])
+        w.request(ops.LOAD, ops.LoadArgs(model=str(ctx.model), params=params), ctx.timeout_s)
+        conts = [w.request(ops.GREEDY, ops.GreedyArgs(prompt=p, n_gen=greedy_n, stop_eog=False), ctx.timeout_s).tokens
                  for p, _ in seqs] if greedy_n else [c for _, c in seqs]
         lps = [_logprobs(w, p, c, tmp, ctx.timeout_s) for (p, _), c in zip(seqs, conts, strict=True)]
         return conts, lps, _nll(w, windows, tmp, ctx.timeout_s)

@@ -29,9 +29,8 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from artifacts.model_info import model_info
-from engine_bridge.client import WorkerClient
+from engine_bridge.client import tokenizer
 from engine_bridge.errors import EngineError
-from engine_bridge.params import EngineParams
 from tasks.bench.common import (
     BenchContext,
     BenchError,
@@ -95,10 +94,8 @@ def prompt_lengths(n_ctx: int, n_gen: int, count: int) -> list[int]:
 
 def tokenize_prompts(ctx: BenchContext, lengths: Sequence[int], split: str, seed: int) -> list[list[int]]:
     """Corpus prompts of ``split`` cut to exactly ``lengths`` tokens of the plan's model."""
-    with WorkerClient(log_path=ctx.worker_log) as w:
-        w.call("load", {"model": str(ctx.model), "params": EngineParams(n_ctx=256, n_batch=64, n_ubatch=64).model_dump()},
-               timeout=ctx.timeout_s)
-        return sized_prompts(lambda t: w.call("tokenize", {"text": t})["tokens"], list(lengths), split=split, seed=seed)
+    with tokenizer(ctx.model, ctx.worker_log, ctx.timeout_s) as tok:
+        return sized_prompts(tok, list(lengths), split=split, seed=seed)
 
 
 # -- the race (shared with ablate) --------------------------------------------------------------------

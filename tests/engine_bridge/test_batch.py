@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from artifacts.synth import synthesize
-from engine_bridge.batch import MIN_PARK_TOKENS, ServeEngine
 from engine_bridge.errors import EngineError
 from engine_bridge.gbnf import GrammarBuilder, Trigger, schema_grammar
-from engine_bridge.native import NativeModel
 from engine_bridge.params import EngineParams, TensorOverride
-from engine_bridge.sampling import new_text_decoder
+from engine_bridge.worker.native import NativeModel
+from engine_bridge.worker.sampling import new_text_decoder
+from engine_bridge.worker.serving import MIN_PARK_TOKENS, ServeEngine
 
 PARAMS = EngineParams(n_ctx=512, n_seq_max=4, n_batch=128, n_ubatch=128, n_threads=1, n_threads_batch=1)
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly zebras".split()

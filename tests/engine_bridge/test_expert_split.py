@@ -30,8 +30,8 @@ from engine_bridge.params import EngineParams, ExpertSplit, HotExperts
 llama_cpp = pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
 from llama_cpp._ggml import libggml  # noqa: E402  # after the skip
 
-from engine_bridge.context import RECENT_ERRORS, SeqBatch, load_model_and_context, quiet_llama_logs  # noqa: E402
-from engine_bridge.native import NativeModel  # noqa: E402
+from engine_bridge.worker.load import RECENT_ERRORS, SeqBatch, load_model_and_context, quiet_llama_logs  # noqa: E402
+from engine_bridge.worker.native import NativeModel  # noqa: E402
 
 # Layer 2 has every expert hot (device part only); the others split 2, 4 and 1 of the 8 experts.
 SPLIT = ExpertSplit.on("CPU", {0: [1, 5], 1: [0, 2, 3, 7], 2: list(range(8)), 3: [6]})

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from engine_bridge.batch import ServeEngine
 from engine_bridge.errors import GrammarError
 from engine_bridge.gbnf import GrammarBuilder, literal, rule_name, schema_grammar
 from engine_bridge.params import EngineParams
+from engine_bridge.worker.serving import ServeEngine
 
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_bridge.grammar import incomplete_tail, utf8_prefix_ok
+from engine_bridge.worker.grammar import incomplete_tail, utf8_prefix_ok
 
 
 @pytest.mark.parametrize(("data", "ok", "tail"), [

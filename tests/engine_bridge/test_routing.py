@@ -10,7 +10,7 @@ import pytest
 from artifacts.synth_presets import PRESETS
 
 pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
-from engine_bridge.routing import expert_counts  # noqa: E402  # needs llama_cpp
+from engine_bridge.worker.routing import expert_counts  # noqa: E402  # needs llama_cpp
 
 # Varied English, long enough for 256 tokens with the twins' byte-level tokenizer.
 TEXT = (

@@ -14,15 +14,9 @@ from artifacts.synth_routing import router_scales
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError, RoutingMismatch
 from engine_bridge.params import EngineParams, ExpertSplit
-from engine_bridge.routing_trace import (
-    ROUTING_SCHEMA,
-    RoutingCounts,
-    RoutingRequest,
-    check_routing_table,
-    routing_table,
-    top_share,
-    trace_routing,
-)
+from engine_bridge import ops
+from engine_bridge.ops import RoutingCounts, RoutingRequest
+from engine_bridge.routing_trace import ROUTING_SCHEMA, check_routing_table, routing_table, top_share
 
 pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
 
@@ -34,7 +28,8 @@ WIDE = {"n_layer": "2", "n_expert": "128", "n_expert_used": "8", "n_ff_exp": "32
 
 def _trace(model: Path, params: EngineParams, prompts: tuple[tuple[int, ...], ...], n_gen: int = 0) -> RoutingCounts:
     with WorkerClient() as w:
-        return trace_routing(w, RoutingRequest(model=str(model), params=params, prompts=prompts, n_gen=n_gen))
+        return w.request(ops.ROUTING_COUNTS, RoutingRequest(model=str(model), params=params, prompts=prompts, n_gen=n_gen),
+                         timeout=600)
 
 
 def test_every_layer_counts_every_prefilled_and_decoded_token(tiny_moe: Path) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError, WorkerDied, WorkerTimeout
 from engine_bridge.params import EngineParams, TensorOverride
@@ -32,15 +33,46 @@ def test_hello_speaks_our_protocol(worker: WorkerClient) -> None:
 
 
 def test_timed_run_times_prefill_and_decode(worker: WorkerClient, tiny_moe: Path) -> None:
-    load = worker.call("load", {"model": str(tiny_moe), "params": PARAMS.model_dump()})
-    assert load["n_ctx"] == 256 and load["n_vocab"] > 256
-    toks = worker.call("tokenize", {"text": "Hello world, this is Flux."})["tokens"]
-    t = worker.call("timed_run", {"prompt": toks, "n_gen": 5})
-    assert t["prompt_tokens"] == len(toks)
-    assert t["gen_tokens"] == 5, "five decode steps after the prompt's own token"
-    assert t["prompt_ms"] > 0 and t["gen_ms"] > 0
+    load = worker.request(ops.LOAD, ops.LoadArgs(model=str(tiny_moe), params=PARAMS))
+    assert load.n_ctx == 256 and load.n_vocab > 256
+    toks = worker.tokenize("Hello world, this is Flux.")
+    t = worker.request(ops.TIMED_RUN, ops.TimedRunArgs(prompt=toks, n_gen=5))
+    assert t.prompt_tokens == len(toks)
+    assert t.gen_tokens == 5, "five decode steps after the prompt's own token"
+    assert t.prompt_ms > 0 and t.gen_ms > 0
     # llama.cpp's counters ride along: together they saw every evaluated token
-    assert t["counter_prompt_tokens"] + t["counter_gen_tokens"] == len(toks) + 5
+    assert (t.counter_prompt_tokens or 0) + (t.counter_gen_tokens or 0) == len(toks) + 5
+
+
+def test_every_declared_op_has_a_handler() -> None:
+    from engine_bridge.worker.handlers import unhandled
+
+    assert unhandled() == []
+
+
+def test_arguments_that_do_not_validate_are_bad_request(worker: WorkerClient, tiny_moe: Path) -> None:
+    with pytest.raises(EngineError) as exc:
+        worker.call("load", {"model": str(tiny_moe), "params": PARAMS.model_dump(), "logits_all": True})
+    assert exc.value.code == "bad_request" and "logits_all" in exc.value.message
+    with pytest.raises(EngineError) as exc:
+        worker.call("timed_run", {"prompt": "not tokens", "n_gen": 1})
+    assert exc.value.code == "bad_request" and exc.value.message.startswith("timed_run: prompt")
+    assert worker.alive, "a bad request fails alone"
+
+
+def test_measuring_and_serving_load_the_same_engine(tiny_moe: Path) -> None:
+    """One EngineParams translation: the measuring engine and the serving engine give the same greedy tokens
+    for the same placement (here with a tensor override)."""
+    params = PARAMS.model_copy(update={"tensor_overrides": (TensorOverride(pattern=r"^blk\.1\.ffn_.*_exps\.", device="CPU"),)})
+    with WorkerClient() as w:
+        w.request(ops.LOAD, ops.LoadArgs(model=str(tiny_moe), params=params))
+        toks = w.tokenize("the same engine")
+        measured = w.request(ops.GREEDY, ops.GreedyArgs(prompt=toks, n_gen=8, stop_eog=False)).tokens
+        w.request(ops.SERVE_LOAD, ops.ServeLoadArgs(model=str(tiny_moe), params=params))
+        served = [int(m["token"]) for m in w.stream("generate", {"rid": "r", "prompt": toks, "max_tokens": 8,
+                                                                 "temperature": 0.0})
+                  if m.get("type") == "token"]
+    assert served[:len(measured)] == measured
 
 
 def test_logprobs_are_normalized(worker: WorkerClient, tiny_moe: Path, tmp_path: Path) -> None:

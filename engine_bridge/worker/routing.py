@@ -23,9 +23,9 @@ from llama_cpp._ggml import libggml
 from numpy.typing import NDArray
 
 from artifacts.errors import ModelFileError
-from engine_bridge.context import SeqBatch, load_model_and_context
 from engine_bridge.errors import EngineError
-from engine_bridge.routing_trace import RoutingCounts, RoutingRequest
+from engine_bridge.ops import RoutingCounts, RoutingRequest
+from engine_bridge.worker.load import SeqBatch, load_model_and_context
 
 _TOPK_PREFIX = b"ffn_moe_topk-"
 _GGML_TYPE_I32 = 26  # enum ggml_type in ggml.h

@@ -6,7 +6,7 @@ its next prompt chunk (prefill; chunks share ``n_batch`` tokens fairly) or its o
 Then each request whose logits came back samples through its own llama.cpp sampler chain and streams
 the token to the :class:`Sink`. A slot keeps the KV of a finished request: a later prompt that starts
 with the same tokens reuses it; a prompt that replaces a conversation parks the old state in RAM
-(:mod:`engine_bridge.parking`) so a return to it skips the prefix.
+(:mod:`engine_bridge.worker.parking`) so a return to it skips the prefix.
 
 Runs inside the worker process, on one thread (the worker's main loop); nothing here is thread-safe.
 """
@@ -25,13 +25,13 @@ import llama_cpp
 import numpy as np
 from pydantic import ValidationError
 
-from engine_bridge.context import SeqBatch, load_model_and_context
 from engine_bridge.errors import EngineError
-from engine_bridge.grammar import GrammarSampler
+from engine_bridge.ops import GenerateArgs
 from engine_bridge.params import EngineParams
-from engine_bridge.parking import ParkingLot, capture, common_prefix, restore
-from engine_bridge.sampling import (
-    GenerateArgs,
+from engine_bridge.worker.grammar import GrammarSampler
+from engine_bridge.worker.load import SeqBatch, load_model_and_context
+from engine_bridge.worker.parking import ParkingLot, capture, common_prefix, restore
+from engine_bridge.worker.sampling import (
     Vocab,
     build_chain,
     log_softmax,
@@ -115,7 +115,7 @@ class ServeEngine:
                 "max_token_bytes": self.max_token_bytes}
 
     # -- admission ------------------------------------------------------------------------------------
-    def submit(self, key: int, raw: dict[str, Any]) -> None:
+    def submit(self, key: int, raw: GenerateArgs | dict[str, Any]) -> None:
         """Admit a ``generate`` request into a free sequence; its output goes to the sink under ``key``.
 
         Raises:
@@ -136,9 +136,9 @@ class ServeEngine:
         self.counters["prefix_hits"] += cached > 0
         self.counters["cached_tokens"] += cached
 
-    def _validate(self, raw: dict[str, Any]) -> GenerateArgs:
+    def _validate(self, raw: GenerateArgs | dict[str, Any]) -> GenerateArgs:
         try:
-            args = GenerateArgs.model_validate(raw)
+            args = raw if isinstance(raw, GenerateArgs) else GenerateArgs.model_validate(raw)
         except ValidationError as exc:
             raise EngineError("bad_request", f"invalid generate arguments: {exc}") from exc
         if args.rid in self._by_rid:

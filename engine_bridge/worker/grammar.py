@@ -29,7 +29,7 @@ import numpy as np
 
 from engine_bridge.errors import EngineError, GrammarError
 from engine_bridge.gbnf import GrammarSpec
-from engine_bridge.sampling import Vocab
+from engine_bridge.worker.sampling import Vocab
 
 _SPACE_BYTES = b" \t\r\n"
 MAX_TRIGGER_REDRAWS = 16  # tokens that run past a trigger word, skipped before one is taken anyway

@@ -1,12 +1,13 @@
-"""The engine worker: the only process that links llama.cpp. ``python -m engine_bridge.worker``.
+"""The engine worker process: the only process that links llama.cpp. ``python -m engine_bridge.worker``.
 
-It answers protocol requests on stdin/stdout (see :mod:`engine_bridge.protocol`). The protocol keeps
+It answers protocol requests on stdin/stdout (the line format of :mod:`engine_bridge.protocol`, the ops of
+:mod:`engine_bridge.ops`, answered by :mod:`engine_bridge.worker.handlers`). The protocol keeps
 the original stdout; file descriptor 1 is pointed at stderr so that nothing native can corrupt it.
 A native crash kills only this process: its client reports a typed error.
 
 Requests are read by a reader thread into a queue, so the worker keeps accepting requests while it
 generates. The main thread drains the queue (cheap ops are answered at once, ``generate`` is admitted
-into the serving engine, :mod:`engine_bridge.batch`), then runs one batched decode step, and blocks on
+into the serving engine, :mod:`engine_bridge.worker.serving`), then runs one batched decode step, and blocks on
 the queue only when nothing is generating. Blocking ops (load, timed_run, ...) run on the main thread
 and pause generation while they run. ``tokenize`` and ``detokenize`` of a serving engine only read its
 vocabulary: the reader thread answers them itself, while the main thread decodes, so a new request's
@@ -25,19 +26,14 @@ import os
 import queue
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-import numpy as np
-
+from engine_bridge import ops
 from engine_bridge.errors import EngineError
-from engine_bridge.params import EngineParams
-from engine_bridge.protocol import PROTOCOL_VERSION, decode, encode
+from engine_bridge.protocol import decode, encode
+from engine_bridge.worker.handlers import HANDLERS, STREAM_HANDLERS, check
 
-Op = Callable[["Worker", dict[str, Any]], dict[str, Any]]
-StreamOp = Callable[["Worker", int, dict[str, Any]], None]
 log = logging.getLogger(__name__)
 _EOF = object()
 
@@ -45,7 +41,7 @@ _EOF = object()
 class Worker:
     """State of one worker process: at most one loaded model (``load``) or serving engine (``serve_load``).
 
-    It is also the serving engine's :class:`~engine_bridge.batch.Sink`: events and results go to the protocol.
+    It is also the serving engine's :class:`~engine_bridge.worker.serving.Sink`: events and results go to the protocol.
     """
 
     def __init__(self, out: BinaryIO, fault: str | None = None) -> None:
@@ -112,144 +108,23 @@ class Worker:
         return self.model
 
 
-def op_hello(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    """Versions, so the client can refuse a stale worker."""
-    return {"protocol": PROTOCOL_VERSION, "pid": os.getpid(), "python": sys.version.split()[0]}
-
-
-def op_devices(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    """The ggml devices this build sees."""
-    from engine_bridge.native import list_devices
-
-    return {"devices": [d.model_dump() for d in list_devices()]}
-
-
-def op_load(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    """Load a model with EngineParams; replaces a loaded one."""
-    from engine_bridge.native import NativeModel
-
-    w.unload()
-    params = EngineParams.model_validate(args["params"])
-    if w.fault == "abort-on-load":
-        os.abort()
-    t0 = time.perf_counter()
-    w.model = NativeModel(Path(args["model"]), params, logits_all=bool(args.get("logits_all", False)))
-    return {"load_ms": (time.perf_counter() - t0) * 1e3, "n_ctx": w.model.n_ctx, "n_vocab": w.model.n_vocab}
-
-
-def op_tokenize(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    """Tokens of a text (special tokens parsed unless ``special`` is false; BOS only with ``add_special``)."""
-    special = bool(args.get("special", True))
-    if w.engine is not None:
-        return {"tokens": w.engine.vocab.tokenize(args["text"], special, bool(args.get("add_special", False)))}
-    return {"tokens": w.need_model().tokenize(args["text"], special=special)}
-
-
-def op_detokenize(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    """Text of tokens (invalid UTF-8 replaced; control tokens rendered only with ``special``)."""
-    tokens = [int(t) for t in args["tokens"]]
-    if w.engine is not None:
-        return {"text": w.engine.vocab.detokenize(tokens, bool(args.get("special", False)))}
-    return {"text": w.need_model().detokenize(tokens)}
-
-
-def op_serve_load(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    """Load a model for serving: one context with n_seq_max sequences of n_ctx tokens each."""
-    from engine_bridge.batch import ServeEngine
-
-    w.unload()
-    params = EngineParams.model_validate(args["params"])
-    with w.engine_lock:
-        w.engine = ServeEngine(Path(args["model"]), params, int(args.get("park_bytes", 0)), w)
-    return dict(w.engine.info())
-
-
-def op_generate(w: Worker, key: int, args: dict[str, Any]) -> None:
-    """Admit a generation; its events and result are sent by the engine as it runs."""
-    w.need_engine().submit(key, args)
-
-
-def op_cancel(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    """Finish a running generation now (finish_reason "cancelled")."""
-    return {"cancelled": w.need_engine().cancel(str(args["rid"]))}
-
-
-def op_serve_stats(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    """Counters and memory of the serving engine."""
-    return dict(w.need_engine().stats())
-
-
-def op_timed_run(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    """Prefill + greedy decode with llama.cpp's timings."""
-    t = w.need_model().timed_run([int(x) for x in args["prompt"]], int(args["n_gen"]))
-    return t.model_dump()
-
-
-def op_greedy(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    """Greedy continuation tokens and their text."""
-    m = w.need_model()
-    toks = m.greedy([int(x) for x in args["prompt"]], int(args["n_gen"]), bool(args.get("stop_eog", True)))
-    return {"tokens": toks, "text": m.detokenize(toks)}
-
-
-def op_logprobs(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    """Write the log-softmax rows before each continuation token to an .npy file (too big for JSON)."""
-    lp = w.need_model().logprobs([int(x) for x in args["prompt"]], [int(x) for x in args["continuation"]])
-    out = Path(args["out"])
-    tmp = out.with_suffix(".tmp.npy")
-    np.save(tmp, lp.astype(np.float32))
-    os.replace(tmp, out)
-    return {"rows": int(lp.shape[0]), "path": str(out)}
-
-
-def op_chat(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    """One non-streaming chat completion."""
-    return w.need_model().chat(args["messages"], int(args.get("max_tokens", 16)),
-                               float(args.get("temperature", 0.0)))
-
-
-def op_routing_counts(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    """Per-layer expert selection counts over prompts prefilled and decoded (``RoutingRequest`` -> ``RoutingCounts``).
-
-    The model is loaded for the trace with the request's params and freed after; a loaded model is unloaded first.
-    """
-    from engine_bridge.routing import trace
-    from engine_bridge.routing_trace import RoutingRequest
-
-    w.unload()
-    return trace(RoutingRequest.model_validate(args)).model_dump()
-
-
-def op_abort(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    """Die like a native crash would (fault injection for tests and the soak suite)."""
-    os.abort()
-
-
-OPS: dict[str, Op] = {"hello": op_hello, "devices": op_devices, "load": op_load, "tokenize": op_tokenize,
-                      "timed_run": op_timed_run, "greedy": op_greedy, "logprobs": op_logprobs,
-                      "chat": op_chat, "abort": op_abort, "detokenize": op_detokenize,
-                      "serve_load": op_serve_load, "cancel": op_cancel, "serve_stats": op_serve_stats,
-                      "routing_counts": op_routing_counts}
-STREAM_OPS: dict[str, StreamOp] = {"generate": op_generate}
-READER_OPS = frozenset({"tokenize", "detokenize"})  # answered by the reader thread while serving
-
-
 def handle(w: Worker, msg: dict[str, Any]) -> bool:
     """Answer one request; False when the client asked to shut down."""
-    rid, op = msg["id"], msg.get("op", "")
-    if op == "shutdown":
+    rid, op, raw = msg["id"], msg.get("op", ""), msg.get("args") or {}
+    if op == ops.SHUTDOWN.name:
         if w.engine is not None:
             w.engine.cancel_all()
         w.send({"id": rid, "ok": True, "result": {}})
         return False
-    fn = OPS.get(op)
     try:
-        if op in STREAM_OPS:
-            STREAM_OPS[op](w, rid, msg.get("args") or {})
+        if op in STREAM_HANDLERS:
+            spec, stream = STREAM_HANDLERS[op]
+            stream(w, rid, check(spec, raw))
             return True
-        if fn is None:
+        if op not in HANDLERS:
             raise EngineError("unknown_op", f"unknown op {op!r}")
-        w.send({"id": rid, "ok": True, "result": fn(w, msg.get("args") or {})})
+        spec, fn = HANDLERS[op]
+        w.send({"id": rid, "ok": True, "result": fn(w, check(spec, raw)).model_dump(mode="json")})
     except EngineError as exc:
         w.send({"id": rid, "ok": False, "error": {"code": exc.code, "message": exc.message}})
     except Exception as exc:  # noqa: BLE001 - any failure of one request is reported, the worker lives on
@@ -284,7 +159,8 @@ def _read(fd: int, inbox: queue.Queue[Any], w: Worker) -> None:
         except ValueError as exc:
             w.send({"id": -1, "ok": False, "error": {"code": "bad_request", "message": str(exc)}})
             continue
-        if msg.get("op") in READER_OPS and w.answer_now(msg):
+        spec = ops.OPS.get(str(msg.get("op")))
+        if spec is not None and spec.reader and w.answer_now(msg):
             continue
         inbox.put(msg)
     inbox.put(_EOF)
@@ -329,6 +205,3 @@ def main() -> int:
     threading.Thread(target=_read, args=(sys.stdin.fileno(), inbox, w), daemon=True, name="stdin-reader").start()
     return serve(w, inbox)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

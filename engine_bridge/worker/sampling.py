@@ -1,4 +1,4 @@
-"""Per-request sampling for the serving engine: request arguments, llama.cpp sampler chains, logprobs,
+"""Per-request sampling for the serving engine: llama.cpp sampler chains, logprobs,
 token text that is always valid UTF-8, and the tokenizer calls.
 
 Runs inside the worker process only (imports llama_cpp). Sampling itself is llama.cpp's sampler chain, one
@@ -14,33 +14,9 @@ from typing import Any
 
 import llama_cpp
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
 from engine_bridge.errors import EngineError
-from engine_bridge.gbnf import GrammarSpec
-
-MAX_TOP_LOGPROBS = 20
-
-
-class GenerateArgs(BaseModel):
-    """The arguments of one ``generate`` request (the protocol's fields, validated)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    rid: str = Field(min_length=1, description="request id, unique among running generations; used by cancel")
-    prompt: list[int] = Field(min_length=1, description="prompt token ids")
-    max_tokens: int = Field(ge=1)
-    temperature: float = Field(0.8, ge=0.0, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 = off")
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(None, description="None = a random seed")
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logprobs: bool = False
-    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
-    conversation: str | None = Field(None, description="an opaque conversation label (reported, not required)")
-    progress: bool = Field(False, description="also stream prefill progress events (type 'prefill')")
-    grammar: GrammarSpec | None = Field(None, description="constrain the reply to this grammar (GBNF)")
+from engine_bridge.ops import GenerateArgs
 
 
 def build_chain(args: GenerateArgs, n_vocab: int) -> Any:

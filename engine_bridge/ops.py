@@ -1,0 +1,278 @@
+"""The worker's operations, typed: one argument model and one result model per op, declared once.
+
+Both sides use these declarations. A client sends ``w.request(ops.LOAD, ops.LoadArgs(...))`` and gets a
+:class:`LoadResult` back (:meth:`engine_bridge.client.WorkerClient.request`); the worker validates the
+arguments with the same model before its handler runs (``engine_bridge.worker.handlers``), and a request
+whose arguments do not validate is answered ``bad_request``. Adding an op is one :class:`OpSpec` here (with
+its two models) and one handler in the worker, registered under the spec; no client changes.
+
+Nothing here imports llama_cpp. The line format is :mod:`engine_bridge.protocol`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+from numpy.typing import NDArray
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine_bridge.gbnf import GrammarSpec
+from engine_bridge.params import EngineParams
+
+MAX_TOP_LOGPROBS = 20
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class _Open(BaseModel):
+    """A result whose fields are the engine's own report (counters, an OpenAI-shaped reply)."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+
+class NoArgs(_Msg):
+    """An op without arguments."""
+
+
+class Empty(_Msg):
+    """An op without a result."""
+
+
+# -- process ----------------------------------------------------------------------------------------
+class HelloResult(_Msg):
+    protocol: int
+    pid: int
+    python: str
+
+
+class Device(_Msg):
+    """A ggml backend device as llama.cpp sees it."""
+
+    name: str
+    description: str
+    kind: str
+    memory_free: int
+    memory_total: int
+
+
+class DevicesResult(_Msg):
+    devices: list[Device]
+
+
+# -- one model for measuring (load, then timed_run / greedy / logprobs / chat) ---------------------
+class LoadArgs(_Msg):
+    model: str
+    params: EngineParams
+
+
+class LoadResult(_Msg):
+    load_ms: float
+    n_ctx: int
+    n_vocab: int
+
+
+class TokenizeArgs(_Msg):
+    text: str
+    special: bool = Field(True, description="parse control tokens written in the text")
+    add_special: bool = Field(False, description="add BOS when the model asks for one (serving engine only)")
+
+
+class TokenizeResult(_Msg):
+    tokens: list[int]
+
+
+class DetokenizeArgs(_Msg):
+    tokens: list[int]
+    special: bool = Field(False, description="render control tokens (serving engine only)")
+
+
+class DetokenizeResult(_Msg):
+    text: str
+
+
+class TimedRunArgs(_Msg):
+    prompt: list[int] = Field(min_length=1)
+    n_gen: int = Field(ge=0)
+
+
+class Timing(_Msg):
+    """Wall-clock timing of one prompt + generation, with llama.cpp's perf counters beside it."""
+
+    prompt_tokens: int
+    prompt_ms: float
+    gen_tokens: int
+    gen_ms: float
+    counter_prompt_tokens: int | None = None
+    counter_prompt_ms: float | None = None
+    counter_gen_tokens: int | None = None
+    counter_gen_ms: float | None = None
+
+    @property
+    def prefill_tps(self) -> float:
+        """Prompt tokens per second."""
+        return self.prompt_tokens / self.prompt_ms * 1e3 if self.prompt_ms > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        """Generated tokens per second."""
+        return self.gen_tokens / self.gen_ms * 1e3 if self.gen_ms > 0 else 0.0
+
+
+class GreedyArgs(_Msg):
+    prompt: list[int] = Field(min_length=1)
+    n_gen: int = Field(ge=0)
+    stop_eog: bool = True
+
+
+class GreedyResult(_Msg):
+    tokens: list[int]
+    text: str
+
+
+class LogprobsArgs(_Msg):
+    prompt: list[int] = Field(min_length=1)
+    continuation: list[int]
+    out: str = Field(description="an .npy path: the rows are too big for a protocol line")
+
+
+class LogprobsResult(_Msg):
+    rows: int
+    path: str
+
+
+class ChatArgs(_Msg):
+    messages: list[dict[str, Any]]
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+
+
+class ChatResult(_Open):
+    """An OpenAI chat completion (``choices``, ``usage``, ...)."""
+
+    choices: list[dict[str, Any]]
+
+
+# -- the serving engine (serve_load, then generate / cancel / serve_stats) --------------------------
+class ServeLoadArgs(_Msg):
+    model: str
+    params: EngineParams
+    park_bytes: int = Field(0, ge=0, description="host memory for parked conversations' KV cache")
+
+
+class ServeInfo(_Open):
+    n_ctx: int
+    n_seq_max: int
+    n_vocab: int
+    n_ctx_seq_cells: int
+    load_ms: float
+    model_bytes: int
+    park_bytes: int
+    bos: int
+    eos: int
+    eot: int
+    add_bos: bool
+    max_token_bytes: int
+
+
+class GenerateArgs(_Msg):
+    """The arguments of one ``generate`` request (its events stream before the result)."""
+
+    rid: str = Field(min_length=1, description="request id, unique among running generations; used by cancel")
+    prompt: list[int] = Field(min_length=1, description="prompt token ids")
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(0.8, ge=0.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 = off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(None, description="None = a random seed")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    conversation: str | None = Field(None, description="an opaque conversation label (reported, not required)")
+    progress: bool = Field(False, description="also stream prefill progress events (type 'prefill')")
+    grammar: GrammarSpec | None = Field(None, description="constrain the reply to this grammar (GBNF)")
+
+
+class GenerateResult(_Open):
+    """How a generation ended (``finish_reason``, token counts, timings)."""
+
+
+class CancelArgs(_Msg):
+    rid: str
+
+
+class CancelResult(_Msg):
+    cancelled: bool
+
+
+class ServeStats(_Open):
+    """Counters and memory of the serving engine."""
+
+
+# -- routing traces -------------------------------------------------------------------------------
+class RoutingRequest(_Msg):
+    """Arguments of the worker op ``routing_counts``."""
+
+    model: str
+    params: EngineParams
+    prompts: tuple[tuple[int, ...], ...] = Field(min_length=1, description="token ids of each prompt")
+    n_gen: int = Field(0, ge=0, description="greedy tokens decoded after each prompt, counted too")
+
+
+class RoutingCounts(_Msg):
+    """How often llama.cpp's router selected each expert of each layer over a workload."""
+
+    architecture: str
+    n_layer: int
+    n_expert: int
+    n_expert_used: int
+    n_tokens: int = Field(description="tokens evaluated: every prompt token and every decoded token")
+    counts: tuple[tuple[int, ...], ...] = Field(description="[n_layer][n_expert] selections")
+
+    def array(self) -> NDArray[np.int64]:
+        """The counts as an int64 array [n_layer, n_expert]."""
+        return np.asarray(self.counts, dtype=np.int64).reshape(self.n_layer, self.n_expert)
+
+
+# -- the registry -----------------------------------------------------------------------------------
+A = TypeVar("A", bound=BaseModel)
+R = TypeVar("R", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class OpSpec(Generic[A, R]):
+    """One op: its wire name, argument and result models; ``stream``: events come before the result;
+    ``reader``: answered by the worker's reader thread while a serving engine decodes."""
+
+    name: str
+    args: type[A]
+    result: type[R]
+    stream: bool = False
+    reader: bool = False
+
+
+HELLO = OpSpec("hello", NoArgs, HelloResult)
+DEVICES = OpSpec("devices", NoArgs, DevicesResult)
+LOAD = OpSpec("load", LoadArgs, LoadResult)
+TOKENIZE = OpSpec("tokenize", TokenizeArgs, TokenizeResult, reader=True)
+DETOKENIZE = OpSpec("detokenize", DetokenizeArgs, DetokenizeResult, reader=True)
+TIMED_RUN = OpSpec("timed_run", TimedRunArgs, Timing)
+GREEDY = OpSpec("greedy", GreedyArgs, GreedyResult)
+LOGPROBS = OpSpec("logprobs", LogprobsArgs, LogprobsResult)
+CHAT = OpSpec("chat", ChatArgs, ChatResult)
+SERVE_LOAD = OpSpec("serve_load", ServeLoadArgs, ServeInfo)
+GENERATE = OpSpec("generate", GenerateArgs, GenerateResult, stream=True)
+CANCEL = OpSpec("cancel", CancelArgs, CancelResult)
+SERVE_STATS = OpSpec("serve_stats", NoArgs, ServeStats)
+ROUTING_COUNTS = OpSpec("routing_counts", RoutingRequest, RoutingCounts)
+ABORT = OpSpec("abort", NoArgs, Empty)
+SHUTDOWN = OpSpec("shutdown", NoArgs, Empty)
+
+OPS: dict[str, OpSpec[Any, Any]] = {s.name: s for s in (
+    HELLO, DEVICES, LOAD, TOKENIZE, DETOKENIZE, TIMED_RUN, GREEDY, LOGPROBS, CHAT, SERVE_LOAD, GENERATE, CANCEL,
+    SERVE_STATS, ROUTING_COUNTS, ABORT, SHUTDOWN)}
