@@ -1,6 +1,6 @@
 """asyncio client of the worker protocol: many calls and streams in flight over one worker process.
 
-The Litestar server owns one :class:`AsyncWorker` in its lifespan. Every request gets a protocol id; a
+The Litestar server owns one :class:`AsyncWorkerClient` in its lifespan. Every request gets a protocol id; a
 reader task routes each worker line to the queue of its id, so calls and ``generate`` streams run
 concurrently. A worker that exits fails every pending call with :class:`WorkerDied` at once; a call that
 misses its timeout raises :class:`WorkerTimeout` and kills the worker (like :mod:`engine_bridge.client`).
@@ -42,7 +42,7 @@ _LINE_LIMIT = 1 << 26  # a tokenize result of a long text is one long line
 _DIED = object()
 
 
-class AsyncWorker:
+class AsyncWorkerClient:
     """One engine worker subprocess driven from asyncio."""
 
     def __init__(self, log_path: Path | None, env: Mapping[str, str] | None = None,
@@ -155,7 +155,7 @@ class AsyncWorker:
             with contextlib.suppress(Exception):
                 await self._reader
 
-    async def __aenter__(self) -> AsyncWorker:
+    async def __aenter__(self) -> AsyncWorkerClient:
         await self.start()
         return self
 

@@ -30,7 +30,7 @@ from tasks.bench.common import (
     BenchRun,
     overall,
 )
-from tasks.models import Plan
+from tasks.plan_types import Plan
 
 log = logging.getLogger(__name__)
 STYLE = {"pass": "green", "fail": "bold red", "info": "yellow"}

@@ -17,7 +17,7 @@ from artifacts.store import Store
 from engine_bridge.params import KvType
 from flows.request import plan_request
 from tasks.errors import ImpossiblePlan
-from tasks.models import Plan
+from tasks.plan_types import Plan
 
 DEFAULT_MODEL = "tiny-moe"
 

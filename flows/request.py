@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from artifacts.config import Settings
 from artifacts.errors import FluxError
-from tasks.models import PlanRequest
+from tasks.plan_types import PlanRequest
 
 FLAGS = {"ctx": "--ctx", "concurrency": "--concurrency", "kv": "--kv", "budget_s": "--budget-s",
          "gpu_mem_budget_gib": "--gpu-mem-budget", "workload": "--workload", "seed": "--seed", "model": "model"}

@@ -36,7 +36,8 @@ from tasks import route
 from tasks.costmodel import Workload
 from tasks.enumerate import enumerate_placements, gpu_devices, gpu_limits
 from tasks.measure import measure
-from tasks.models import (
+from tasks.persist import find_plan, persist, plan_key, plan_notes
+from tasks.plan_types import (
     Finalists,
     HardwareReport,
     MachineFacts,
@@ -45,7 +46,6 @@ from tasks.models import (
     PlanRequest,
     ValidationReport,
 )
-from tasks.persist import find_plan, persist, plan_key, plan_notes
 from tasks.probe import machine_facts, probe, probe_key
 from tasks.prune import prune
 from tasks.quality_gate import Gate

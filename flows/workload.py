@@ -12,7 +12,7 @@ from engine_bridge.client import tokenizer
 from tasks.corpus import conversation_text, load_conversations, sized_prompts
 from tasks.costmodel import Workload, cpu_bandwidth, layer_bytes
 from tasks.errors import ImpossiblePlan
-from tasks.models import Candidate, Finalists, HardwareReport, PlanRequest, Prediction
+from tasks.plan_types import Candidate, Finalists, HardwareReport, PlanRequest, Prediction
 
 # A coding agent's prompts, up to the depth its conversations reach (16-32k tokens): the deepest also times
 # decode with a deep KV cache, which is where KV placement shows.

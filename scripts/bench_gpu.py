@@ -105,7 +105,7 @@ def plan_facts(plan_id: str) -> dict[str, Any]:
     """What the persisted plan says of itself."""
     from artifacts.config import load_settings
     from artifacts.store import Store
-    from tasks.models import Plan
+    from tasks.plan_types import Plan
 
     store = Store(load_settings().data_dir)
     plan = Plan.model_validate(store.get_json("plan", store.find("plan", plan_id)))

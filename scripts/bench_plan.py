@@ -32,7 +32,7 @@ from engine_bridge.params import EngineParams  # noqa: E402
 from flows import stages, workload  # noqa: E402
 from flows.plan_model import plan_model  # noqa: E402
 from tasks.measure import measure  # noqa: E402
-from tasks.models import Candidate, HardwareReport, PlacementSpace, Plan  # noqa: E402
+from tasks.plan_types import Candidate, HardwareReport, PlacementSpace, Plan  # noqa: E402
 
 
 def llama_cpp_python_defaults(n_ctx: int) -> EngineParams:

@@ -64,7 +64,7 @@ from tasks.bench.arrivals import timing  # noqa: E402
 from tasks.bench.common import load_avg, paired_ratio  # noqa: E402
 from tasks.bench.http import FluxServe, exchange, finish_reason  # noqa: E402
 from tasks.corpus import load_prompts  # noqa: E402
-from tasks.models import (  # noqa: E402
+from tasks.plan_types import (  # noqa: E402
     Plan,
 )
 from tasks.testing import stored_plan  # noqa: E402

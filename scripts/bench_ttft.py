@@ -40,7 +40,7 @@ import llama_cpp  # noqa: E402
 from artifacts.config import load_settings  # noqa: E402
 from artifacts.synth import cached_twin  # noqa: E402
 from engine_bridge import ops  # noqa: E402
-from engine_bridge.aclient import AsyncWorker  # noqa: E402
+from engine_bridge.aclient import AsyncWorkerClient  # noqa: E402
 from engine_bridge.params import EngineParams  # noqa: E402
 from tasks.bench.http import FluxServe  # noqa: E402
 from tasks.corpus import load_prompts  # noqa: E402
@@ -73,7 +73,7 @@ def in_process(model: Path, params: EngineParams, prompts: list[str]) -> list[fl
 
 async def worker(model: Path, params: EngineParams, prompts: list[str], log: Path) -> tuple[list[float], list[float]]:
     """(tokenize round trip, tokenize + generate to the first token event), seconds."""
-    w = AsyncWorker(log)
+    w = AsyncWorkerClient(log)
     await w.start()
     await w.request(ops.SERVE_LOAD, ops.ServeLoadArgs(model=str(model), params=params), timeout=600)
     tok, first = [], []
@@ -117,7 +117,7 @@ def http(model: Path, params: EngineParams, prompts: list[str], max_tokens: int,
     return out
 
 
-async def _worker_first(w: AsyncWorker, rid: str, text: str, max_tokens: int) -> float:
+async def _worker_first(w: AsyncWorkerClient, rid: str, text: str, max_tokens: int) -> float:
     t0, first = time.perf_counter(), None
     ids = await w.tokenize(text, special=True, add_special=True, timeout=60)
     async for msg in w.generate({"rid": rid, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0},
@@ -144,7 +144,7 @@ async def paired(model: Path, params: EngineParams, prompts: list[str], rounds: 
     srv = FluxServe(st, stored_plan(st, model, params, key_extra={"bench_ttft": True}).id,
                     log_path=logs / "bench-ttft-serve.log", start_timeout_s=600)
     srv.start()
-    w = AsyncWorker(logs / "bench-ttft-worker.log")
+    w = AsyncWorkerClient(logs / "bench-ttft-worker.log")
     await w.start()
     await w.request(ops.SERVE_LOAD, ops.ServeLoadArgs(model=str(model), params=params), timeout=600)
     ws, hs = [], []

@@ -101,7 +101,7 @@ def reference(model: Path, params: EngineParams, prompts: list[list[int]], n_tok
 def plan_finalists(st: Any, prefix: str) -> list[Any]:
     """The finalists a saved plan was chosen from (the stored prune result that holds its candidate)."""
     from artifacts.store import Store
-    from tasks.models import Finalists, Plan
+    from tasks.plan_types import Finalists, Plan
 
     store = Store(st.data_dir)
     plan = Plan.model_validate(store.get_json("plan", store.find("plan", prefix)))

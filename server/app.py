@@ -17,7 +17,7 @@ from server import access
 from server.errors import EXCEPTION_HANDLERS
 from server.routes import routers
 from server.service import FluxService
-from tasks.models import Plan
+from tasks.plan_types import Plan
 
 log = logging.getLogger(__name__)
 

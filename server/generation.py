@@ -26,12 +26,12 @@ from typing import Any
 
 from engine_bridge.errors import EngineError
 from engine_bridge.gbnf import GrammarSpec
-from server.engine import Admission, Engine
 from server.errors import ApiError, error_event
 from server.formats import Builder, TokenEvent, ToolCallBody, usage_body
 from server.journal import Entry, Journal
 from server.stats import Outcome
 from server.stops import StopMatcher
+from server.supervisor import Admission, WorkerSupervisor
 from server.tools.formats import ToolFormat
 from server.tools.parse import CallParser, Piece
 
@@ -61,7 +61,7 @@ class GenSpec:
 class GenContext:
     """The server parts a generation uses."""
 
-    engine: Engine
+    engine: WorkerSupervisor
     admission: Admission
     journal: Journal
     wait_s: float

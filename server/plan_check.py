@@ -20,7 +20,7 @@ from artifacts.ids import content_id
 from artifacts.model_info import shard_paths
 from artifacts.store import Store
 from engine_bridge.backend import backend_info
-from tasks.models import Plan
+from tasks.plan_types import Plan
 from tasks.probe import facts_fingerprint, machine_facts
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import re
 
-from server.engine import Engine
 from server.errors import ContextLengthExceeded
+from server.supervisor import WorkerSupervisor
 
 DIRECT_TOKENIZE_CHARS_PER_TOKEN = 8  # prompts up to n_ctx x this many characters are tokenized whole
 PIECE_CHARS_PER_TOKEN = 4  # a longer prompt is counted in pieces of n_ctx x this many characters
@@ -43,7 +43,7 @@ def _cut(text: str, at: int) -> int:
     return m.start() if m and m.start() > 0 else at
 
 
-async def prompt_tokens(engine: Engine, text: str, n_ctx: int, wait_s: float, add_special: bool = False) -> list[int]:
+async def prompt_tokens(engine: WorkerSupervisor, text: str, n_ctx: int, wait_s: float, add_special: bool = False) -> list[int]:
     """Tokens of a prompt. A prompt longer in bytes than the context's tokens can be (n_ctx x the longest
     token) is refused before any tokenizing; one far over the context is refused after tokenizing about
     one context, in pieces, so no single worker call runs long."""

@@ -22,7 +22,6 @@ import psutil
 from artifacts.config import Settings
 from engine_bridge.errors import EngineError
 from server.chat import ChatTemplate, TemplateInfo
-from server.engine import Admission, Engine, EngineInfo, LoadSpec
 from server.errors import ApiError, Conflict, ContextLengthExceeded, InvalidRequest, NotFound, Unavailable
 from server.formats import BUILDERS, Kind
 from server.generation import GenContext, Generation, GenSpec
@@ -31,9 +30,10 @@ from server.metrics import Metrics, Snapshot
 from server.prompts import prompt_tokens, reply_tokens
 from server.schemas import ChatRequest, CompletionRequest, Sampling, parse_body
 from server.stats import Counters, memory_by_use
+from server.supervisor import Admission, EngineInfo, LoadSpec, WorkerSupervisor
 from server.tools.formats import detect_format
 from server.tools.plan import ReplyPlan, ReplyPlanner
-from tasks.models import Plan
+from tasks.plan_types import Plan
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class FluxService:
         self.tool_format = detect_format(self.template.source)
         self._set_template(ChatTemplate(self.template.source, self.template.bos_text or "",
                                         self.template.eos_text or ""))
-        self.engine = Engine(load_spec(settings, plan, self.model_path))
+        self.engine = WorkerSupervisor(load_spec(settings, plan, self.model_path))
         self.admission = Admission(plan.request.concurrency, serve.queue_max, serve.queue_wait_s)
         self.started = time.time()
         self.model_id = plan.model_name

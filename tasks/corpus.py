@@ -8,7 +8,7 @@ of the traffic an agent sends, and the one that stresses prefill and the KV cach
 
 Everything here is tokenizer-agnostic: prompts are text, and :func:`sized_prompts` cuts them to exact
 token counts with whatever tokenizer the caller passes (a model's, or a synthetic byte-level one).
-WikiText-2, an optional extra for perplexity-style checks, is in :mod:`tasks.corpus_wikitext`.
+WikiText-2, the perplexity text of ``flux bench quality`` when reachable, is in :mod:`tasks.corpus_wikitext`.
 """
 
 from __future__ import annotations

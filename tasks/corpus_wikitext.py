@@ -1,4 +1,7 @@
-"""WikiText-2 (raw, test split): an optional extra corpus for perplexity-style checks.
+"""WikiText-2 (raw, test split): the perplexity text of ``flux bench quality`` when it can be had.
+
+``flux bench quality`` scores its perplexity windows on WikiText-2 when it is cached or reachable, and on
+the bundled held-out corpus otherwise (its result says which).
 
 Fetched once into the cache directory (``<cache>/corpora/wikitext-2/test.txt``) and read from there
 afterwards; without network it is ``None`` after one log line, never an error.
@@ -81,7 +84,7 @@ def wikitext2(cache_dir: Path, timeout_s: float = 5.0) -> list[str] | None:
 
     Reads ``cache_dir/corpora/wikitext-2/test.txt`` when present; otherwise downloads the test split
     once (bounded by ``timeout_s`` in total) and caches it there atomically. Without network this
-    returns None after one info log line; planning then uses the bundled corpus only.
+    returns None after one info log line; the caller then uses the bundled corpus.
 
     Args:
         cache_dir: Flux's cache directory.

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from artifacts.model_info import ModelInfo
-from tasks.models import Candidate, HardwareReport, Placement, Prediction
+from tasks.plan_types import Candidate, HardwareReport, Placement, Prediction
 
 EXPERT_PARTS = ("gate", "up", "down")
 GPU_HBM_GBS = 3000.0  # used only until a GPU kernel timing calibrates it (H200: 4.8 TB/s nominal)

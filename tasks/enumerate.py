@@ -24,7 +24,7 @@ from tasks import expert_select, layer_split
 from tasks.costmodel import EXPERT_PARTS, all_on, head_bytes, layer_bytes
 from tasks.errors import ImpossiblePlan
 from tasks.expert_hot import hot_placement, split_bytes
-from tasks.models import Candidate, HardwareReport, Placement, PlacementSpace, PlanRequest
+from tasks.plan_types import Candidate, HardwareReport, Placement, PlacementSpace, PlanRequest
 
 log = logging.getLogger(__name__)
 GIB = 2**30

@@ -18,7 +18,7 @@ from numpy.typing import NDArray
 from artifacts.model_info import ModelInfo
 from engine_bridge.params import ExpertSplit
 from tasks.costmodel import EXPERT_PARTS, head_bytes
-from tasks.models import Placement
+from tasks.plan_types import Placement
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from artifacts.model_info import ModelInfo
 from tasks import layer_split
 from tasks.costmodel import EXPERT_PARTS, head_bytes
-from tasks.models import Placement
+from tasks.plan_types import Placement
 
 
 @dataclass(frozen=True)

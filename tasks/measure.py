@@ -22,7 +22,7 @@ from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.gpumem import GpuMemoryMeter, over_budget
-from tasks.models import Candidate, MeasureSummary
+from tasks.plan_types import Candidate, MeasureSummary
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from artifacts.ids import content_id
 from artifacts.store import Store
-from tasks.models import (
+from tasks.plan_types import (
     Candidate,
     Finalists,
     HardwareReport,

@@ -22,7 +22,7 @@ from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.params import EngineParams
-from tasks.models import CpuInfo, GpuInfo, HardwareReport, KernelTiming, MachineFacts
+from tasks.plan_types import CpuInfo, GpuInfo, HardwareReport, KernelTiming, MachineFacts
 from tasks.probe_gpu import cuda_runtime_name, host_to_device_bandwidth, nvml_inventory
 from tasks.probe_host import cpu_info, ram_read_bandwidth, storage_read_speed, usable_cpus
 

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from tasks.models import GpuInfo
+from tasks.plan_types import GpuInfo
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import psutil
 
-from tasks.models import CpuInfo
+from tasks.plan_types import CpuInfo
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import logging
 
 from artifacts.model_info import ModelInfo
 from tasks.costmodel import Workload, predict
-from tasks.models import Candidate, Finalists, HardwareReport, PlacementSpace, Prediction
+from tasks.plan_types import Candidate, Finalists, HardwareReport, PlacementSpace, Prediction
 
 log = logging.getLogger(__name__)
 PLAUSIBLE = 3.0  # diversity picks only candidates predicted within this factor of the best workload time

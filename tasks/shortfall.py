@@ -19,7 +19,7 @@ from artifacts.errors import FluxError
 from artifacts.model_info import ModelInfo
 from engine_bridge.params import EngineParams, ExpertSplit
 from tasks.expert_hot import expert_bytes
-from tasks.models import Plan
+from tasks.plan_types import Plan
 
 log = logging.getLogger(__name__)
 GIB = 2**30

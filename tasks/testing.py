@@ -12,7 +12,7 @@ from typing import Any
 
 from artifacts.config import Settings
 from engine_bridge.params import EngineParams
-from tasks.models import (
+from tasks.plan_types import (
     Candidate,
     CpuInfo,
     GpuInfo,

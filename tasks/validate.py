@@ -28,7 +28,7 @@ from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.params import EngineParams
-from tasks.models import Candidate, MeasureSummary, ValidationReport, ValidationResult
+from tasks.plan_types import Candidate, MeasureSummary, ValidationReport, ValidationResult
 from tasks.quality_gate import FloorResult, Gate, compare_all
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import pytest
 
 from artifacts.config import Settings, load_settings
 from engine_bridge.params import EngineParams
-from tasks.models import (
+from tasks.plan_types import (
     Plan,
 )
 from tasks.testing import stored_plan

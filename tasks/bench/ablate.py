@@ -40,7 +40,7 @@ from tasks.bench.run import (
     tokenize_prompts,
     trial_busy,
 )
-from tasks.models import Candidate
+from tasks.plan_types import Candidate
 
 EXPERTS_ON_CPU = TensorOverride(pattern=r"\.ffn_(gate|up|down)_exps", device="CPU")
 Variant = Callable[[Candidate, EngineParams], EngineParams | str]  # the variant, or why there is none

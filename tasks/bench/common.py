@@ -39,7 +39,7 @@ from engine_bridge.backend import backend_info, llama_server_path
 from engine_bridge.client import WorkerClient
 from engine_bridge.llama_server import LlamaServer, ServerTimings
 from engine_bridge.params import EngineParams
-from tasks.models import Plan
+from tasks.plan_types import Plan
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]

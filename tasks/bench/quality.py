@@ -32,6 +32,7 @@ from engine_bridge.params import EngineParams
 from tasks.bench.common import BenchContext, BenchRun, Progress, SummaryRow, Verdict, load_avg
 from tasks.bench.registry import Suite
 from tasks.corpus import conversation_text, load_conversations, sized_prompts
+from tasks.corpus_wikitext import wikitext2
 from tasks.quality_gate import compare
 from tasks.validate import reference_params
 
@@ -61,6 +62,7 @@ class _Inputs:
 
     prompts: list[tuple[str, str, list[int]]]
     windows: list[list[int]]
+    ppl_corpus: str = "bundled held-out"
 
 
 def _inputs(ctx: BenchContext, opts: QualityOptions, n_tokens: int, window: int) -> _Inputs:
@@ -69,10 +71,17 @@ def _inputs(ctx: BenchContext, opts: QualityOptions, n_tokens: int, window: int)
     with tokenizer(ctx.model, ctx.worker_log, ctx.timeout_s) as tok:
         held = sized_prompts(tok, [min(cap, n) for n in opts.held_out], split="held_out", seed=opts.seed)
         convs = [(c.id, tok(conversation_text(c))[-cap:]) for c in load_conversations()[:opts.conversations]]
-        windows = sized_prompts(tok, [window + 1] * opts.ppl_windows, split="held_out", seed=opts.seed + 1)
+        wiki = wikitext2(ctx.settings.cache_dir)
+        if wiki:
+            text = tok("\n\n".join(wiki))
+            step = max(window + 1, len(text) // max(opts.ppl_windows, 1))
+            windows = [text[i:i + window + 1] for i in range(0, len(text), step)][:opts.ppl_windows]
+            windows = [w for w in windows if len(w) == window + 1]
+        if not wiki or not windows:
+            windows = sized_prompts(tok, [window + 1] * opts.ppl_windows, split="held_out", seed=opts.seed + 1)
     prompts = [("held_out", f"held_out-{len(p)}-{i}", p) for i, p in enumerate(held)]
     prompts += [("conversation", cid, p) for cid, p in convs]
-    return _Inputs(prompts=prompts, windows=windows)
+    return _Inputs(prompts=prompts, windows=windows, ppl_corpus="WikiText-2 test" if wiki and windows else "bundled held-out")
 
 
 def _logprobs(w: WorkerClient, prompt: list[int], cont: list[int], tmp: Path, timeout_s: float) -> np.ndarray:
@@ -151,10 +160,11 @@ def bench_quality(ctx: BenchContext, opts: QualityOptions, progress: Progress | 
     mean_kl, top1 = float(kl_all.mean()), float(agree_all.mean())
     ppl_ref, ppl_plan = float(np.exp(np.mean(ref_nll))), float(np.exp(np.mean(plan_nll)))
     verdict, detail = _verdict(ctx, mean_kl, top1)
-    detail += f"; perplexity {ppl_plan:.3f} vs reference {ppl_ref:.3f} (ratio {ppl_plan / ppl_ref:.4f})"
+    detail += (f"; perplexity {ppl_plan:.3f} vs reference {ppl_ref:.3f} (ratio {ppl_plan / ppl_ref:.4f}, "
+               f"{inputs.ppl_corpus} text)")
     metrics = {"mean_kl": mean_kl, "max_kl": float(kl_all.max()), "top1": top1, "n_tokens": int(kl_all.size),
                "ppl_plan": ppl_plan, "ppl_reference": ppl_ref, "ppl_ratio": ppl_plan / ppl_ref,
-               "ppl_tokens": window * len(inputs.windows), "max_kl_limit": _limits(ctx)[0],
+               "ppl_tokens": window * len(inputs.windows), "ppl_corpus": inputs.ppl_corpus, "max_kl_limit": _limits(ctx)[0],
                "min_top1_limit": _limits(ctx)[1], "quality_profile": ctx.plan.quality_profile,
                "reference": ref.model_dump(mode="json"), "options": opts.model_dump(mode="json"),
                "greedy_tokens": n_tokens, "seconds": time.monotonic() - t0, "load_avg_start": load0,

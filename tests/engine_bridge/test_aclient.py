@@ -1,4 +1,4 @@
-"""AsyncWorker over a real worker subprocess: multiplexing, cancellation, faults.
+"""AsyncWorkerClient over a real worker subprocess: multiplexing, cancellation, faults.
 
 Each test runs its own event loop with ``asyncio.run`` (no pytest-asyncio). One llama.cpp thread: this
 2-core box is shared (see test_batch.py).
@@ -17,20 +17,20 @@ from typing import Any
 
 import pytest
 
-from engine_bridge.aclient import AsyncWorker
+from engine_bridge.aclient import AsyncWorkerClient
 from engine_bridge.errors import EngineError, WorkerDied, WorkerTimeout
 from engine_bridge.params import EngineParams
 from engine_bridge.protocol import PROTOCOL_VERSION
 
 PARAMS = EngineParams(n_ctx=4096, n_seq_max=4, n_batch=256, n_ubatch=256, n_threads=1, n_threads_batch=1)
-Body = Callable[[AsyncWorker], Awaitable[None]]
+Body = Callable[[AsyncWorkerClient], Awaitable[None]]
 
 
 def with_worker(tmp_path: Path, model: Path | None, body: Body) -> None:
     """Run ``body`` against a started worker (serving ``model`` if given), then close it."""
 
     async def main() -> None:
-        w = AsyncWorker(tmp_path / "worker.log")
+        w = AsyncWorkerClient(tmp_path / "worker.log")
         await w.start()
         try:
             if model is not None:
@@ -48,7 +48,7 @@ def gen_args(rid: str, prompt: list[int], n: int, **kw: Any) -> dict[str, Any]:
     return {"rid": rid, "prompt": prompt, "max_tokens": n, "temperature": 0.0, **kw}
 
 
-async def collect(w: AsyncWorker, args: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+async def collect(w: AsyncWorkerClient, args: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     events: list[dict[str, Any]] = []
     async for msg in w.stream("generate", args):
         if "result" in msg:
@@ -57,7 +57,7 @@ async def collect(w: AsyncWorker, args: dict[str, Any]) -> tuple[list[dict[str, 
     raise AssertionError("no result")
 
 
-async def wait_idle(w: AsyncWorker, deadline_s: float = 2.0) -> dict[str, Any]:
+async def wait_idle(w: AsyncWorkerClient, deadline_s: float = 2.0) -> dict[str, Any]:
     t0 = time.monotonic()
     while True:
         stats = await w.call("serve_stats")
@@ -67,7 +67,7 @@ async def wait_idle(w: AsyncWorker, deadline_s: float = 2.0) -> dict[str, Any]:
 
 
 def test_concurrent_calls_are_multiplexed(tmp_path: Path, tiny_dense: Path) -> None:
-    async def body(w: AsyncWorker) -> None:
+    async def body(w: AsyncWorkerClient) -> None:
         prompt = (await w.call("tokenize", {"text": "Hello there, multiplexed world."}))["tokens"]
         streams = [asyncio.create_task(collect(w, gen_args(f"g{i}", prompt[i:], 600))) for i in range(3)]
         await asyncio.sleep(0)  # the generates are written first
@@ -89,7 +89,7 @@ def test_concurrent_calls_are_multiplexed(tmp_path: Path, tiny_dense: Path) -> N
 
 
 def test_cancelling_the_consumer_cancels_the_generation(tmp_path: Path, tiny_dense: Path) -> None:
-    async def body(w: AsyncWorker) -> None:
+    async def body(w: AsyncWorkerClient) -> None:
         prompt = (await w.call("tokenize", {"text": "Cancel me soon."}))["tokens"]
         seen: list[dict[str, Any]] = []
 
@@ -117,7 +117,7 @@ def test_cancelling_the_consumer_cancels_the_generation(tmp_path: Path, tiny_den
 
 
 def test_kill_during_stream_is_worker_died_promptly(tmp_path: Path, tiny_dense: Path) -> None:
-    async def body(w: AsyncWorker) -> None:
+    async def body(w: AsyncWorkerClient) -> None:
         prompt = (await w.call("tokenize", {"text": "Die while streaming."}))["tokens"]
         pid = w.pid
         assert pid
@@ -140,7 +140,7 @@ def test_kill_during_stream_is_worker_died_promptly(tmp_path: Path, tiny_dense: 
 
 
 def test_timeout_kills_the_worker(tmp_path: Path) -> None:
-    async def body(w: AsyncWorker) -> None:
+    async def body(w: AsyncWorkerClient) -> None:
         pid = w.pid
         assert pid
         os.kill(pid, signal.SIGSTOP)  # a hung worker
@@ -158,7 +158,7 @@ def test_a_request_the_worker_does_not_take_times_out_on_write(tmp_path: Path) -
     # transport's buffer are full, the request cannot be delivered: kill the worker after write_s, even
     # though the answer's own timeout (60 s here) is far away.
     async def main() -> None:
-        w = AsyncWorker(tmp_path / "worker.log", write_timeout_s=1.0)
+        w = AsyncWorkerClient(tmp_path / "worker.log", write_timeout_s=1.0)
         await w.start()
         try:
             assert w.pid
@@ -177,7 +177,7 @@ def test_a_request_the_worker_does_not_take_times_out_on_write(tmp_path: Path) -
 
 def test_wait_exit_and_clean_close(tmp_path: Path) -> None:
     async def main() -> None:
-        w = AsyncWorker(tmp_path / "worker.log")
+        w = AsyncWorkerClient(tmp_path / "worker.log")
         await w.start()
         waiter = asyncio.create_task(w.wait_exit())
         await asyncio.sleep(0.05)
@@ -185,7 +185,7 @@ def test_wait_exit_and_clean_close(tmp_path: Path) -> None:
         w.kill()
         assert await asyncio.wait_for(waiter, 1.0) == -signal.SIGKILL
         await w.close()
-        async with AsyncWorker(tmp_path / "worker2.log") as w2:
+        async with AsyncWorkerClient(tmp_path / "worker2.log") as w2:
             with pytest.raises(EngineError) as exc:
                 await w2.call("serve_stats")
             assert exc.value.code == "not_loaded"

@@ -11,11 +11,11 @@ import pytest
 
 from artifacts.synth import PRESETS, synthesize
 from artifacts.synth_routing import router_scales
+from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError, RoutingMismatch
-from engine_bridge.params import EngineParams, ExpertSplit
-from engine_bridge import ops
 from engine_bridge.ops import RoutingCounts, RoutingRequest
+from engine_bridge.params import EngineParams, ExpertSplit
 from engine_bridge.routing_trace import ROUTING_SCHEMA, check_routing_table, routing_table, top_share
 
 pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")

@@ -11,7 +11,7 @@ from bench_support import bench_settings, make_plan, session_cache
 
 from artifacts.config import Settings
 from artifacts.store import Store
-from tasks.models import Plan
+from tasks.plan_types import Plan
 
 REPO = Path(__file__).resolve().parents[2]
 # Runs `flux` with flows.cmd_bench registered even before flows/cli.py lists it.

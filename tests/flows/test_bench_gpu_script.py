@@ -29,13 +29,13 @@ def test_bench_gpu_drives_the_user_path_and_records_the_plan_it_raced(tiny_moe: 
         env=flux_env, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (row,) = pq.read_table(out / "h200_results.parquet").to_pylist()
-    assert row["model"] == "tiny-moe" and row["ctx"] == 1024 and row["plan_s"] > 0
-    shown = (out / "show-tiny-moe-0@1024.log").read_text()
+    assert row["model"] == "tiny-moe" and row["routing"] == "uniform" and row["ctx"] == 1024 and row["plan_s"] > 0
+    shown = (out / "show-tiny-moe-uniform-0@1024.log").read_text()
     assert row["plan_id"][:12] in shown and "ranked by the workload's time" in shown
     assert row["tg_vs_fit"] and row["pp_vs_fit"] and row["agent_vs_fit"], "the race against --fit ran"
     assert row["served_decode_tps"] and row["http_vs_plan_decode"], "decode through HTTP vs the plan's own"
     assert "-fitc 1024" in row["fit_note"], "--fit holds the plan's context"
-    bench_log = (out / "bench-tiny-moe-0@1024.log").read_text()
+    bench_log = (out / "bench-tiny-moe-uniform-0@1024.log").read_text()
     assert "flux serve" in bench_log and "stored run" in bench_log
     data = Path(flux_env["XDG_DATA_HOME"]) / "flux"
     tables = list(data.rglob("bench_gpu/*.parquet"))

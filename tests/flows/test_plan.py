@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from artifacts.store import Store
-from tasks.models import Plan, PlanRequest
+from tasks.plan_types import Plan, PlanRequest
 
 REPO = Path(__file__).resolve().parents[2]
 BUDGET = 25

@@ -10,7 +10,7 @@ from rich.console import Console
 from artifacts.config import load_settings
 from engine_bridge.params import EngineParams
 from flows.show import print_plan
-from tasks.models import MeasureSummary
+from tasks.plan_types import MeasureSummary
 from tasks.testing import stored_plan
 
 

@@ -17,7 +17,7 @@ from support import ServeEnv, Server, serve_env, start_server, stop_server, with
 from artifacts.config import Settings
 from artifacts.synth_presets import CHATML
 from engine_bridge.params import EngineParams
-from tasks.models import (
+from tasks.plan_types import (
     Plan,
 )
 from tasks.testing import stored_plan

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from server.engine import Admission
 from server.errors import ContextLengthExceeded, QueueFull, Unavailable
 from server.prompts import reply_tokens
+from server.supervisor import Admission
 
 
 def test_reply_room_is_min_of_max_tokens_and_min_reply() -> None:

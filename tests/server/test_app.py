@@ -11,7 +11,7 @@ from litestar.testing import TestClient
 from support import ServeEnv, serve_env
 
 from server.app import create_app
-from tasks.models import Plan
+from tasks.plan_types import Plan
 
 TOML = """
 [serve]

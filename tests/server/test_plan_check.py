@@ -14,7 +14,7 @@ from support import REPO, ServeEnv
 
 import server.__main__ as entry
 from artifacts.store import Store
-from tasks.models import Plan
+from tasks.plan_types import Plan
 
 MakePlan = Callable[..., Plan]
 

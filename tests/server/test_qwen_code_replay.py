@@ -25,7 +25,7 @@ from server.chat import ChatTemplate
 from server.schemas import ChatRequest, parse_body
 from server.tools.formats import Hermes
 from server.tools.plan import ANY_OBJECT, ReplyPlanner
-from tasks.models import Plan
+from tasks.plan_types import Plan
 
 jsonschema = pytest.importorskip("jsonschema")
 FIXTURE = Path(__file__).parent / "data" / "qwen_code_0.24.4_requests.jsonl"

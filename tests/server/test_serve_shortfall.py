@@ -14,7 +14,7 @@ from support import REPO, SERVE_TOML, ServeEnv, serve_env, start_server, stop_se
 from artifacts.model_info import model_info
 from engine_bridge.params import EngineParams, ExpertSplit
 from tasks.expert_hot import expert_bytes
-from tasks.models import Candidate, Placement, Plan
+from tasks.plan_types import Candidate, Placement, Plan
 from tasks.shortfall import device_need
 from tasks.testing import stored_plan
 

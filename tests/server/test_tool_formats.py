@@ -15,7 +15,7 @@ from support import ServeEnv, Server, start_server, stop_server, with_chat_templ
 
 from server.chat import FALLBACK_TEMPLATE, ChatTemplate, TemplateCaps
 from server.tools.formats import Function, Hermes, Llama3
-from tasks.models import Plan
+from tasks.plan_types import Plan
 
 jsonschema = pytest.importorskip("jsonschema")
 ARGS = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],

@@ -15,7 +15,7 @@ import openai
 import pytest
 from support import Server
 
-from tasks.models import Plan
+from tasks.plan_types import Plan
 
 jsonschema = pytest.importorskip("jsonschema")
 

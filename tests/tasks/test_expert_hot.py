@@ -13,8 +13,8 @@ from artifacts.model_info import ModelInfo, model_info
 from tasks.costmodel import predict
 from tasks.enumerate import enumerate_placements, gpu_overhead, kv_at
 from tasks.expert_hot import block_bytes, expert_bytes, hot_placement, split_bytes
-from tasks.models import PlanRequest
 from tasks.persist import plan_key
+from tasks.plan_types import PlanRequest
 from tasks.prune import prune
 from tasks.testing import h200_report
 from tests.tasks.test_placement import WORK, scaled
@@ -99,7 +99,7 @@ def test_skewed_routing_prices_the_split_above_whole_tensors_and_both_are_finali
 
 
 def test_another_routing_trace_is_another_plan() -> None:
-    from tasks.models import PlanRequest
+    from tasks.plan_types import PlanRequest
 
     hw, req = h200_report(1), PlanRequest(model="m")
     base = plan_key("model", hw, "build", req, {})

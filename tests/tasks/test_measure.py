@@ -10,7 +10,7 @@ import pytest
 from engine_bridge.gpumem import GpuMemoryMeter, over_budget
 from engine_bridge.params import EngineParams
 from tasks.measure import TRIAL_SCHEMA, measure
-from tasks.models import Candidate, Placement
+from tasks.plan_types import Candidate, Placement
 
 GIB = 2**30
 

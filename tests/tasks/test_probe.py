@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from artifacts.config import Settings, load_settings
 from artifacts.ids import content_id
 from artifacts.model_info import model_info
-from tasks.models import CpuInfo, GpuInfo, HardwareReport, MachineFacts
+from tasks.plan_types import CpuInfo, GpuInfo, HardwareReport, MachineFacts
 from tasks.probe import (
     PREFILL_BATCH,
     facts_fingerprint,

@@ -11,7 +11,7 @@ from artifacts.config import Settings, load_settings
 from artifacts.model_info import model_info
 from engine_bridge.params import EngineParams, ExpertSplit
 from tasks.expert_hot import expert_bytes
-from tasks.models import Candidate, Placement
+from tasks.plan_types import Candidate, Placement
 from tasks.shortfall import SplitShortfall, device_need, fit_split
 from tasks.testing import stored_plan
 

@@ -9,7 +9,7 @@ import pytest
 from engine_bridge.errors import EngineError
 from engine_bridge.params import EngineParams, TensorOverride
 from flows.workload import validation_prompts
-from tasks.models import Candidate, MeasureSummary, Placement
+from tasks.plan_types import Candidate, MeasureSummary, Placement
 from tasks.quality_gate import Gate
 from tasks.validate import Cache, rank_measured, reference_params, validate
 

@@ -12,7 +12,7 @@ from bench_support import bench_settings, make_plan, session_cache
 from engine_bridge.params import EngineParams, TensorOverride
 from tasks.bench.ablate import EXPERTS_ON_CPU, VARIANTS, AblateOptions, bench_ablate, variants
 from tasks.bench.common import llama_cpp_python_defaults, open_bench, save_run
-from tasks.models import Candidate, Placement
+from tasks.plan_types import Candidate, Placement
 
 
 def _cand(params: EngineParams, experts: list[dict[str, str]] | None = None) -> Candidate:

@@ -66,3 +66,17 @@ def test_a_non_reference_quality_profile_is_info(tmp_path_factory: pytest.TempPa
     plan = make_plan(st, tiny_moe, quality_profile="kv-q8_0")
     verdict, detail = _verdict(open_bench(st, plan.id[:12]), mean_kl=0.5, top1=0.2)
     assert verdict == "info" and "kv-q8_0" in detail
+
+
+def test_perplexity_is_scored_on_wikitext2_when_it_is_cached(tmp_path_factory: pytest.TempPathFactory,
+                                                              tiny_moe: Path) -> None:
+    st, _ = bench_settings(tmp_path_factory.mktemp("bench-quality-wiki"), session_cache(tmp_path_factory))
+    cached = st.cache_dir / "corpora" / "wikitext-2" / "test.txt"
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    body = " ".join(f"The harbour light number {i} was first lit in {1851 + i} and kept for a century ." for i in range(40))
+    cached.write_text(f" = Harbour lights = \n\n {body} \n\n {body} \n", encoding="utf-8")
+    params = EngineParams(n_ctx=512, n_batch=128, n_ubatch=64, n_threads=2, n_threads_batch=2)
+    ctx = open_bench(st, make_plan(st, tiny_moe, params=params).id[:12])
+    row = bench_quality(ctx, OPTS).rows[0]
+    assert row.metrics["ppl_corpus"] == "WikiText-2 test"
+    assert "WikiText-2 test text" in row.detail and row.metrics["ppl_tokens"] == 2 * 48

@@ -1,6 +1,6 @@
 """The server's one engine worker: start it, restart it when it dies, and admit generations to it.
 
-:class:`Engine` owns an :class:`~engine_bridge.aclient.AsyncWorker` running ``serve_load``. A watcher
+:class:`WorkerSupervisor` owns an :class:`~engine_bridge.aclient.AsyncWorkerClient` running ``serve_load``. A watcher
 awaits the worker's exit: a worker that dies (idle, or mid-request: the request's own stream raises
 ``WorkerDied`` and ends that request with an explicit error) is started again with backoff, and requests
 arriving meanwhile wait for it up to the queue wait.
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_bridge import ops
-from engine_bridge.aclient import AsyncWorker
+from engine_bridge.aclient import AsyncWorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.params import EngineParams
 from server.errors import QueueFull, Unavailable
@@ -60,7 +60,7 @@ class EngineInfo:
     raw: Mapping[str, Any]
 
 
-class Engine:
+class WorkerSupervisor:
     """One supervised worker with the model loaded for serving."""
 
     def __init__(self, spec: LoadSpec) -> None:
@@ -68,7 +68,7 @@ class Engine:
         self.spec = spec
         self.restarts = 0
         self.last_exit: int | None = None
-        self._worker: AsyncWorker | None = None
+        self._worker: AsyncWorkerClient | None = None
         self._info: EngineInfo | None = None
         self._ready = asyncio.Event()
         self._closing = False
@@ -88,7 +88,7 @@ class Engine:
     async def _spawn(self) -> EngineInfo:
         """A fresh worker with the model loaded; made current only once loaded."""
         s = self.spec
-        worker = AsyncWorker(s.log_path, env=dict(s.env), hello_timeout_s=s.hello_s, write_timeout_s=s.write_s)
+        worker = AsyncWorkerClient(s.log_path, env=dict(s.env), hello_timeout_s=s.hello_s, write_timeout_s=s.write_s)
         try:
             await worker.start()
             got = await worker.request(ops.SERVE_LOAD, ops.ServeLoadArgs(model=s.model, params=s.params,
@@ -160,7 +160,7 @@ class Engine:
         """The current worker's process id."""
         return self._worker.pid if self._worker is not None else None
 
-    async def ready(self, timeout: float) -> AsyncWorker:
+    async def ready(self, timeout: float) -> AsyncWorkerClient:
         """The loaded worker, waiting up to ``timeout`` while it restarts.
 
         Raises:
