@@ -1,7 +1,10 @@
 """Stop sequences matched on the generated text, across token boundaries.
 
 Text that might be the start of a stop sequence is held back until the next piece decides it, so a client
-never sees part of a stop sequence, and the reply ends right before the earliest one.
+never sees part of a stop sequence. The reply ends right before the stop sequence that is complete first, as
+the text grows character by character (of two that complete at once, the longer), so how the text was split
+into tokens never changes where it ends: with stops ``|`` and ``a|<``, ``a|<`` ends as ``a`` in one piece or in
+three.
 """
 
 from __future__ import annotations
@@ -24,11 +27,11 @@ class StopMatcher:
         if self.stopped:
             return ""
         buf = self._buf + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i + len(s), i) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
             self.stopped = True
             self._buf = ""
-            return buf[: min(hits)]
+            return buf[: min(hits)[1]]
         keep = self._held_suffix(buf)
         self._buf = buf[len(buf) - keep:] if keep else ""
         return buf[: len(buf) - keep]

@@ -24,7 +24,7 @@ import logging
 
 from artifacts.model_info import ModelInfo
 from tasks.costmodel import Workload, predict
-from tasks.plan_types import Candidate, Finalists, HardwareReport, PlacementSpace, Prediction
+from tasks.plan_types import Candidate, Finalists, HardwareReport, PlacementSpace
 
 log = logging.getLogger(__name__)
 PLAUSIBLE = 3.0  # diversity picks only candidates predicted within this factor of the best workload time
@@ -116,7 +116,3 @@ def prune(space: PlacementSpace, info: ModelInfo, hw: HardwareReport, work: Work
                      workload_prefill_tokens=work.prefill_tokens, workload_decode_tokens=work.decode_tokens,
                      n_ranked=len(ranked))
 
-
-def all_predictions(space: PlacementSpace, info: ModelInfo, hw: HardwareReport, work: Workload) -> list[Prediction]:
-    """Predictions for every candidate (for the benchmark's exhaustive grid and for ablations)."""
-    return [predict(info, hw, c, work) for c in space.candidates]

@@ -33,7 +33,8 @@ class NativeModel:
         self.model, self.ctx, self._keep = load_model_and_context(model_path, self.params, perf=True)
         self.vocab = Vocab(llama_cpp.llama_model_get_vocab(self.model))
         self.n_vocab = self.vocab.n_vocab
-        self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
+        # what the plan asked for: llama.cpp pads its context up (to 256 cells), a sequence must not use that
+        self.n_ctx = min(self.params.n_ctx, int(llama_cpp.llama_n_ctx(self.ctx)))
         self.n_batch = self.params.n_batch
         self._batch = SeqBatch(self.n_batch, 1)
         self._peer: Any = None

@@ -1,0 +1,227 @@
+"""The contenders of ``flux bench run --via serve`` (tasks/bench/served.py) and how each is found and timed.
+
+``plan`` is ``flux serve`` of the plan; ``fit`` is llama-server's own fit at the plan's budget and context;
+``n-cpu-moe`` and ``most-ngl`` are found by starting llama-server alone with one configuration after another
+and measuring its GPU memory (:func:`probe_config`), not by predicting it. :func:`streamed_completion` is the
+one client every contender is timed through.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+import psutil
+from pydantic import BaseModel, ConfigDict
+
+from artifacts.model_info import ModelInfo
+from engine_bridge.gpumem import GpuMemoryMeter
+from engine_bridge.llama_server import LlamaServer
+from tasks.bench.common import BenchContext, BenchError, Progress, TrialTiming
+from tasks.bench.http import FluxServe, client_limits
+
+log = logging.getLogger(__name__)
+GIB, MIB = 2**30, 2**20
+
+
+class Turn(BaseModel):
+    """One request of the race: a prompt of ``prompt`` tokens and ``gen`` generated tokens."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    prompt: int
+    gen: int
+
+
+# pp512 / tg128 (a short prompt, a long reply) and an agent's turn (a long prompt, a short reply)
+DEFAULT_TURNS = (Turn(name="pp512-tg128", prompt=512, gen=128), Turn(name="agent", prompt=2048, gen=32))
+
+
+def streamed_completion(base: str, prompt: Sequence[int], n_gen: int, timeout_s: float) -> TrialTiming:
+    """POST /v1/completions (streamed, greedy, EOS ignored where the engine honours it), timed by the client.
+
+    ``prompt_ms``: request sent to first generated text; ``gen_ms``: first to last generated text, over
+    ``completion_tokens - 1`` steps (the usage chunk's count).
+    """
+    body = {"prompt": list(prompt), "max_tokens": n_gen, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True, "cache_prompt": False}
+    t0 = time.perf_counter()
+    first = last = None
+    n_tokens = 0
+    with httpx.Client(timeout=timeout_s, limits=client_limits()) as client, \
+            client.stream("POST", f"{base}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise BenchError(f"{base}: HTTP {r.status_code}: {r.read().decode(errors='replace')[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if any((c.get("text") or "") for c in chunk.get("choices") or []):
+                last = time.perf_counter()
+                first = first or last
+            usage = chunk.get("usage") or {}
+            n_tokens = int(usage.get("completion_tokens") or n_tokens)
+    if first is None or last is None:
+        raise BenchError(f"{base}: the stream carried no generated text")
+    return TrialTiming(prompt_tokens=len(prompt), prompt_ms=(first - t0) * 1e3, gen_tokens=max(0, n_tokens - 1),
+                       gen_ms=(last - first) * 1e3, source="client stream (/v1/completions)")
+
+
+def tree_gpu_bytes(meter: GpuMemoryMeter, pid: int | None) -> int | None:
+    """GPU memory held by ``pid`` and its children (flux serve's worker is a child process)."""
+    if pid is None or not meter.available:
+        return None
+    try:
+        pids = [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+    except psutil.Error:
+        pids = [pid]
+    per = [meter.used_by(p) for p in pids]
+    known = [u for u in per if u]
+    return max(sum(sum(u) for u in known), 0) if known else None
+
+
+@dataclass
+class Contender:
+    """One engine in the race: how to start it, and once started, where it listens."""
+
+    name: str
+    note: str
+    start_fn: Callable[[], tuple[str, int | None, Callable[[], None]]]
+    base: str = ""
+    pid: int | None = None
+    stop_fn: Callable[[], None] | None = None
+    gpu_bytes: int | None = None
+    readings: dict[str, float] = field(default_factory=dict)
+
+    def start(self) -> None:
+        """Start the engine and wait until it answers."""
+        self.base, self.pid, self.stop_fn = self.start_fn()
+
+    def stop(self) -> None:
+        """Stop it (idempotent)."""
+        if self.stop_fn is not None:
+            self.stop_fn()
+            self.stop_fn = None
+
+
+def plan_contender(ctx: BenchContext) -> Contender:
+    """``flux serve`` of the plan."""
+    def start() -> tuple[str, int | None, Callable[[], None]]:
+        srv = FluxServe(ctx.settings, ctx.plan.id, log_path=ctx.settings.logs_dir / "bench-serve.log",
+                        start_timeout_s=ctx.settings.serve.worker_timeouts.load_s)
+        srv.start()
+        return srv.base, srv.proc.pid if srv.proc else None, srv.stop
+
+    return Contender("plan", f"flux serve {ctx.plan.id[:12]}: " + " ".join(ctx.params.cli_args()), start)
+
+
+def server_contender(ctx: BenchContext, name: str, args: Sequence[str], note: str) -> Contender:
+    """llama-server of the plan's model with ``args``."""
+    def start() -> tuple[str, int | None, Callable[[], None]]:
+        srv = LlamaServer(ctx.need_llama_server(), ctx.model, args, log_path=ctx.server_log,
+                          start_timeout_s=ctx.settings.serve.worker_timeouts.load_s, request_timeout_s=ctx.timeout_s)
+        srv.start()
+        return f"http://127.0.0.1:{srv.port}", srv.pid, srv.stop
+
+    return Contender(name, note, start)
+
+
+def _common_args(ctx: BenchContext) -> list[str]:
+    """The plan's context, threads and flash attention, for every llama-server contender."""
+    p = ctx.params
+    return ["-c", str(p.n_ctx * p.n_seq_max), "-np", str(p.n_seq_max), "-t", str(p.n_threads),
+            "-fa", "on" if p.flash_attn else "off", "--no-warmup"]
+
+
+def gpu_free() -> list[int]:
+    """Free bytes on each GPU now (NVML), [] without one."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return [int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free)
+                    for i in range(pynvml.nvmlDeviceGetCount())]
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no GPU, no driver: nothing to fit
+        return []
+
+
+def fit_contender(ctx: BenchContext, budget: int | None) -> Contender:
+    """llama-server's own fit at the budget, holding the plan's context."""
+    args = [*_common_args(ctx), "--fit", "on", "-fitc", str(ctx.params.n_ctx * ctx.params.n_seq_max)]
+    free = gpu_free()
+    if budget and free:
+        args += ["--fit-target", ",".join(str(max(0, (f - budget) // MIB)) for f in free)]
+    return server_contender(ctx, "fit", args, "llama-server " + " ".join(args))
+
+
+@dataclass
+class Probe:
+    """One configuration started alone: its measured GPU memory and warm speed on the first turn."""
+
+    args: list[str]
+    gpu_bytes: int | None
+    timing: TrialTiming | None
+
+
+def probe_config(ctx: BenchContext, args: list[str], prompts: list[list[int]], turn: Turn) -> Probe:
+    """Start llama-server with ``args`` alone, warm it up, time one turn, read its GPU memory, stop it."""
+    c = server_contender(ctx, "probe", args, "")
+    meter = GpuMemoryMeter()
+    try:
+        c.start()
+        streamed_completion(c.base, prompts[0], turn.gen, ctx.timeout_s)  # warm-up, untimed
+        t = streamed_completion(c.base, prompts[1], turn.gen, ctx.timeout_s)
+        return Probe(args, tree_gpu_bytes(meter, c.pid), t)
+    except Exception as exc:  # noqa: BLE001 - a configuration that fails to start is a skipped point
+        log.warning("bench: %s failed: %s", " ".join(args), exc)
+        return Probe(args, None, None)
+    finally:
+        c.stop()
+
+
+def _fits(p: Probe, budget: int | None) -> bool:
+    return p.timing is not None and (not budget or (p.gpu_bytes is not None and p.gpu_bytes <= budget))
+
+
+def sweep_n_cpu_moe(ctx: BenchContext, info: ModelInfo, budget: int | None, prompts: list[list[int]], turn: Turn,
+                    progress: Progress) -> tuple[Contender, Probe] | str:
+    """The smallest ``--n-cpu-moe`` whose measured GPU memory fits (each step only moves experts off the GPU)."""
+    per_layer = max(1, max(sum(b for r, b in layer.bytes_by_role.items() if r.startswith("experts_"))
+                           for layer in info.layers))
+    n = 0 if not budget else max(0, min(info.n_layer, -(-(info.weight_bytes - budget) // per_layer)))
+    seen: set[int] = set()
+    while 0 <= n <= info.n_layer and n not in seen:
+        seen.add(n)
+        p = probe_config(ctx, [*_common_args(ctx), "-ngl", "999", "--n-cpu-moe", str(n)], prompts, turn)
+        progress(f"n-cpu-moe {n}: GPU {(p.gpu_bytes or 0) / GIB:.2f} GiB, decode "
+                 f"{(p.timing.gen_tokens / p.timing.gen_ms * 1e3) if p.timing and p.timing.gen_ms else 0:.1f} tok/s")
+        if _fits(p, budget):
+            c = server_contender(ctx, "n-cpu-moe", p.args, "llama-server " + " ".join(p.args))
+            return c, p
+        over = (p.gpu_bytes or 0) - (budget or 0)
+        n += max(1, -(-over // per_layer)) if p.gpu_bytes else 1
+    return f"n/a: no --n-cpu-moe fits {budget / GIB if budget else 0:.1f} GiB"
+
+
+def most_layers(ctx: BenchContext, info: ModelInfo, budget: int | None, prompts: list[list[int]], turn: Turn,
+                progress: Progress) -> tuple[Contender, Probe] | str:
+    """The most ``-ngl`` layers whose measured GPU memory fits."""
+    per_layer = max(1, max(layer.total_bytes for layer in info.layers))
+    k = info.n_layer + 1 if not budget else max(0, min(info.n_layer + 1, budget // per_layer))
+    seen: set[int] = set()
+    while 0 <= k <= info.n_layer + 1 and k not in seen:
+        seen.add(k)
+        p = probe_config(ctx, [*_common_args(ctx), "-ngl", str(k)], prompts, turn)
+        progress(f"-ngl {k}: GPU {(p.gpu_bytes or 0) / GIB:.2f} GiB")
+        if _fits(p, budget):
+            return server_contender(ctx, "most-ngl", p.args, "llama-server " + " ".join(p.args)), p
+        over = (p.gpu_bytes or 0) - (budget or 0)
+        k -= max(1, -(-over // per_layer)) if p.gpu_bytes else 1
+    return f"n/a: no -ngl fits {budget / GIB if budget else 0:.1f} GiB"
