@@ -22,7 +22,7 @@ from engine_bridge.errors import EngineError
 from engine_bridge.protocol import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
-    from engine_bridge.worker.process import Worker
+    from engine_bridge.worker.state import Worker
 
 Handler = Callable[["Worker", Any], BaseModel]
 StreamHandler = Callable[["Worker", int, Any], None]

@@ -27,85 +27,16 @@ import queue
 import sys
 import threading
 from collections.abc import Iterator
-from typing import Any, BinaryIO
+from typing import Any
 
 from engine_bridge import ops
 from engine_bridge.errors import EngineError
-from engine_bridge.protocol import decode, encode
+from engine_bridge.protocol import decode
 from engine_bridge.worker.handlers import HANDLERS, STREAM_HANDLERS, check
+from engine_bridge.worker.state import Worker
 
 log = logging.getLogger(__name__)
 _EOF = object()
-
-
-class Worker:
-    """State of one worker process: at most one loaded model (``load``) or serving engine (``serve_load``).
-
-    It is also the serving engine's :class:`~engine_bridge.worker.serving.Sink`: events and results go to the protocol.
-    """
-
-    def __init__(self, out: BinaryIO, fault: str | None = None) -> None:
-        self.out = out
-        self.fault = fault  # FLUX_WORKER_FAULT: "abort-on-load" crashes like a native fault would
-        self.model: Any = None
-        self.engine: Any = None
-        self._lock = threading.Lock()
-        self.engine_lock = threading.Lock()  # held while the serving engine is made or freed
-
-    def send(self, msg: dict[str, Any]) -> None:
-        """Write one protocol line (serialized: the reader thread reports bad lines itself)."""
-        data = encode(msg)
-        with self._lock:
-            self.out.write(data)
-            self.out.flush()
-
-    def event(self, key: int, event: dict[str, Any]) -> None:
-        """One streamed event of request ``key``."""
-        self.send({"id": key, "event": event})
-
-    def done(self, key: int, result: dict[str, Any]) -> None:
-        """The final result of request ``key``."""
-        self.send({"id": key, "ok": True, "result": result})
-
-    def fail(self, key: int, code: str, message: str) -> None:
-        """The final error of request ``key``."""
-        self.send({"id": key, "ok": False, "error": {"code": code, "message": message}})
-
-    def unload(self) -> None:
-        """Free the loaded model and the serving engine."""
-        if self.model is not None:
-            self.model.close()
-            self.model = None
-        if self.engine is not None:
-            with self.engine_lock:
-                self.engine.cancel_all()
-                self.engine.close()
-                self.engine = None
-
-    def answer_now(self, msg: dict[str, Any]) -> bool:
-        """Answer a vocabulary op on the calling (reader) thread; False when it must wait in the queue (no
-        serving engine, or one being made or freed)."""
-        if not self.engine_lock.acquire(blocking=False):
-            return False
-        try:
-            if self.engine is None:
-                return False
-            handle(self, msg)
-            return True
-        finally:
-            self.engine_lock.release()
-
-    def need_engine(self) -> Any:
-        """The serving engine, or a typed error."""
-        if self.engine is None:
-            raise EngineError("not_loaded", "no serving engine: send 'serve_load' first")
-        return self.engine
-
-    def need_model(self) -> Any:
-        """The loaded model, or a typed error."""
-        if self.model is None:
-            raise EngineError("not_loaded", "no model loaded: send 'load' first")
-        return self.model
 
 
 def handle(w: Worker, msg: dict[str, Any]) -> bool:
@@ -130,6 +61,20 @@ def handle(w: Worker, msg: dict[str, Any]) -> bool:
     except Exception as exc:  # noqa: BLE001 - any failure of one request is reported, the worker lives on
         w.send({"id": rid, "ok": False, "error": {"code": type(exc).__name__, "message": str(exc)}})
     return True
+
+
+def answer_now(w: Worker, msg: dict[str, Any]) -> bool:
+    """Answer a vocabulary op on the calling (reader) thread; False when it must wait in the queue (no
+    serving engine, or one being made or freed)."""
+    if not w.engine_lock.acquire(blocking=False):
+        return False
+    try:
+        if w.engine is None:
+            return False
+        handle(w, msg)
+        return True
+    finally:
+        w.engine_lock.release()
 
 
 def _lines(fd: int) -> Iterator[bytes]:
@@ -160,7 +105,7 @@ def _read(fd: int, inbox: queue.Queue[Any], w: Worker) -> None:
             w.send({"id": -1, "ok": False, "error": {"code": "bad_request", "message": str(exc)}})
             continue
         spec = ops.OPS.get(str(msg.get("op")))
-        if spec is not None and spec.reader and w.answer_now(msg):
+        if spec is not None and spec.reader and answer_now(w, msg):
             continue
         inbox.put(msg)
     inbox.put(_EOF)

@@ -31,13 +31,12 @@ from tasks.bench.common import (
     plan_engine,
 )
 from tasks.bench.registry import Suite
+from tasks.bench.rows import ratio_row, tokenize_prompts
 from tasks.bench.run import (
     compare,
     engine_error,
     prompt_lengths,
     race,
-    ratio_row,
-    tokenize_prompts,
     trial_busy,
 )
 from tasks.plan_types import Candidate

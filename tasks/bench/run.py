@@ -29,7 +29,6 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from artifacts.model_info import model_info
-from engine_bridge.client import tokenizer
 from engine_bridge.errors import EngineError
 from tasks.bench.common import (
     BenchContext,
@@ -48,7 +47,7 @@ from tasks.bench.common import (
     plan_engine,
 )
 from tasks.bench.registry import Suite, csv
-from tasks.corpus import sized_prompts
+from tasks.bench.rows import ratio_row, tokenize_prompts
 
 log = logging.getLogger(__name__)
 TRIAL_SCHEMA = pa.schema([
@@ -90,12 +89,6 @@ def prompt_lengths(n_ctx: int, n_gen: int, count: int) -> list[int]:
     """``count`` prompt lengths from the ladder that leave room for ``n_gen`` tokens (repeated if needed)."""
     fits = [n for n in LENGTHS if n + n_gen + 2 <= n_ctx] or [max(8, (n_ctx - n_gen) // 2)]
     return [fits[i % len(fits)] for i in range(count)]
-
-
-def tokenize_prompts(ctx: BenchContext, lengths: Sequence[int], split: str, seed: int) -> list[list[int]]:
-    """Corpus prompts of ``split`` cut to exactly ``lengths`` tokens of the plan's model."""
-    with tokenizer(ctx.model, ctx.worker_log, ctx.timeout_s) as tok:
-        return sized_prompts(tok, list(lengths), split=split, seed=seed)
 
 
 # -- the race (shared with ablate) --------------------------------------------------------------------
@@ -175,16 +168,6 @@ def trial_busy(table: pa.Table) -> str | None:
 def engine_error(table: pa.Table, name: str) -> str | None:
     """The first error of an engine in a race, if any."""
     return next((r["error"] for r in table.to_pylist() if r["engine"] == name and r["error"]), None)
-
-
-def ratio_row(baseline: str, pre: RatioCI, dec: RatioCI, verdict: Any, detail: str,
-              metrics: dict[str, Any]) -> SummaryRow:
-    """A summary row from the two ratios."""
-    return SummaryRow(baseline=baseline, verdict=verdict, detail=detail, ratio_prefill=pre.ratio,
-                      ratio_decode=dec.ratio, ci_low=dec.low, ci_high=dec.high, prefill_ci_low=pre.low,
-                      prefill_ci_high=pre.high, n_samples=min(pre.n, dec.n),
-                      metrics={**metrics, "prefill": pre.model_dump(), "decode": dec.model_dump(),
-                               "outcome_prefill": pre.outcome, "outcome_decode": dec.outcome})
 
 
 # -- baselines ----------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ import pyarrow as pa
 from artifacts.model_info import ModelInfo, model_info
 from engine_bridge.gpumem import GpuMemoryMeter
 from tasks.bench.common import BenchContext, BenchError, Progress
+from tasks.bench.rows import ratio_row, tokenize_prompts
 from tasks.bench.served_contenders import (
     DEFAULT_TURNS,
     Contender,
@@ -138,7 +139,6 @@ def model_of(ctx: BenchContext) -> ModelInfo:
 
 def _prompts(ctx: BenchContext, turns: Sequence[Turn], n: int, seed: int) -> dict[str, list[list[int]]]:
     """``n`` distinct corpus prompts per turn, in the model's tokens."""
-    from tasks.bench.run import tokenize_prompts
 
     return {t.name: tokenize_prompts(ctx, [t.prompt] * n, "held_out", seed + k) for k, t in enumerate(turns)}
 
@@ -147,7 +147,6 @@ def _row(name: str, c: Contender, table: pa.Table, turns: Sequence[Turn], opts: 
          extra: dict[str, Any]) -> Any:
     """Plan vs one contender: paired ratios per turn (same round), a verdict on the first turn's speeds."""
     from tasks.bench.common import SummaryRow, paired_ratio
-    from tasks.bench.run import ratio_row
 
     def pair(turn: int, metric: str) -> tuple[list[float], list[float]]:
         by: dict[str, dict[int, float]] = {"plan": {}, name: {}}

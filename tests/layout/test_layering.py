@@ -4,8 +4,8 @@
 - only the worker-side package engine_bridge.worker imports llama_cpp (the worker process links llama.cpp),
   only artifacts imports duckdb;
 - the worker-side package ``engine_bridge.worker`` is spawned, never imported, by any other package;
-- no import cycles between modules (module-level imports; those under ``TYPE_CHECKING`` and inside
-  functions are excluded: they do not run at import time).
+- no import cycles between modules, counting imports inside functions too (a deferred import that closes a
+  loop is still a loop in the design); only those under ``TYPE_CHECKING`` are left out.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def test_the_worker_package_is_spawned_not_imported() -> None:
 
 
 def test_no_import_cycles() -> None:
-    graph = {m: {i for i in imports(m, p, True) if i in MODS and i != m} for m, p in MODS.items()}
+    graph = {m: {i for i in imports(m, p, False) if i in MODS and i != m} for m, p in MODS.items()}
     seen: dict[str, int] = {}
     stack: list[str] = []
 

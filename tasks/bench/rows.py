@@ -1,0 +1,28 @@
+"""Parts the race suites share (run, run --via serve, ablate): the prompts a race times, cut from the corpus
+with the plan's model's tokenizer, and a summary row from a pair of ratio intervals."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engine_bridge.client import tokenizer
+from tasks.bench.common import BenchContext, RatioCI, SummaryRow
+from tasks.corpus import sized_prompts
+
+
+def tokenize_prompts(ctx: BenchContext, lengths: Sequence[int], split: str, seed: int) -> list[list[int]]:
+    """Corpus prompts of ``split`` cut to exactly ``lengths`` tokens of the plan's model."""
+    with tokenizer(ctx.model, ctx.worker_log, ctx.timeout_s) as tok:
+        return sized_prompts(tok, list(lengths), split=split, seed=seed)
+
+
+
+def ratio_row(baseline: str, pre: RatioCI, dec: RatioCI, verdict: Any, detail: str,
+              metrics: dict[str, Any]) -> SummaryRow:
+    """A summary row from the two ratios."""
+    return SummaryRow(baseline=baseline, verdict=verdict, detail=detail, ratio_prefill=pre.ratio,
+                      ratio_decode=dec.ratio, ci_low=dec.low, ci_high=dec.high, prefill_ci_low=pre.low,
+                      prefill_ci_high=pre.high, n_samples=min(pre.n, dec.n),
+                      metrics={**metrics, "prefill": pre.model_dump(), "decode": dec.model_dump(),
+                               "outcome_prefill": pre.outcome, "outcome_decode": dec.outcome})
