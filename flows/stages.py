@@ -183,7 +183,12 @@ def route_stage(ctx: PlanContext, hw: HardwareReport) -> RoutingProfile | None:
     """How the model's routers pick experts on the workload (MoE models on a GPU machine; else nothing)."""
     if not _traces_routing(ctx, hw):
         return None
-    log = get_run_logger()
+    return traced_routing(ctx, hw, get_run_logger())
+
+
+def traced_routing(ctx: PlanContext, hw: HardwareReport, log: Any) -> Any:
+    """The workload's routing trace (from the store when there), as a completed state; None with a warning
+    when the trace fails (its worker dies, say): the plan is then made from whole expert tensors."""
 
     def run() -> RoutingProfile:
         lengths, _ = wl.nominal_lengths(ctx.info.n_ctx_train or 4096, ctx.req)

@@ -126,6 +126,8 @@ def routing_counts(w: Worker, a: ops.RoutingRequest) -> ops.RoutingCounts:
     from engine_bridge.worker.routing import trace
 
     w.unload()
+    if w.fault == "abort-on-trace":
+        os.abort()
     return trace(a)
 
 

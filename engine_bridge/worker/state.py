@@ -17,7 +17,7 @@ class Worker:
 
     def __init__(self, out: BinaryIO, fault: str | None = None) -> None:
         self.out = out
-        self.fault = fault  # FLUX_WORKER_FAULT: "abort-on-load" crashes like a native fault would
+        self.fault = fault  # FLUX_WORKER_FAULT: "abort-on-load" or "abort-on-trace" crash like a native fault
         self.model: Any = None
         self.engine: Any = None
         self._lock = threading.Lock()

@@ -1,0 +1,47 @@
+"""The route stage on a GPU machine's report: a real trace through a real worker, and a trace whose worker
+dies (as one did on the H200's CUDA build) leaving the plan to whole expert tensors instead of failing it."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from bench_support import bench_settings, session_cache
+
+from flows import stages
+from tasks.plan_types import PlanRequest
+from tasks.route import RoutingProfile
+from tasks.testing import h200_report
+
+
+@pytest.fixture(autouse=True)
+def _outside_a_flow_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage's store lookups log through Prefect's run logger; outside a run, Prefect gives a null logger
+    when its run loggers are disabled (the stage itself is called directly, without a flow)."""
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        monkeypatch.setattr(logging.getLogger(name), "disabled", True)
+
+
+def _ctx(tmp_path_factory: pytest.TempPathFactory, tiny_moe: Path) -> stages.PlanContext:
+    st, _ = bench_settings(tmp_path_factory.mktemp("route"), session_cache(tmp_path_factory))
+    return stages.context(PlanRequest(model=str(tiny_moe)), st)
+
+
+def test_a_trace_is_recorded_and_stored(tmp_path_factory: pytest.TempPathFactory, tiny_moe: Path) -> None:
+    ctx = _ctx(tmp_path_factory, tiny_moe)
+    state = stages.traced_routing(ctx, h200_report(), logging.getLogger("test"))
+    prof = state.result()
+    assert isinstance(prof, RoutingProfile) and prof.n_tokens > 0
+    assert ctx.store.has("routing", prof.trace_id), "the trace is a table in the store"
+
+
+def test_a_trace_whose_worker_dies_plans_without_per_expert_placement(
+        tmp_path_factory: pytest.TempPathFactory, tiny_moe: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    ctx = _ctx(tmp_path_factory, tiny_moe)
+    monkeypatch.setenv("FLUX_WORKER_FAULT", "abort-on-trace")  # the tracing worker aborts like a native crash
+    with caplog.at_level(logging.WARNING):
+        got = stages.traced_routing(ctx, h200_report(), logging.getLogger("test"))
+    assert got is None
+    assert "the routing trace failed" in caplog.text and "planning without per-expert placement" in caplog.text
