@@ -105,3 +105,26 @@ def test_another_routing_trace_is_another_plan() -> None:
     base = plan_key("model", hw, "build", req, {})
     assert plan_key("model", hw, "build", req, {}, "trace-a") != plan_key("model", hw, "build", req, {}, "trace-b")
     assert "routing" not in base, "a plan made without a trace keeps the key it always had"
+
+
+def test_the_plan_says_how_per_expert_placement_fared_against_whole_tensors(moe: ModelInfo) -> None:
+    from tasks.persist import expert_split_notes
+    from tasks.plan_types import MeasureSummary
+
+    space = _space(moe, skewed(moe), 0.3)
+    hot = next(c for c in space.candidates if c.family == "experts-hot")
+    whole = next(c for c in space.candidates if c.family != "experts-hot" and c.placement.gpu_layers() > 0)
+    cpu = next(c for c in space.candidates if c.placement.gpu_layers() == 0)
+    by_id = {c.id: c for c in (hot, whole, cpu)}
+
+    def sums(hot_s: float, whole_s: float) -> dict[str, MeasureSummary]:
+        return {c.id: MeasureSummary(candidate_id=c.id, prefill_tps=100.0, decode_tps=10.0 / t, workload_s=t, n_trials=4)
+                for c, t in ((hot, hot_s), (whole, whole_s), (cpu, 0.5))}
+
+    won = expert_split_notes(by_id, sums(1.0, 2.0), hot.id)
+    assert len(won) == 1 and won[0].startswith(f"per-expert placement ({hot.id}): decode 10.0 tok/s")
+    assert f"best whole-tensor finalist ({whole.id}, {whole.family}): 5.0 tok/s" in won[0] and won[0].endswith("per-expert won")
+    assert expert_split_notes(by_id, sums(2.0, 1.0), whole.id)[0].endswith("whole-tensor won")
+    assert expert_split_notes(by_id, sums(1.0, 2.0), cpu.id) == [], "a CPU plan compares neither"
+    assert expert_split_notes({hot.id: hot, cpu.id: cpu}, {k: v for k, v in sums(1.0, 2.0).items() if k != whole.id},
+                              hot.id) == [], "no whole-tensor finalist measured: nothing to say"
