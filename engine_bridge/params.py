@@ -139,6 +139,8 @@ class EngineParams(BaseModel):
         "CPU-resident weights in the CPU backend's repacked layout (llama.cpp --no-host), not in the GPU's pinned "
         "host buffer: faster CPU matmuls at batch 1, but ops on them are never offloaded to a GPU, so prefill "
         "computes them on the CPU. Without a GPU, CPU weights are repacked either way."))
+    repack: bool = Field(True, description=(
+        "llama.cpp's extra buffer types for CPU weights (repacked layouts, AMX tiles); False = --no-repack"))
     offload_kqv: bool = True
     op_offload: bool = True
     offload_min_batch: int | None = Field(None, ge=1, description="GGML_OP_OFFLOAD_MIN_BATCH")
@@ -172,6 +174,8 @@ class EngineParams(BaseModel):
             args.append("--mlock")
         if self.no_host:
             args.append("--no-host")
+        if not self.repack:
+            args.append("--no-repack")
         if not self.offload_kqv:
             args.append("-nkvo")
         if not self.op_offload:

@@ -71,8 +71,11 @@ def trace(model: Path, prompts: list[list[int]], params: EngineParams, log_path:
 
 
 def trace_params(n_ctx: int, threads: int) -> EngineParams:
-    """The trace's configuration: the CPU, every core (the choices are the router's, not the placement's)."""
-    return EngineParams(n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads)
+    """The trace's configuration: the CPU, every core (the choices are the router's, not the placement's), CPU
+    weights in llama.cpp's plain layout (``--no-repack``): the tracing worker died on the H200 host, whose CPU
+    (with AMX) gives llama.cpp's extra buffer types a path the CPUs the trace was tested on do not take."""
+    return EngineParams(n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
+                        repack=False)
 
 
 def profile(counts: RoutingCounts, trace_id: str) -> RoutingProfile:

@@ -110,7 +110,7 @@ def _model_params(p: EngineParams, keep: list[Any]) -> Any:
             arr[i].pattern, arr[i].buft = pat, _buffer_type(o.device)
         mp.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p)
         keep += [arr, patterns]
-    mp.no_host = p.no_host
+    mp.no_host, mp.use_extra_bufts = p.no_host, p.repack
     return mp
 
 

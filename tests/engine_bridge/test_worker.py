@@ -144,3 +144,12 @@ def test_timeout_kills_the_worker(worker: WorkerClient, tiny_moe: Path) -> None:
 def test_quantized_v_without_flash_attention_is_refused() -> None:
     with pytest.raises(ValueError, match="flash_attn"):
         EngineParams(type_v="q8_0", flash_attn=False)
+
+
+def test_plain_cpu_weights_load_and_are_a_flag_too(tiny_moe: Path) -> None:
+    plain = PARAMS.model_copy(update={"repack": False})
+    assert "--no-repack" in plain.cli_args() and "--no-repack" not in PARAMS.cli_args()
+    with WorkerClient() as w:
+        w.request(ops.LOAD, ops.LoadArgs(model=str(tiny_moe), params=plain))
+        toks = w.tokenize("plain layout")
+        assert len(w.request(ops.GREEDY, ops.GreedyArgs(prompt=toks, n_gen=4, stop_eog=False)).tokens) == 4
