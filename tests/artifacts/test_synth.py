@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from artifacts import synth
 from artifacts.synth import PRESETS, QUANTS, Quant, apply_overrides, plan_tensors, planned_bytes, synthesize
-from artifacts.synth_presets import MIN_VOCAB, SPECIALS, vocab
+from artifacts.synth_layout import vocab
+from artifacts.synth_presets import MIN_VOCAB, SPECIALS
 
 TINY = ("tiny-dense", "tiny-moe")
 

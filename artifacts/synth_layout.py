@@ -1,0 +1,130 @@
+"""A twin's layout: its tensors in file order (types after the block-size fallback) and its tokenizer.
+
+Declarative like :mod:`artifacts.synth_presets`, whose :class:`~artifacts.synth_presets.SynthSpec` it lays out;
+:mod:`artifacts.synth` writes it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import string
+from typing import Literal, NamedTuple
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+from artifacts.synth_presets import SPECIALS, Quant, SynthSpec
+
+# quant -> (type of the 2-D/3-D weights, type of output.weight). Like llama-quantize's recipe, a 4-bit
+# model keeps output.weight at Q6_K.
+_RECIPES: dict[str, tuple[Q, Q]] = {
+    "F16": (Q.F16, Q.F16),
+    "Q8_0": (Q.Q8_0, Q.Q8_0),
+    "Q4_0": (Q.Q4_0, Q.Q6_K),
+    "Q4_K": (Q.Q4_K, Q.Q6_K),
+}
+# Type for a row length that is not a multiple of the block size (llama-quantize falls back Q4_K->Q5_0,
+# which this writer does not produce; Q4_0 is the nearest 4-bit type it does).
+_FALLBACK: dict[Q, Q] = {Q.Q4_K: Q.Q4_0, Q.Q6_K: Q.Q8_0, Q.Q4_0: Q.F16, Q.Q8_0: Q.F16}
+
+
+class PlannedTensor(NamedTuple):
+    """One tensor of a twin. `shape` is in ggml order: ne0, the row length, first."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: Q
+    fill: Literal["ones", "normal", "blocks"]
+    std: float
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor data (unpadded)."""
+        block, size = GGML_QUANT_SIZES[self.ggml_type]
+        return int(np.prod(self.shape, dtype=np.int64)) // block * size
+
+
+def plan_tensors(spec: SynthSpec, quant: Quant) -> list[PlannedTensor]:
+    """List the tensors of a twin in file order, with their types after the block-size fallback.
+
+    A tensor whose row length is not a multiple of its type's block size (256 for K quants, 32 for
+    Q4_0/Q8_0) falls back, like llama-quantize does: Q4_K -> Q4_0, Q6_K -> Q8_0, Q4_0/Q8_0 -> F16.
+    """
+    wt, ot = _RECIPES[quant]
+    e, v, hd = spec.n_embd, spec.n_vocab, spec.head_dim
+    raw: list[tuple[str, tuple[int, ...], Q | None, float]] = [
+        ("token_embd.weight", (e, v), ot if spec.tied else wt, spec.embd_std),
+        ("output_norm.weight", (e,), None, 0.0),
+    ]
+    if not spec.tied:
+        raw.append(("output.weight", (e, v), ot, spec.logit_std / float(np.sqrt(e))))
+    w = spec.weight_std
+    down = spec.down_std or w
+    for i in range(spec.n_layer):
+        b = f"blk.{i}."
+        raw += [
+            (b + "attn_norm.weight", (e,), None, 0.0),
+            (b + "attn_q.weight", (e, spec.n_head * hd), wt, w),
+            (b + "attn_k.weight", (e, spec.n_head_kv * hd), wt, w),
+            (b + "attn_v.weight", (e, spec.n_head_kv * hd), wt, w),
+            (b + "attn_output.weight", (spec.n_head * hd, e), wt, spec.attn_out_std),
+            (b + "ffn_norm.weight", (e,), None, 0.0),
+        ]
+        if spec.arch == "qwen3moe":
+            raw += [
+                (b + "attn_q_norm.weight", (hd,), None, 0.0),
+                (b + "attn_k_norm.weight", (hd,), None, 0.0),
+            ]
+        if spec.n_expert:
+            nx, ff = spec.n_expert, spec.n_ff_exp
+            raw += [
+                (b + "ffn_gate_inp.weight", (e, nx), None, spec.router_std),
+                (b + "ffn_gate_exps.weight", (e, ff, nx), wt, w),
+                (b + "ffn_down_exps.weight", (ff, e, nx), wt, down),
+                (b + "ffn_up_exps.weight", (e, ff, nx), wt, w),
+            ]
+        else:
+            ff = spec.n_ff
+            raw += [
+                (b + "ffn_gate.weight", (e, ff), wt, w),
+                (b + "ffn_down.weight", (ff, e), wt, down),
+                (b + "ffn_up.weight", (e, ff), wt, w),
+            ]
+    return [_planned(name, shape, t, std) for name, shape, t, std in raw]
+
+
+def _planned(name: str, shape: tuple[int, ...], t: Q | None, std: float) -> PlannedTensor:
+    """Make one PlannedTensor: f32 for norms and router, else `t` after the block-size fallback."""
+    if t is None:
+        return PlannedTensor(name, shape, Q.F32, "normal" if std else "ones", std)
+    while shape[0] % GGML_QUANT_SIZES[t][0]:
+        t = _FALLBACK[t]
+    return PlannedTensor(name, shape, t, "blocks", std)
+
+
+def _byte_tokens() -> list[str]:
+    """GPT-2's bytes_to_unicode: the printable stand-in of each byte, indexed by byte value."""
+    keep = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(shifted)) for b in range(256)]
+
+
+def vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
+    """Return the tokenizer of a twin: (tokens, token types, merges), `n_vocab` tokens long.
+
+    Tokens are the 256 GPT-2 byte tokens, merged pairs, fillers, then the control tokens `SPECIALS`.
+    Merges (" x" for letters, then lowercase bigrams) make real text tokenize a little like a real BPE;
+    llama.cpp refuses a gpt2 tokenizer without any. Fillers (never produced by tokenizing) pad the vocab.
+    """
+    byte_tok = _byte_tokens()
+    space = byte_tok[ord(" ")]
+    pairs = itertools.chain(
+        ((space, c) for c in string.ascii_letters), itertools.product(string.ascii_lowercase, repeat=2)
+    )
+    n_free = n_vocab - len(byte_tok) - len(SPECIALS)
+    merged = list(itertools.islice(pairs, n_free))
+    fillers = [f"{space}synth{i}" for i in range(n_free - len(merged))]
+    tokens = byte_tok + [x + y for x, y in merged] + fillers + list(SPECIALS)
+    types = [1] * (n_vocab - len(SPECIALS)) + [3] * len(SPECIALS)  # 1 normal, 3 control
+    return tokens, types, [f"{x} {y}" for x, y in merged]
