@@ -29,6 +29,8 @@ A = TypeVar("A", bound=BaseModel)
 R = TypeVar("R", bound=BaseModel)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# A worker environment in which llama.cpp sees no GPU (as ``-dev none`` would), so it holds no CUDA context.
+HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 _EOF = object()
 
 
@@ -201,6 +203,6 @@ def tokenizer(model: Path, log_path: Path | None = None, timeout: float = 300.0)
     from engine_bridge.params import EngineParams
 
     params = EngineParams(n_ctx=256, n_batch=64, n_ubatch=64)
-    with WorkerClient(log_path=log_path, env={"CUDA_VISIBLE_DEVICES": ""}) as w:
+    with WorkerClient(log_path=log_path, env=HIDE_GPUS) as w:
         w.request(ops.LOAD, ops.LoadArgs(model=str(model), params=params), timeout)
         yield lambda text: w.tokenize(text, timeout=timeout)

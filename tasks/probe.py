@@ -19,7 +19,7 @@ from artifacts.config import Settings
 from artifacts.ids import content_id
 from artifacts.model_info import ModelInfo, model_info
 from engine_bridge import ops
-from engine_bridge.client import WorkerClient
+from engine_bridge.client import HIDE_GPUS, WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.params import EngineParams
 from tasks.plan_types import CpuInfo, GpuInfo, HardwareReport, KernelTiming, MachineFacts
@@ -34,8 +34,6 @@ DECODE_TOKENS = 8
 TIMED_REPEATS = 3  # after one warm-up run: the first run after a load is 20-30% slow
 PROBE_CTX = 512
 GPU_HEADROOM = 1 * GIB  # KV cache, compute buffers and the CUDA context besides the weights
-# CUDA hides every GPU: CPU kernels are timed as a CPU-only plan runs them (weights repacked, no offload).
-HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 PROMPT_TEXT = (
     "The harbour master counted the ships that came in before the storm: eleven trawlers, two ferries and "
     "a tanker that had lost its radio. Each captain reported the weather they had seen, the fuel they had "
@@ -184,7 +182,7 @@ def engine_probe(model_path: Path, info: ModelInfo, threads: int,
         if not gpus:  # nothing to hide: this worker times the CPU too
             return devices, [_time_kernels(w, model_path, _params(info, threads), "CPU", info.n_layer, settings)]
         kernels = _gpu_kernels(w, model_path, info, gpus, threads, settings)
-    with _worker(settings, env=HIDE_GPUS) as w:
+    with _worker(settings, env=HIDE_GPUS) as w:  # CPU kernels timed as a CPU-only plan runs them
         cpu = _time_kernels(w, model_path, _params(info, threads), "CPU", info.n_layer, settings)
     return devices, [cpu, *kernels]
 

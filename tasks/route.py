@@ -16,7 +16,7 @@ from numpy.typing import NDArray
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine_bridge import ops
-from engine_bridge.client import WorkerClient
+from engine_bridge.client import HIDE_GPUS, WorkerClient
 from engine_bridge.ops import RoutingCounts, RoutingRequest
 from engine_bridge.params import EngineParams
 from engine_bridge.routing_trace import top_share
@@ -66,7 +66,7 @@ def trace(model: Path, prompts: list[list[int]], params: EngineParams, log_path:
                          n_gen=TRACE_GEN)
     # On the CPU with the GPUs hidden (as the probe's CPU kernels): the router's picks do not depend on the
     # device, and a CUDA build's evaluation callback crashed the worker reading ids computed on the GPU.
-    with WorkerClient(log_path=log_path, env={**params.environment(), "CUDA_VISIBLE_DEVICES": ""}) as w:
+    with WorkerClient(log_path=log_path, env={**params.environment(), **HIDE_GPUS}) as w:
         return w.request(ops.ROUTING_COUNTS, req, timeout_s)
 
 

@@ -25,6 +25,7 @@ from numpy.typing import NDArray
 from artifacts.errors import ModelFileError
 from engine_bridge.errors import EngineError
 from engine_bridge.ops import RoutingCounts, RoutingRequest
+from engine_bridge.params import EngineParams
 from engine_bridge.worker.load import SeqBatch, load_model_and_context
 
 _TOPK_PREFIX = b"ffn_moe_topk-"
@@ -123,23 +124,24 @@ def expert_counts(
         EngineError: llama.cpp fails to make a context or to decode, or the routing tensors are unreadable.
     """
     path = Path(model_path)
+    tokens = _tokens_of(path, text_or_tokens, n_tokens)
+    t = n_threads or os.cpu_count() or 1
+    params = EngineParams(n_ctx=n_tokens + 16, n_batch=n_tokens, n_ubatch=n_tokens, n_threads=t, n_threads_batch=t)
+    return trace(RoutingRequest(model=str(path), params=params, prompts=(tuple(tokens),))).array()
+
+
+def _tokens_of(path: Path, text_or_tokens: str | Sequence[int], n_tokens: int) -> list[int]:
+    """The input's first ``n_tokens`` token ids, from the model's vocabulary alone (a vocab-only load)."""
     llama_cpp.llama_backend_init()
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+    mp = llama_cpp.llama_model_default_params()
+    mp.vocab_only = True
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
     if not model:
         raise ModelFileError(path, "llama.cpp could not load it (run with a llama.cpp log to see why)")
     try:
-        arch = _meta(model, "general.architecture")
-        n_expert = int(_meta(model, f"{arch}.expert_count") or 0)
-        if n_expert < 1:
-            raise ModelFileError(path, f"has no experts ({arch}.expert_count): routing needs a MoE model")
-        tokens = _tokens(model, text_or_tokens, n_tokens)
-        recorder = _TopkRecorder(llama_cpp.llama_model_n_layer(model), n_expert)
-        _decode_all(model, tokens, recorder, n_threads or os.cpu_count() or 1)
+        return _tokens(model, text_or_tokens, n_tokens)
     finally:
         llama_cpp.llama_model_free(model)
-    if recorder.error:
-        raise EngineError("routing_unreadable", f"{path}: cannot read the expert selection: {recorder.error}")
-    return recorder.counts
 
 
 def _meta(model: llama_cpp.llama_model_p, key: str) -> str | None:
@@ -165,33 +167,6 @@ def _tokens(model: llama_cpp.llama_model_p, text_or_tokens: str | Sequence[int],
     if any(not 0 <= t < n_vocab for t in tokens[:n_tokens]):
         raise ValueError(f"token ids must be in [0, {n_vocab})")
     return tokens[:n_tokens]
-
-
-def _decode_all(
-    model: llama_cpp.llama_model_p, tokens: list[int], recorder: _TopkRecorder, n_threads: int
-) -> None:
-    """Decode `tokens` as one batch in a fresh context whose eval callback is the recorder."""
-    n = len(tokens)
-    cparams = llama_cpp.llama_context_default_params()
-    cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = n, n, n
-    cparams.n_threads = cparams.n_threads_batch = n_threads
-    cparams.cb_eval = recorder.callback
-    cparams.cb_eval_user_data = None
-    ctx = llama_cpp.llama_init_from_model(model, cparams)
-    if not ctx:
-        raise EngineError("context_failed", f"llama.cpp could not create a context for {n} tokens")
-    batch = llama_cpp.llama_batch_init(n, 0, 1)
-    try:
-        for i, token in enumerate(tokens):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, True
-            batch.seq_id[i][0] = 0
-        batch.n_tokens = n
-        rc = llama_cpp.llama_decode(ctx, batch)
-        if rc != 0:
-            raise EngineError("decode_failed", f"llama_decode returned {rc} for {n} tokens")
-    finally:
-        llama_cpp.llama_batch_free(batch)
-        llama_cpp.llama_free(ctx)
 
 
 # Prompt tokens per decode call of a trace: every row's logits are kept (see expert_counts), so the output
