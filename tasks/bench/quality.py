@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,20 +68,33 @@ class _Inputs:
 def _inputs(ctx: BenchContext, opts: QualityOptions, n_tokens: int, window: int) -> _Inputs:
     """Tokenize the held-out prompts, the conversations and the perplexity text with the model's tokenizer."""
     cap = max(16, min(PROMPT_CAP, ctx.params.n_ctx - n_tokens - 8))
+    wiki = wikitext2(ctx.settings.cache_dir) or []  # before the worker starts: it may wait on the network
     with tokenizer(ctx.model, ctx.worker_log, ctx.timeout_s) as tok:
         held = sized_prompts(tok, [min(cap, n) for n in opts.held_out], split="held_out", seed=opts.seed)
         convs = [(c.id, tok(conversation_text(c))[-cap:]) for c in load_conversations()[:opts.conversations]]
-        wiki = wikitext2(ctx.settings.cache_dir)
-        if wiki:
-            text = tok("\n\n".join(wiki))
-            step = max(window + 1, len(text) // max(opts.ppl_windows, 1))
-            windows = [text[i:i + window + 1] for i in range(0, len(text), step)][:opts.ppl_windows]
-            windows = [w for w in windows if len(w) == window + 1]
-        if not wiki or not windows:
+        windows = _wiki_windows(tok, wiki, window + 1, opts.ppl_windows)
+        corpus = "WikiText-2 test" if windows else "bundled held-out"
+        if not windows:
             windows = sized_prompts(tok, [window + 1] * opts.ppl_windows, split="held_out", seed=opts.seed + 1)
     prompts = [("held_out", f"held_out-{len(p)}-{i}", p) for i, p in enumerate(held)]
     prompts += [("conversation", cid, p) for cid, p in convs]
-    return _Inputs(prompts=prompts, windows=windows, ppl_corpus="WikiText-2 test" if wiki and windows else "bundled held-out")
+    return _Inputs(prompts=prompts, windows=windows, ppl_corpus=corpus)
+
+
+def _wiki_windows(tok: Callable[[str], list[int]], paragraphs: Sequence[str], size: int, count: int) -> list[list[int]]:
+    """``count`` windows of ``size`` tokens, each from consecutive paragraphs starting at points spread over the
+    text (only what the windows need is tokenized); fewer when the text runs out."""
+    out: list[list[int]] = []
+    for start in range(0, len(paragraphs), max(1, len(paragraphs) // max(count, 1))):
+        toks: list[int] = []
+        for para in paragraphs[start:]:
+            toks += tok(para + "\n\n")
+            if len(toks) >= size:
+                out.append(toks[:size])
+                break
+        if len(out) == count or len(toks) < size:
+            break
+    return out
 
 
 def _logprobs(w: WorkerClient, prompt: list[int], cont: list[int], tmp: Path, timeout_s: float) -> np.ndarray:
