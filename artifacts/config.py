@@ -10,11 +10,13 @@ the result down.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
@@ -191,12 +193,21 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if env is None else env
     path = config_file(env)
     fs = read_file_settings(path, required=bool(env.get("FLUX_CONFIG")))
+    return _settings(fs, path if path.exists() else None, env)
+
+
+def default_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """The settings with no flux.toml: every default, the locations from the environment (``XDG_*``, ``HOME``)."""
+    return _settings(FileSettings(), None, os.environ if env is None else env)
+
+
+def _settings(fs: FileSettings, path: Path | None, env: Mapping[str, str]) -> Settings:
     home = Path(env.get("HOME", "~")).expanduser()
     data_home = Path(env.get("XDG_DATA_HOME") or home / ".local" / "share")
     cache_home = Path(env.get("XDG_CACHE_HOME") or home / ".cache")
     data_dir = (fs.data_dir or data_home / "flux").expanduser()
     return Settings(
-        config_path=path if path.exists() else None,
+        config_path=path,
         models_dir=(fs.models_dir or data_dir / "models").expanduser(),
         cache_dir=(fs.cache_dir or cache_home / "flux").expanduser(),
         data_dir=data_dir,
@@ -211,20 +222,68 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     )
 
 
-def default_toml() -> str:
-    """Return a flux.toml with every field at its default, for `flux config --defaults`."""
-    fs = FileSettings()
-    lines = [f"host_reserve_percent = {fs.host_reserve_percent}", "", "[plan]"]
-    lines += [f"{k} = {v!r}" for k, v in fs.plan.model_dump().items()]
-    lines += ["", "[serve]"]
-    serve = fs.serve.model_dump(exclude={"worker_timeouts"})
-    lines += [f"{k} = {_toml_value(v)}" if v is not None else f"# {k} = (not set)" for k, v in serve.items()]
-    lines += ["", "[serve.worker_timeouts]"]
-    lines += [f"{k} = {v!r}" for k, v in fs.serve.worker_timeouts.model_dump().items()]
+def settings_toml(settings: Settings) -> str:
+    """Return ``settings`` as a flux.toml (every field a file may set; paths resolved), for `flux config`.
+
+    Loading the text back gives the same settings; what comes from elsewhere than the file (the file's own path,
+    ``FLUX_LOG``) is in comments, the API key never.
+    """
+    source = f"defaults + {settings.config_path}" if settings.config_path else "defaults (no flux.toml)"
+    head = [f"# effective settings: {source}",
+            f"# environment: FLUX_LOG={settings.log_filter} FLUX_NATIVE_LOG={settings.native_log}"]
+    return "\n".join(head + _toml_table(settings, list(FileSettings.model_fields), ())) + "\n"
+
+
+def default_toml(env: Mapping[str, str] | None = None) -> str:
+    """Return a flux.toml with every field at its default, for `flux config --defaults`.
+
+    The locations (models_dir, cache_dir, data_dir) are the defaults of this environment (``XDG_*``, ``HOME``).
+    """
+    lines = ["# every default; a flux.toml only needs the lines it changes"]
+    lines += _toml_table(default_settings(env), list(FileSettings.model_fields), ())
+    lines += ["", "# [engines.NAME]: none by default; keys command, args, architectures (see README.md)"]
     return "\n".join(lines) + "\n"
+
+
+def _toml_table(model: BaseModel, names: list[str], prefix: tuple[str, ...]) -> list[str]:
+    """TOML lines for these fields of ``model``: its values, then its sub-tables (TOML wants them in that order)."""
+    lines: list[str] = []
+    tables: list[tuple[tuple[str, ...], BaseModel]] = []
+    for name in names:
+        v = getattr(model, name)
+        if isinstance(v, BaseModel):
+            tables.append(((*prefix, name), v))
+        elif isinstance(v, dict) and _holds_models(type(model), name):  # [engines.NAME]
+            tables += [((*prefix, name, k), x) for k, x in v.items()]
+        elif v is None:
+            lines.append(f"# {_toml_key(name)} = (not set)")
+        else:
+            lines.append(f"{_toml_key(name)} = {_toml_value(v)}")
+    if prefix and lines:
+        lines.insert(0, f"[{'.'.join(_toml_key(p) for p in prefix)}]")
+    for sub_prefix, sub in tables:
+        lines += ["", *_toml_table(sub, list(type(sub).model_fields), sub_prefix)]
+    return lines
+
+
+def _holds_models(cls: type[BaseModel], name: str) -> bool:
+    """Whether field ``name`` is a ``dict[str, <model>]`` (a table of tables), not an inline table of values."""
+    args = get_args(cls.model_fields[name].annotation)
+    return len(args) == 2 and isinstance(args[1], type) and issubclass(args[1], BaseModel)
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key, ensure_ascii=False)
 
 
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
-    return f'"{v}"' if isinstance(v, str) else repr(v)
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_key(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    # TOML basic strings take JSON's escapes, and want DEL escaped too
+    return json.dumps(str(v), ensure_ascii=False).replace("\x7f", "\\u007F")

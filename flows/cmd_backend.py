@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from artifacts.config import Settings, default_toml
+from artifacts.config import Settings, default_toml, settings_toml
 from artifacts.logs import console
 from artifacts.model_info import model_info
 from engine_bridge import ops
@@ -23,9 +23,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_version)
 
-    p = sub.add_parser("config", help="print the effective settings",
-                       description="Settings come from $FLUX_CONFIG, else ~/.config/flux/flux.toml.")
-    p.add_argument("--defaults", action="store_true", help="print a flux.toml with every default")
+    p = sub.add_parser("config", help="print the effective settings as TOML",
+                       description="Settings come from $FLUX_CONFIG, else ~/.config/flux/flux.toml, over the "
+                                   "defaults. Both forms print a flux.toml with every field, models_dir and "
+                                   "cache_dir included.")
+    p.add_argument("--defaults", action="store_true",
+                   help="print every default instead (locations from this environment), whatever flux.toml says")
     p.set_defaults(handler=cmd_config)
 
     p = sub.add_parser("devices", help="list the ggml devices the backend sees")
@@ -64,13 +67,9 @@ def cmd_version(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    """Print the effective settings, or every default."""
+    """Print the effective settings, or every default, as a flux.toml."""
     settings: Settings = args.settings
-    con = console()
-    if args.defaults:
-        con.print(default_toml(), end="", markup=False)
-        return 0
-    con.print_json(settings.model_dump_json())
+    console().out(default_toml() if args.defaults else settings_toml(settings), end="", highlight=False)
     return 0
 
 
