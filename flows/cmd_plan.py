@@ -62,10 +62,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def default_model(settings: Settings) -> Path:
-    """The embedded default: a tiny MoE twin synthesized once into the cache."""
-    from artifacts.synth import cached_twin
+    """The embedded default: a tiny MoE twin synthesized once into ``models_dir``, where a person looks for models."""
+    from artifacts.synth import synthesize
 
-    return cached_twin(settings.cache_dir, DEFAULT_MODEL)
+    path = settings.models_dir / f"{DEFAULT_MODEL}-Q4_0.gguf"
+    if not path.exists():  # the same bytes every time (seed 0), so plans of an earlier copy still match
+        synthesize(DEFAULT_MODEL, path, quant="Q4_0")
+    return path
 
 
 def _gpu_budget(text: str | None) -> list[float] | None:
