@@ -14,13 +14,20 @@
 # 5. writes third_party/architectures.txt, the architectures the pinned llama.cpp implements.
 # A second run with nothing changed finds the key in the cache and only checks the install.
 #
+# The terminal gets a line per step and, during a long compile, a progress line every FLUX_PROGRESS_S seconds
+# (default 60). Each step's full output (pip, cmake, the compiler's warnings) goes to
+# $XDG_CACHE_HOME/flux/build-logs/<key>/<step>.log (build-logs/latest points at the last build's); a step that
+# fails prints its first errors and the tail of its log, and the script exits with the step's status.
+#
 # Environment: PYTHON (interpreter to install into), JOBS (parallel compile jobs), CMAKE_ARGS (extra cmake
 # flags, part of the key), FLUX_OFFLINE=1 (no package index), FLUX_SRC_DIR (a source tree made by
 # scripts/trim-sdist.sh, instead of downloading), FLUX_SKIP_SERVER=1 (skip llama-server and llama-bench),
 # FLUX_PARALLEL=1 (build the wheel and llama-server at the same time: for many-core machines),
 # FLUX_ONE_BUILD=1 (build llama.cpp once, as shared libraries, and put the same libraries in the wheel and
-# beside llama-server/llama-bench: one compile instead of two, which halves a CUDA build).
+# beside llama-server/llama-bench: one compile instead of two, which halves a CUDA build), FLUX_PROGRESS_S
+# (seconds between progress lines), FLUX_BUILD_VERBOSE=1 (also copy every step's output to stderr, as before logs).
 set -euo pipefail
+shopt -s inherit_errexit  # a failing command inside $(...) fails the script too (bash clears -e there otherwise)
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PIN_FILE="$ROOT/third_party/backend.pin"
@@ -28,9 +35,50 @@ PATCH_DIR="$ROOT/patches/llama.cpp"
 CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/flux"
 PY="${PYTHON:-python3}"
 JOBS="${JOBS:-$(nproc)}"
+PROGRESS_S="${FLUX_PROGRESS_S:-60}"
 
 log() { printf '[build-backend] %s\n' "$*" >&2; }
 die() { printf '[build-backend] error: %s\n' "$*" >&2; exit 1; }
+
+# step NAME LOGNAME CMD...: run CMD with its output in $LOG_DIR/LOGNAME.log, a progress line every PROGRESS_S s
+# while it runs and, if it fails, its first errors and the log's tail on stderr, then exit with its status.
+# CMD must be a program (env, pip, cmake), not a shell function: bash turns errexit off inside `f || rc=$?`.
+step() {
+  local name=$1 logf="$LOG_DIR/$2.log" t0=$SECONDS hb rc=0
+  shift 2
+  log "$name (log: $logf)"
+  : > "$logf"
+  # A ticker: a progress line every PROGRESS_S s. Killed, it kills its sleep too (no stray process holding stderr).
+  ( s=""; trap 'kill "$s" 2>/dev/null; exit 0' TERM
+    while :; do
+      sleep "$PROGRESS_S" </dev/null >/dev/null 2>&1 & s=$!
+      wait "$s" || true
+      kill -0 $$ 2>/dev/null || exit 0  # the script is gone
+      log "  ... $name: $((SECONDS - t0)) s $(progress_of "$logf")"
+    done ) >&2 &
+  hb=$!
+  if [ "${FLUX_BUILD_VERBOSE:-0}" = 1 ]; then
+    "$@" 2>&1 | tee -a "$logf" >&2 || rc=$?
+  else
+    "$@" >>"$logf" 2>&1 || rc=$?
+  fi
+  kill "$hb" 2>/dev/null || true
+  wait "$hb" 2>/dev/null || true
+  if [ "$rc" != 0 ]; then
+    log "error: $name failed (exit $rc); its whole output is in $logf"
+    if grep -qaE 'error:|Error [0-9]+|ERROR' "$logf"; then
+      log "first errors:"
+      grep -naE 'error:|Error [0-9]+|ERROR' "$logf" | head -n 15 | sed 's/^/  /' >&2 || true
+    fi
+    log "last 40 lines:"
+    tail -n 40 "$logf" | sed 's/^/  /' >&2 || true
+    exit "$rc"
+  fi
+  log "  $name: done in $((SECONDS - t0)) s"
+}
+
+# The last build-progress mark in a log: "[ 45%]" (make) or "[123/456]" (ninja); nothing before the compile starts.
+progress_of() { { grep -aoE '\[ *[0-9]+%\]|\[[0-9]+/[0-9]+\]' "$1" 2>/dev/null || true; } | tail -n 1; }
 
 pin_value() { sed -n "s/^$1=//p" "$PIN_FILE" | head -n1; }
 VERSION=$(pin_value LLAMA_CPP_PYTHON_VERSION)
@@ -54,16 +102,20 @@ KEY=$( { cat "$PIN_FILE"; for p in "${PATCHES[@]}"; do basename "$p"; cat "$p"; 
        | sha256sum | cut -c1-16)
 OUT="$CACHE/backend/$KEY"
 WHEEL_DIR="$OUT/wheel"
-mkdir -p "$OUT"
+# Outside $OUT, so that backend-pack.sh carries the build without its logs.
+LOG_DIR="$CACHE/build-logs/$KEY"
+mkdir -p "$OUT" "$LOG_DIR"
+ln -sfn "$KEY" "$CACHE/build-logs/latest"
 log "pin llama-cpp-python $VERSION (llama.cpp $COMMIT), ${#PATCHES[@]} patch(es), key $KEY"
 log "cmake flags: $FLAGS"
+log "each step's output (compiler warnings included) goes to $LOG_DIR/<step>.log"
 
 PIP_OFFLINE=()
 if [ "${FLUX_OFFLINE:-0}" = 1 ]; then
   PIP_OFFLINE=(--no-index)
 else
   # Build tools, installed once so that every pip step below can run without build isolation.
-  "$PY" -m pip install --quiet "scikit-build-core>=0.9.2" >&2
+  step "installing the build tools (scikit-build-core)" tools "$PY" -m pip install "scikit-build-core>=0.9.2"
 fi
 "$PY" -c 'import scikit_build_core' 2>/dev/null || die "scikit-build-core is missing: pip install 'scikit-build-core[pyproject]>=0.9.2' (offline: bring its wheel)"
 
@@ -74,9 +126,8 @@ fetch_sdist() {
   f="$dir/llama_cpp_python-$VERSION.tar.gz"
   if [ -n "${FLUX_SDIST:-}" ]; then cp "$FLUX_SDIST" "$f.tmp" && mv "$f.tmp" "$f"; fi
   if [ ! -f "$f" ]; then
-    log "downloading llama-cpp-python==$VERSION sdist"
-    "$PY" -m pip download --quiet --no-deps --no-binary :all: --no-build-isolation \
-      "llama-cpp-python==$VERSION" -d "$dir" >&2
+    step "downloading the llama-cpp-python==$VERSION sdist" sdist \
+      "$PY" -m pip download --no-deps --no-binary :all: --no-build-isolation "llama-cpp-python==$VERSION" -d "$dir"
   fi
   [ -f "$f" ] || die "pip did not produce $f"
   local got
@@ -108,24 +159,23 @@ EOF
 
 build_wheel() {
   local src=$1
-  log "building the llama-cpp-python wheel (several minutes)"
   # The key file inside the package lets `flux version` and this script know which build is installed.
   echo "$KEY" > "$src/llama_cpp/FLUX_BACKEND_KEY"
   rm -rf "$WHEEL_DIR.tmp"; mkdir -p "$WHEEL_DIR.tmp"
-  CMAKE_ARGS="$FLAGS" CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
-    "$PY" -m pip wheel --no-deps --no-build-isolation "${PIP_OFFLINE[@]}" -w "$WHEEL_DIR.tmp" "$src" >&2
+  # -v: the compile's own output (its progress marks included) goes to the log
+  step "building the llama-cpp-python wheel (a full llama.cpp compile: the longest step)" wheel \
+    env CMAKE_ARGS="$FLAGS" CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
+    "$PY" -m pip wheel -v --no-deps --no-build-isolation "${PIP_OFFLINE[@]}" -w "$WHEEL_DIR.tmp" "$src"
   rm -rf "$WHEEL_DIR"; mv "$WHEEL_DIR.tmp" "$WHEEL_DIR"
 }
 
 install_wheel() {
   local whl
   whl=$(ls "$WHEEL_DIR"/llama_cpp_python-*.whl | head -n1)
-  log "installing $(basename "$whl")"
-  if [ "${FLUX_OFFLINE:-0}" = 1 ]; then
-    "$PY" -m pip install --quiet --force-reinstall --no-deps "$whl" >&2
-  else
-    "$PY" -m pip install --quiet --force-reinstall --no-deps "$whl" >&2
-    "$PY" -m pip install --quiet "typing-extensions>=4.5.0" "numpy>=1.20.0" "diskcache>=5.6.1" "jinja2>=2.11.3" >&2
+  step "installing $(basename "$whl")" install "$PY" -m pip install --force-reinstall --no-deps "$whl"
+  if [ "${FLUX_OFFLINE:-0}" != 1 ]; then
+    step "installing its Python dependencies" install-deps \
+      "$PY" -m pip install "typing-extensions>=4.5.0" "numpy>=1.20.0" "diskcache>=5.6.1" "jinja2>=2.11.3"
   fi
   install_libs
 }
@@ -142,12 +192,13 @@ install_libs() {
 # -- 4. llama-server -----------------------------------------------------------------------------------
 build_server() {
   local src=$1 bdir="$OUT/server-build"
-  log "building llama-server (several minutes)"
   # shellcheck disable=SC2086
-  cmake -S "$src/vendor/llama.cpp" -B "$bdir" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+  step "configuring llama-server" server-cmake \
+    cmake -S "$src/vendor/llama.cpp" -B "$bdir" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_APP=OFF \
-    $FLAGS >&2
-  cmake --build "$bdir" --target llama-server llama-bench -j "$JOBS" >&2
+    $FLAGS
+  step "building llama-server and llama-bench (a second llama.cpp compile)" server \
+    cmake --build "$bdir" --target llama-server llama-bench -j "$JOBS"
   mkdir -p "$OUT/bin"
   for exe in llama-bench llama-server; do
     cp "$bdir/bin/$exe" "$OUT/bin/$exe.tmp" && mv "$OUT/bin/$exe.tmp" "$OUT/bin/$exe"
@@ -160,10 +211,12 @@ build_shared() {
   local src=$1 bdir="$OUT/build"
   log "building llama.cpp once (shared libraries, llama-server, llama-bench), then a wheel around it"
   # shellcheck disable=SC2086
-  cmake -S "$src/vendor/llama.cpp" -B "$bdir" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+  step "configuring llama.cpp (shared libraries)" shared-cmake \
+    cmake -S "$src/vendor/llama.cpp" -B "$bdir" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
     -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_SERVER=ON \
-    -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_APP=OFF $FLAGS >&2
-  cmake --build "$bdir" --target llama llama-server llama-bench -j "$JOBS" >&2
+    -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_APP=OFF $FLAGS
+  step "building llama.cpp, llama-server and llama-bench" shared \
+    cmake --build "$bdir" --target llama llama-server llama-bench -j "$JOBS"
   # lib/ holds the shared libraries once; bin/'s executables find them through links (their RPATH is $ORIGIN).
   rm -rf "$OUT/lib.tmp" "$OUT/bin.tmp"; mkdir -p "$OUT/lib.tmp" "$OUT/bin.tmp"
   cp -a "$bdir"/bin/lib*.so* "$OUT/lib.tmp/"
@@ -173,8 +226,9 @@ build_shared() {
   # The Python package: its own CMake builds nothing (LLAMA_BUILD=OFF); install_wheel puts $OUT/lib in it.
   echo "$KEY" > "$src/llama_cpp/FLUX_BACKEND_KEY"
   rm -rf "$WHEEL_DIR.tmp"; mkdir -p "$WHEEL_DIR.tmp"
-  CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" \
-    "$PY" -m pip wheel --no-deps --no-build-isolation "${PIP_OFFLINE[@]}" -w "$WHEEL_DIR.tmp" "$src" >&2
+  step "packing the llama-cpp-python wheel around them" wheel \
+    env CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" \
+    "$PY" -m pip wheel --no-deps --no-build-isolation "${PIP_OFFLINE[@]}" -w "$WHEEL_DIR.tmp" "$src"
   rm -rf "$WHEEL_DIR"; mv "$WHEEL_DIR.tmp" "$WHEEL_DIR"
   rm -rf "$bdir"
 }
