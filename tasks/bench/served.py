@@ -39,13 +39,14 @@ from tasks.bench.served_contenders import (
     Contender,
     Probe,
     Turn,
+    budget_flag,
     fit_contender,
     most_layers,
     plan_contender,
     streamed_completion,
     sweep_n_cpu_moe,
-    tree_gpu_bytes,
 )
+from tasks.gpu_memory import budget_problem
 
 log = logging.getLogger(__name__)
 GIB, MIB = 2**30, 2**20
@@ -59,12 +60,15 @@ TRIAL_SCHEMA = pa.schema([
 
 
 def race_loaded(contenders: list[Contender], prompts: dict[str, list[list[int]]], turns: Sequence[Turn],
-                rounds: int, timeout_s: float, seed: int, progress: Progress) -> pa.Table:
+                rounds: int, timeout_s: float, seed: int, progress: Progress,
+                meter: GpuMemoryMeter | None = None) -> pa.Table:
     """Every contender started once (and measured), warmed with one full turn, then timed in shuffled rounds.
 
+    Contenders start one after another, each read (NVML) once warm before the next starts, so a reading of
+    the device's use above the baseline taken right before a start is that contender's alone.
     ``prompts[turn.name]`` holds one distinct prompt per (contender, round) visit plus one for the warm-up.
     """
-    meter = GpuMemoryMeter()
+    meter = meter or GpuMemoryMeter()
     rows: list[dict[str, Any]] = []
     live: list[Contender] = []
     for i, c in enumerate(contenders):
@@ -73,9 +77,10 @@ def race_loaded(contenders: list[Contender], prompts: dict[str, list[list[int]]]
             c.start()
             for t in turns:  # warm-up: one untimed full-size turn of each kind
                 streamed_completion(c.base, prompts[t.name][-1 - i], t.gen, timeout_s)
-            c.gpu_bytes = tree_gpu_bytes(meter, c.pid)
+            c.gpu = meter.read(c.pid)
             live.append(c)
-            progress(f"{c.name}: started, GPU {(c.gpu_bytes or 0) / GIB:.2f} GiB ({c.note})")
+            progress(f"{c.name}: started, GPU {(c.gpu_bytes or 0) / GIB:.2f} GiB"
+                     f"{f' ({c.gpu.method})' if c.gpu else ''} ({c.note})")
         except Exception as exc:  # noqa: BLE001 - a contender that fails to start is an error row
             rows.append({"engine": c.name, "round": -1, "turn": -1, "error": f"{type(exc).__name__}: {exc}"[:500]})
             c.stop()
@@ -132,6 +137,35 @@ def agreement(sweep: Probe | None, raced: dict[str, float]) -> tuple[float | Non
                   f"than {AGREE:.0%}): the sweep's single reading is discarded, the race's stands")
 
 
+MEMORY_AGREE = 0.05  # flux serve's GPU memory and the measure stage's reading of the same plan agree within this
+
+
+def over_plan_budget(plan: Contender, budget: int | None) -> str | None:
+    """The plan's own flag: over its budget (under it is the plan's choice, and no advantage)."""
+    if budget and plan.gpu_bytes and plan.gpu_bytes > budget:
+        return f"held {plan.gpu_bytes / GIB:.2f} GiB, over the {budget / GIB:.2f} GiB budget"
+    return None
+
+
+def memory_agreement(plan: Contender, ctx: BenchContext) -> float | None:
+    """Relative difference between the served plan's GPU memory and what the measure stage read for it."""
+    measured = ctx.plan.measured.gpu_bytes
+    if not plan.gpu_bytes or not measured:
+        return None
+    return abs(plan.gpu_bytes - measured) / measured
+
+
+def check_budget(ctx: BenchContext, info: ModelInfo, budget: int | None, meter: GpuMemoryMeter) -> None:
+    """Refuse, before anything starts, a budget no contender can hold here (tasks.gpu_memory.budget_problem)."""
+    free = meter.device_free()
+    if not budget or not free:
+        return
+    p = ctx.params
+    problem = budget_problem(info, budget, max(free), p.n_ctx, p.n_seq_max, p.type_k, None)
+    if problem:
+        raise BenchError(f"{problem[0]}; {problem[1]}")
+
+
 def model_of(ctx: BenchContext) -> ModelInfo:
     """The plan's model header (cheap)."""
     return model_info(ctx.model)
@@ -166,9 +200,16 @@ def _row(name: str, c: Contender, table: pa.Table, turns: Sequence[Turn], opts: 
         ratio = paired_ratio(base_s, plan_s, n_boot=opts.n_boot, seed=opts.seed + 2 + j) if plan_s else None
         per_turn[t.name] = {"plan": medians(table, "plan", j), name: medians(table, name, j),
                             "turn_speedup": ratio.model_dump() if ratio else None}
-    metrics = {**extra, "per_turn": per_turn, "engine_note": c.note, "baseline_gpu_bytes": c.gpu_bytes}
+    metrics = {**extra, "per_turn": per_turn, "engine_note": c.note, "baseline_gpu_bytes": c.gpu_bytes,
+               "baseline_gpu_method": c.gpu.method if c.gpu else None, "baseline_flag": c.flag,
+               "baseline_valid": c.flag is None and extra.get("plan_flag") is None}
     slower = "slower" in (pre.outcome, dec.outcome)
     detail = f"{turns[0].name}: prefill {pre.outcome} {pre.text()}, decode {dec.outcome} {dec.text()}"
+    why_not = c.flag and f"{name} {c.flag}" or extra.get("plan_flag") and f"the plan {extra['plan_flag']}"
+    if why_not:  # the ratios are kept for diagnosis, never reported as a result
+        return SummaryRow(baseline=name, verdict="info", detail=f"not a result: {why_not}; measured {detail}",
+                          n_samples=min(pre.n, dec.n), metrics={
+                              **metrics, "unreported": {"prefill": pre.model_dump(), "decode": dec.model_dump()}})
     return ratio_row(name, pre, dec, "fail" if slower else "pass", detail, metrics)
 
 
@@ -190,10 +231,12 @@ def bench_served(ctx: BenchContext, opts: Any, progress: Progress | None = None)
     contenders: list[Contender] = [plan_contender(ctx)]
     probes: dict[str, Probe] = {}
     skipped: dict[str, str] = {}
+    meter = GpuMemoryMeter()
+    check_budget(ctx, info, budget, meter)
     t0 = time.monotonic()
     for name in opts.baselines:
         if name == "fit":
-            contenders.append(fit_contender(ctx, budget))
+            contenders.append(fit_contender(ctx, budget, meter))
             continue
         finder = {"n-cpu-moe": sweep_n_cpu_moe, "most-ngl": most_layers}.get(name)
         if finder is None:
@@ -207,13 +250,26 @@ def bench_served(ctx: BenchContext, opts: Any, progress: Progress | None = None)
             continue
         contenders.append(got[0])
         probes[name] = got[1]
-    table = race_loaded(contenders, prompts, turns, opts.rounds, ctx.timeout_s, opts.seed, say)
+    table = race_loaded(contenders, prompts, turns, opts.rounds, ctx.timeout_s, opts.seed, say, meter)
     plan_c = contenders[0]
+    for c in contenders[1:]:
+        c.flag = budget_flag(c.gpu, budget)
+        if c.flag:
+            say(f"{c.name}: {c.flag}: its ratios are not reported as results")
+    plan_flag = over_plan_budget(plan_c, budget)
+    if plan_flag:
+        say(f"plan: {plan_flag}: no ratio of this run is reported as a result")
+    agree = memory_agreement(plan_c, ctx)
+    if agree is not None and agree > MEMORY_AGREE:
+        say(f"plan: flux serve held {(plan_c.gpu_bytes or 0) / GIB:.2f} GiB, the measure stage read "
+            f"{(ctx.plan.measured.gpu_bytes or 0) / GIB:.2f} GiB ({agree:.0%} apart, more than {MEMORY_AGREE:.0%})")
     served = medians(table, "plan", 0)
     common: dict[str, Any] = {
         "options": opts.model_dump(mode="json"), "turn_specs": [t.model_dump() for t in turns],
         "budget_gib": max(budget_gib) if budget_gib else None, "ctx": ctx.params.n_ctx, "seconds": time.monotonic() - t0,
-        "plan_gpu_bytes": plan_c.gpu_bytes, "plan_measured_decode_tps": ctx.plan.measured.decode_tps,
+        "plan_gpu_bytes": plan_c.gpu_bytes, "plan_gpu_method": plan_c.gpu.method if plan_c.gpu else None,
+        "plan_measured_gpu_bytes": ctx.plan.measured.gpu_bytes, "plan_gpu_vs_measured": agree, "plan_flag": plan_flag,
+        "plan_measured_decode_tps": ctx.plan.measured.decode_tps,
         "plan_measured_prefill_tps": ctx.plan.measured.prefill_tps, "served_decode_tps": served.get("decode_tps"),
         "plan_backend_build": ctx.plan.backend_build, "timing": "client stream (/v1/completions)"}
     rows = []

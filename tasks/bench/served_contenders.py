@@ -15,11 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
-import psutil
 from pydantic import BaseModel, ConfigDict
 
 from artifacts.model_info import ModelInfo
-from engine_bridge.gpumem import GpuMemoryMeter
+from engine_bridge.gpumem import GpuMemoryMeter, GpuReading
 from engine_bridge.llama_server import LlamaServer
 from tasks.bench.common import BenchContext, BenchError, Progress, TrialTiming
 from tasks.bench.http import FluxServe, client_limits
@@ -71,17 +70,28 @@ def streamed_completion(base: str, prompt: Sequence[int], n_gen: int, timeout_s:
                        gen_ms=(last - first) * 1e3, source="client stream (/v1/completions)")
 
 
-def tree_gpu_bytes(meter: GpuMemoryMeter, pid: int | None) -> int | None:
-    """GPU memory held by ``pid`` and its children (flux serve's worker is a child process)."""
-    if pid is None or not meter.available:
+# A contender holding less than this share of its budget is not a fair baseline (it was starved or misread).
+MIN_BUDGET_SHARE = 0.85
+
+
+def budget_flag(reading: GpuReading | None, budget: int | None) -> str | None:
+    """Why a contender's measured GPU memory makes its race no result at ``budget`` bytes, or ``None``.
+
+    Under :data:`MIN_BUDGET_SHARE` of the budget, the contender did not get the memory the comparison is
+    about (llama-server's fit told to leave the plan's memory free twice, say); over it, it had more. An
+    unread memory (no NVML) cannot be checked: flagged too, since no equal-memory claim can rest on it.
+    """
+    if not budget:
         return None
-    try:
-        pids = [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
-    except psutil.Error:
-        pids = [pid]
-    per = [meter.used_by(p) for p in pids]
-    known = [u for u in per if u]
-    return max(sum(sum(u) for u in known), 0) if known else None
+    if reading is None:
+        return "its GPU memory could not be read (no NVML figure): no equal-memory claim"
+    held = reading.total
+    if held > budget:
+        return f"held {held / GIB:.2f} GiB, over the {budget / GIB:.2f} GiB budget"
+    if held < MIN_BUDGET_SHARE * budget:
+        return (f"held {held / GIB:.2f} GiB, {held / budget:.0%} of the {budget / GIB:.2f} GiB budget "
+                f"(under {MIN_BUDGET_SHARE:.0%}: starved, not an equal-memory baseline)")
+    return None
 
 
 @dataclass
@@ -94,8 +104,14 @@ class Contender:
     base: str = ""
     pid: int | None = None
     stop_fn: Callable[[], None] | None = None
-    gpu_bytes: int | None = None
+    gpu: GpuReading | None = None
+    flag: str | None = None
     readings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def gpu_bytes(self) -> int | None:
+        """Bytes it held on every GPU once warm (NVML), ``None`` when unread."""
+        return self.gpu.total if self.gpu else None
 
     def start(self) -> None:
         """Start the engine and wait until it answers."""
@@ -137,28 +153,33 @@ def _common_args(ctx: BenchContext) -> list[str]:
             "-fa", "on" if p.flash_attn else "off", "--no-warmup"]
 
 
-def gpu_free() -> list[int]:
-    """Free bytes on each GPU now (NVML), [] without one."""
-    try:
-        import pynvml
+def fit_args(ctx: BenchContext, budget: int | None, free: list[int]) -> list[str]:
+    """llama-server's fit holding the plan's context, told to leave all but ``budget`` of ``free`` free.
 
-        pynvml.nvmlInit()
-        try:
-            return [int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free)
-                    for i in range(pynvml.nvmlDeviceGetCount())]
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - no GPU, no driver: nothing to fit
-        return []
-
-
-def fit_contender(ctx: BenchContext, budget: int | None) -> Contender:
-    """llama-server's own fit at the budget, holding the plan's context."""
+    ``free`` must be read right before the server starts, with the other contenders already loaded: fit
+    leaves ``--fit-target`` MiB free on each GPU, so a target computed before another contender loaded
+    leaves fit that contender's memory short (the 0.92 GiB of a 14 GiB budget seen on the H200).
+    """
     args = [*_common_args(ctx), "--fit", "on", "-fitc", str(ctx.params.n_ctx * ctx.params.n_seq_max)]
-    free = gpu_free()
     if budget and free:
         args += ["--fit-target", ",".join(str(max(0, (f - budget) // MIB)) for f in free)]
-    return server_contender(ctx, "fit", args, "llama-server " + " ".join(args))
+    return args
+
+
+def fit_contender(ctx: BenchContext, budget: int | None, meter: GpuMemoryMeter) -> Contender:
+    """llama-server's own fit at the budget, holding the plan's context; its target is derived from the
+    memory free when it starts (:func:`fit_args`)."""
+    c = Contender("fit", "llama-server --fit on (target set when it starts)", lambda: ("", None, lambda: None))
+
+    def start() -> tuple[str, int | None, Callable[[], None]]:
+        free = meter.device_free()
+        args = fit_args(ctx, budget, free)
+        c.note = "llama-server " + " ".join(args) + (
+            f" (free at start: {', '.join(f'{f / GIB:.2f}' for f in free)} GiB)" if free else "")
+        return server_contender(ctx, "fit", args, c.note).start_fn()
+
+    c.start_fn = start
+    return c
 
 
 @dataclass
@@ -178,7 +199,8 @@ def probe_config(ctx: BenchContext, args: list[str], prompts: list[list[int]], t
         c.start()
         streamed_completion(c.base, prompts[0], turn.gen, ctx.timeout_s)  # warm-up, untimed
         t = streamed_completion(c.base, prompts[1], turn.gen, ctx.timeout_s)
-        return Probe(args, tree_gpu_bytes(meter, c.pid), t)
+        reading = meter.read(c.pid)
+        return Probe(args, reading.total if reading else None, t)
     except Exception as exc:  # noqa: BLE001 - a configuration that fails to start is a skipped point
         log.warning("bench: %s failed: %s", " ".join(args), exc)
         return Probe(args, None, None)
