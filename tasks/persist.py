@@ -36,17 +36,20 @@ TRIALS_KIND = "trials"
 
 
 def plan_key(model_hash: str, hw: HardwareReport, backend_build: str, req: PlanRequest,
-             settings_view: dict[str, Any], routing: str | None = None) -> dict[str, Any]:
+             settings_view: dict[str, Any], routing: str | None = None, code: str | None = None) -> dict[str, Any]:
     """The facts a plan is valid for (its identity minus the time it was made).
 
     ``routing``: the id of the routing trace that chose a per-expert placement's experts; another workload
-    routes differently and is another plan.
+    routes differently and is another plan. ``code``: the planner's code id
+    (:func:`artifacts.code_id.code_id`): a planner that changed makes new plans.
     """
     flags = req.model_dump(exclude={"model"})
     if flags["workload"] == "agent":  # the default before there was a choice: plans saved then still match
         del flags["workload"]
     key = {"model_hash": model_hash, "hardware": hw.fingerprint, "backend_build": backend_build,
            "driver": hw.driver, "flags": flags, "settings": settings_view}
+    if code is not None:
+        key["planner_code"] = code
     return {**key, "routing": routing} if routing is not None else key
 
 
@@ -128,7 +131,8 @@ def expert_split_notes(by_id: dict[str, Candidate], sums: dict[str, MeasureSumma
 def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: str, hw: HardwareReport,
             req: PlanRequest, finalists: Finalists, measured: MeasureResults, trials: pa.Table,
             validation: ValidationReport, roofline_decode_tps: float | None, memory_limits: dict[str, int],
-            prefill_share: float, notes: list[str], routing: RoutingProfile | None = None) -> Plan:
+            prefill_share: float, notes: list[str], routing: RoutingProfile | None = None,
+            all_gpu_decode: tuple[str, float] | None = None, stage_seconds: dict[str, float] | None = None) -> Plan:
     """Write the plan and its trials; returns the plan (its id is a content hash of the whole plan)."""
     by_id = {c.id: c for c in finalists.finalists}
     summaries = measured.summaries
@@ -149,7 +153,10 @@ def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: s
         "finalists": [s.model_dump() for s in summaries], "families": {c.id: c.family for c in finalists.finalists},
         "predictions": [p.model_dump() for p in finalists.predictions],
         "median_prediction_error": prediction_error(finalists, summaries),
-        "roofline_decode_tps": roofline_decode_tps, "memory_budget": memory_limits, "trials_table": trials_id,
+        "roofline_decode_tps": roofline_decode_tps,
+        "stage_seconds": stage_seconds or {},
+        "all_gpu_decode": {"device": all_gpu_decode[0], "decode_tps": all_gpu_decode[1]} if all_gpu_decode else None,
+        "memory_budget": memory_limits, "trials_table": trials_id,
         "quality_profile": validation.quality_profile, "workload_prefill_share": prefill_share,
         "workload_lengths": measured.lengths, "workload_n_gen": measured.n_gen,
         "decode_by_depth": decode_by_depth(trials, win), "notes": notes,

@@ -21,8 +21,11 @@ from artifacts.model_info import ModelInfo, model_info
 from engine_bridge import ops
 from engine_bridge.client import HIDE_GPUS, WorkerClient
 from engine_bridge.errors import EngineError
+from engine_bridge.gpumem import GpuMemoryMeter
 from engine_bridge.params import EngineParams
-from tasks.plan_types import CpuInfo, GpuInfo, HardwareReport, KernelTiming, MachineFacts
+from tasks import gpu_memory
+from tasks.enumerate import modelled_load
+from tasks.plan_types import CpuInfo, GpuInfo, GpuMemoryFit, HardwareReport, KernelTiming, MachineFacts
 from tasks.probe_gpu import cuda_runtime_name, host_to_device_bandwidth, nvml_inventory
 from tasks.probe_host import cpu_info, ram_read_bandwidth, storage_read_speed, usable_cpus
 
@@ -76,14 +79,16 @@ def facts_fingerprint(facts: MachineFacts) -> str:
     return hardware_fingerprint(facts.cpu, facts.ram_total, facts.gpus, facts.driver)
 
 
-def probe_key(facts: MachineFacts, model_hash: str, backend_build: str) -> dict[str, Any]:
+def probe_key(facts: MachineFacts, model_hash: str, backend_build: str, code: str | None = None) -> dict[str, Any]:
     """Key of the probe report: everything a measurement of this machine depends on, read before measuring.
 
     Host (name, machine id, CPU, RAM), every GPU (name, UUID, memory, compute capability), the driver,
     the CUDA driver and runtime versions, the model and the backend build: a swapped GPU, a new driver or
-    another build is a new probe, so ``flux plan --replan`` never reuses a stale one.
+    another build is a new probe, so ``flux plan --replan`` never reuses a stale one; so is another planner
+    (``code``, :func:`artifacts.code_id.code_id`), whose probe may measure differently.
     """
-    return {"stage": "probe", "model": model_hash, "backend": backend_build, "host": {
+    key: dict[str, Any] = {"code": code} if code is not None else {}
+    return key | {"stage": "probe", "model": model_hash, "backend": backend_build, "host": {
         "node": facts.node, "machine_id": facts.machine_id, "cpu": facts.cpu.model,
         "cpus": facts.cpu.logical_cores, "ram_gib": round(facts.ram_total / GIB),
         "gpus": [{"name": g.name, "uuid": g.uuid, "memory_total": g.memory_total,
@@ -129,7 +134,8 @@ def _time_kernels(w: WorkerClient, model_path: Path, params: EngineParams, devic
              device, load.load_ms, prefill, PREFILL_BATCH, decode, params.n_threads)
     return KernelTiming(device=device, n_threads=params.n_threads, decode_ms_per_token=decode,
                         prefill_ms_per_token=prefill, prefill_batch=PREFILL_BATCH,
-                        decode_ms_per_layer=decode / layers, prefill_ms_per_layer=prefill / layers)
+                        decode_ms_per_layer=decode / layers, prefill_ms_per_layer=prefill / layers,
+                        flash_attn=params.flash_attn, load_ms=load.load_ms)
 
 
 def _params(info: ModelInfo, threads: int, **placement: Any) -> EngineParams:
@@ -144,26 +150,45 @@ def _worker(settings: Settings, env: Mapping[str, str] | None = None) -> WorkerC
                         hello_timeout_s=settings.serve.worker_timeouts.hello_s)
 
 
-def _gpu_kernels(w: WorkerClient, model_path: Path, info: ModelInfo, gpus: list[dict[str, Any]], threads: int,
-                 settings: Settings) -> list[KernelTiming]:
-    """Whole-model timings on each GPU the model fits on; a failure there is logged, not raised."""
-    out = []
+def _gpu_kernels(w: WorkerClient, meter: GpuMemoryMeter, model_path: Path, info: ModelInfo,
+                 gpus: list[dict[str, Any]], threads: int, settings: Settings) -> tuple[list[KernelTiming], list[GpuMemoryFit]]:
+    """Whole-model timings on each GPU the model fits on, and the memory model's correction there from the
+    calibration loads (:mod:`tasks.gpu_memory`); a failure there is logged, not raised."""
+    out, fits = [], []
     for k, dev in enumerate(gpus):
         name = str(dev["name"])
         if info.file_bytes + GPU_HEADROOM > int(dev["memory_free"]):
             log.info("probe: %s has %.1f GiB free: the model (%.1f GiB) is not timed there", name,
                      int(dev["memory_free"]) / GIB, info.file_bytes / GIB)
             continue
-        params = _params(info, threads, n_gpu_layers=-1, split_mode="none", main_gpu=k)
+        params = _params(info, threads, n_gpu_layers=-1, split_mode="none", main_gpu=k, flash_attn=True)
         try:
-            out.append(_time_kernels(w, model_path, params, name, info.n_layer, settings))
+            timing = _time_kernels(w, model_path, params, name, info.n_layer, settings)
+            residuals: dict[str, int] = {}
+            for kind, load in gpu_memory.calibration_loads(info, params):
+                if kind != "whole":
+                    w.request(ops.LOAD, ops.LoadArgs(model=str(model_path), params=load),
+                              timeout=settings.serve.worker_timeouts.load_s)
+                reading = meter.read(w.pid)
+                if reading is None:
+                    break
+                held = reading.per_gpu[k] if k < len(reading.per_gpu) else max(reading.per_gpu)
+                model = modelled_load(info, load, name, experts_on_host=kind != "whole")
+                residuals[kind] = held - model
+                if kind == "whole":
+                    timing = timing.model_copy(update={"gpu_bytes": held, "gpu_bytes_predicted": model})
+                log.info("probe: %s memory, %s load: measured %.2f GiB (%s), memory model %.2f GiB", name, kind,
+                         held / GIB, reading.method, model / GIB)
+            out.append(timing)
+            if residuals:
+                fits.append(gpu_memory.fit(name, residuals))
         except EngineError as exc:
             log.warning("probe: kernel timing on %s failed: %s", name, exc)
-    return out
+    return out, fits
 
 
 def engine_probe(model_path: Path, info: ModelInfo, threads: int,
-                 settings: Settings) -> tuple[list[dict[str, object]], list[KernelTiming]]:
+                 settings: Settings) -> tuple[list[dict[str, object]], list[KernelTiming], list[GpuMemoryFit]]:
     """ggml's devices and the model's kernels timed on each (CPU first), through engine workers.
 
     Args:
@@ -175,16 +200,17 @@ def engine_probe(model_path: Path, info: ModelInfo, threads: int,
     Raises:
         EngineError: the worker failed to start, or the model could not be loaded or run on the CPU.
     """
+    meter = GpuMemoryMeter()  # its baseline before the worker starts: a device delta is the worker's
     with _worker(settings) as w:
         devices = [d.model_dump() for d in w.request(ops.DEVICES, timeout=settings.serve.worker_timeouts.rpc_s).devices]
         gpus = [d for d in devices if d.get("kind") == "gpu"]
         log.info("probe: ggml devices: %s", ", ".join(f"{d['name']} ({d['kind']})" for d in devices))
         if not gpus:  # nothing to hide: this worker times the CPU too
-            return devices, [_time_kernels(w, model_path, _params(info, threads), "CPU", info.n_layer, settings)]
-        kernels = _gpu_kernels(w, model_path, info, gpus, threads, settings)
+            return devices, [_time_kernels(w, model_path, _params(info, threads), "CPU", info.n_layer, settings)], []
+        kernels, fits = _gpu_kernels(w, meter, model_path, info, gpus, threads, settings)
     with _worker(settings, env=HIDE_GPUS) as w:  # CPU kernels timed as a CPU-only plan runs them
         cpu = _time_kernels(w, model_path, _params(info, threads), "CPU", info.n_layer, settings)
-    return devices, [cpu, *kernels]
+    return devices, [cpu, *kernels], fits
 
 
 def probe(model_path: Path, model_hash: str, settings: Settings, backend_build: str) -> HardwareReport:
@@ -211,13 +237,13 @@ def probe(model_path: Path, model_hash: str, settings: Settings, backend_build: 
     storage = storage_read_speed(model_path)
     nvml = nvml_inventory()
     gpus = _with_copy_bandwidth(nvml.gpus, nvml.bus_ids) if nvml.gpus else []
-    devices, kernels = engine_probe(model_path, info, cpu.physical_cores, settings)
+    devices, kernels, fits = engine_probe(model_path, info, cpu.physical_cores, settings)
     report = HardwareReport(
         fingerprint=facts_fingerprint(facts), cpu=cpu,
         ram_total=facts.ram_total, ram_available=int(vm.available), ram_read_gbs=ram.gbs,
         ram_read_gbs_1thread=ram.gbs_1thread, storage_read_gbs=storage.gbs, storage_method=storage.method,
         gpus=gpus, driver=facts.driver, ggml_devices=devices, kernels=kernels, model_hash=model_hash,
-        backend_build=backend_build)
+        backend_build=backend_build, gpu_memory=fits)
     log.info("probe: fingerprint %s (%s, %d cores, %d GiB, %d GPU(s))", report.fingerprint[:12], cpu.model,
              cpu.logical_cores, round(vm.total / GIB), len(gpus))
     return report
