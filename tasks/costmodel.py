@@ -112,6 +112,11 @@ def _gpu_bandwidth(hw: HardwareReport) -> tuple[float, float]:
     return GPU_HBM_GBS * 1e9, max(0.2, k.decode_ms_per_token * 0.8)
 
 
+def _gpu_probe_fa(hw: HardwareReport) -> bool:
+    """Whether the probe timed the GPU with flash attention (older probes did not)."""
+    return next((k.flash_attn for k in hw.kernels if k.device != "CPU"), False)
+
+
 def _transitions(placement: Placement) -> int:
     """Device hand-overs per token along the layer sequence, host<->GPU or GPU<->GPU (each a synchronisation)."""
     seq: list[str] = []
@@ -159,26 +164,48 @@ def _host_attention_layers(cand: Candidate) -> int:
     return sum(1 for i, d in enumerate(devs) if d != "CPU" and (not p.offload_kqv or i < first_offloaded))
 
 
+def decode_reads(info: ModelInfo, cand: Candidate, depth: float = 0.0) -> tuple[float, float]:
+    """(host, GPU) bytes one decoded token reads under ``cand``: weights where the placement puts them, the
+    expert picks a per-expert split serves from GPU copies moved to the GPU, and the KV cache at ``depth``."""
+    per_dev = layer_bytes(info, cand.placement)
+    cpu_read = per_dev.get("CPU", (0.0, 0.0))[0]
+    gpu_read = sum(r for d, (r, _) in per_dev.items() if d != "CPU")
+    kv_cpu, kv_gpu = kv_reads(info, cand, depth)
+    moved = split_reads(info, cand)
+    return cpu_read + kv_cpu - moved, gpu_read + kv_gpu + moved
+
+
+def roofline_decode(info: ModelInfo, hw: HardwareReport, cand: Candidate) -> float | None:
+    """Decode tokens/s if every device only had to read its bytes per token (:func:`decode_reads`, the
+    plan's split included) at its bandwidth: the host's measured for the plan's threads, the GPU's."""
+    cpu_read, gpu_read = decode_reads(info, cand)
+    seconds = cpu_read / cpu_bandwidth(hw, cand.params.n_threads) if cpu_read > 0 else 0.0
+    seconds += gpu_read / _gpu_bandwidth(hw)[0] if gpu_read > 0 else 0.0
+    return 1 / seconds if seconds > 0 else None
+
+
+def all_gpu_decode(hw: HardwareReport) -> tuple[str, float] | None:
+    """(GPU, tokens/s) of the whole model decoding on one GPU, as the probe timed it (same engine and build;
+    only when the model fit there): the practical ceiling of any placement of it."""
+    k = next((k for k in hw.kernels if k.device != "CPU" and k.decode_ms_per_token > 0), None)
+    return (k.device, 1e3 / k.decode_ms_per_token) if k else None
+
+
 def predict(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: Workload) -> Prediction:
     """Predicted prefill/decode tokens per second of ``cand`` and seconds for ``work``."""
     eff, prefill_ms_per_byte, probe_threads = _cpu_calibration(info, hw)
     per_dev = layer_bytes(info, cand.placement)
     gpu_bw, gpu_fixed = _gpu_bandwidth(hw)
     p = cand.params
-    cpu_read = per_dev.get("CPU", (0.0, 0.0))[0]
-    gpu_read = sum(r for d, (r, _) in per_dev.items() if d != "CPU")
-    kv_cpu, kv_gpu = kv_reads(info, cand, work.mean_prompt_tokens)
-    moved = split_reads(info, cand)
-    cpu_read += kv_cpu - moved
-    gpu_read += kv_gpu + moved
+    cpu_read, gpu_read = decode_reads(info, cand, work.mean_prompt_tokens)
     decode_ms = cpu_read / (cpu_bandwidth(hw, p.n_threads) * eff) * 1e3
     if gpu_read:
         if not p.no_host:
             decode_ms *= PLAIN_LAYOUT_SLOWDOWN
         syncs = _transitions(cand.placement) + 2 * _host_attention_layers(cand)
         decode_ms += gpu_fixed + gpu_read / gpu_bw * 1e3 + syncs * HYBRID_LAYER_SYNC_MS
-    if p.flash_attn and gpu_read:
-        decode_ms *= 0.85
+    if gpu_read and p.flash_attn != _gpu_probe_fa(hw):  # flash attention: ~15% off a GPU step (notes)
+        decode_ms *= 0.85 if p.flash_attn else 1 / 0.85
     prefill_ms = _prefill_ms(info, hw, cand, per_dev, prefill_ms_per_byte, probe_threads)
     decode_tps, prefill_tps = 1e3 / max(decode_ms, 1e-6), 1e3 / max(prefill_ms, 1e-6)
     score = work.prefill_tokens / prefill_tps + work.decode_tokens / decode_tps

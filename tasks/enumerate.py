@@ -24,14 +24,12 @@ from tasks import expert_select, layer_split
 from tasks.costmodel import EXPERT_PARTS, all_on, head_bytes, layer_bytes
 from tasks.errors import ImpossiblePlan
 from tasks.expert_hot import hot_placement, split_bytes
+from tasks.gpu_memory import DEFAULT_MARGIN, budget_problem, correction, offloads_host_weights
 from tasks.plan_types import Candidate, HardwareReport, Placement, PlacementSpace, PlanRequest
 
 log = logging.getLogger(__name__)
 GIB = 2**30
 PIPELINE_BATCH = 2048  # tokens per llama_decode call when micro-batches are pipelined over GPUs
-# CUDA context, cuBLAS workspace, fragmentation: what a GPU holds beyond the predicted weights, KV cache and
-# compute buffer (H200: finalists measured 0.5-0.9 GiB above that prediction).
-GPU_MARGIN = 1024 * 2**20
 
 
 def compute_bytes(info: ModelInfo, n_ubatch: int, n_ctx: int, flash_attn: bool) -> int:
@@ -111,6 +109,16 @@ def _memory(info: ModelInfo, p: Placement, params: EngineParams, n_seq: int,
     for d in p.gpus():
         comp[d] = compute_bytes(info, params.n_ubatch, params.n_ctx, params.flash_attn)
     return weights, kv, comp
+
+
+def modelled_load(info: ModelInfo, params: EngineParams, device: str, experts_on_host: bool) -> int:
+    """The memory model's bytes on ``device`` of a load with every layer there (its experts on the host when
+    ``experts_on_host``): what the probe's calibration loads are compared with (:mod:`tasks.gpu_memory`)."""
+    p = all_on(info, device)
+    if experts_on_host and p.expert_device:
+        p = p.model_copy(update={"expert_device": [dict.fromkeys(EXPERT_PARTS, "CPU") for _ in p.expert_device]})
+    weights, kv, comp = _memory(info, p, params, 1, [device])
+    return weights.get(device, 0) + kv.get(device, 0) + comp.get(device, 0)
 
 
 def kv_at(info: ModelInfo, n_ctx: int, n_seq: int = 1, kv_type: str = "f16") -> float:
@@ -212,9 +220,10 @@ class _Shape:
     hot_share: tuple[float, ...] = ()
 
 
-def gpu_overhead(info: ModelInfo, n_ctx: int, kv_bytes: float) -> int:
-    """What a GPU needs besides weights: the margin, a 512-token micro-batch's compute buffer, ``kv_bytes``."""
-    return int(GPU_MARGIN + compute_bytes(info, 512, n_ctx, True) + kv_bytes)
+def gpu_overhead(info: ModelInfo, n_ctx: int, kv_bytes: float, margin: int = DEFAULT_MARGIN) -> int:
+    """What a GPU needs besides weights: ``margin`` (this machine's correction of the memory model:
+    :mod:`tasks.gpu_memory`), a 512-token micro-batch's compute buffer, ``kv_bytes``."""
+    return int(margin + compute_bytes(info, 512, n_ctx, True) + kv_bytes)
 
 
 def _contexts(n_ctx: int, req: PlanRequest, n_gpus: int) -> list[int]:
@@ -226,13 +235,14 @@ def _contexts(n_ctx: int, req: PlanRequest, n_gpus: int) -> list[int]:
 
 
 def _gpu_shapes(info: ModelInfo, req: PlanRequest, per_gpu: list[int], n_ctx: int, tag: str,
-                routing: NDArray[np.float64] | None = None) -> list[_Shape]:
+                routing: NDArray[np.float64] | None = None, margins: list[int] | None = None) -> list[_Shape]:
     """GPU placements at one context, each with its KV placement, the KV cache taken from the weights' budget."""
     if not per_gpu:
         return []
     kv_total = kv_at(info, n_ctx, req.concurrency, req.kv)
+    margins = margins or [DEFAULT_MARGIN] * len(per_gpu)
     # weights' room on each GPU with the KV cache on the host, then with it on the GPUs in their runs' shares
-    on_host = [max(0, b - gpu_overhead(info, n_ctx, 0.0)) for b in per_gpu]
+    on_host = [max(0, b - gpu_overhead(info, n_ctx, 0.0, m)) for b, m in zip(per_gpu, margins, strict=True)]
     shares = [b / sum(on_host) for b in on_host] if sum(on_host) else [1 / len(on_host)] * len(on_host)
     on_gpu = [max(0, int(b - kv_total * sh)) for b, sh in zip(on_host, shares, strict=True)]
     out = [_Shape(f + tag, pl, n_ctx, "gpu") for f, pl in _gpu_placements(info, on_gpu)]
@@ -259,12 +269,15 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest, 
     """
     n_ctx, capped = resolve_context(info, hw, req, reserve_percent)
     host = host_budget(hw, reserve_percent)
+    check_gpu_budgets(info, hw, req, min(_contexts(n_ctx, req, len(gpu_devices(hw)))))
     per_gpu = gpu_limits(hw, req)
     gpus = [name for name, _ in gpu_devices(hw)]
     limits = {"CPU": host, **{f"CUDA{i}": b for i, b in enumerate(per_gpu)}}
     shapes = [_Shape("cpu", all_on(info, "CPU"), n_ctx, "host")]
+    margins = [correction(hw, name, offloads=True) for name in gpus[:len(per_gpu)]]
+    margins += [DEFAULT_MARGIN] * (len(per_gpu) - len(margins))
     for ctx in _contexts(n_ctx, req, len(gpus)):
-        shapes += _gpu_shapes(info, req, per_gpu, ctx, "" if ctx == n_ctx else f"@{ctx}", routing)
+        shapes += _gpu_shapes(info, req, per_gpu, ctx, "" if ctx == n_ctx else f"@{ctx}", routing, margins)
     unique: dict[tuple[str, int, str, str], _Shape] = {}
     for sh in shapes:
         unique.setdefault((sh.placement.model_dump_json(), sh.n_ctx, sh.kv, sh.split.env_value() if sh.split else ""), sh)
@@ -275,7 +288,7 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest, 
             weights, kv, comp = _memory(info, shape.placement, params, req.concurrency, gpus)
             for dev, b in split_bytes(info, params.expert_split).items():
                 weights[dev] = weights.get(dev, 0) + b
-            over = _over_limit(limits, weights, kv, comp, params, req)
+            over = _over_limit(limits, weights, kv, comp, params, req, hw)
             if over:
                 rejected[over] = rejected.get(over, 0) + 1
                 continue
@@ -306,6 +319,18 @@ def gpu_devices(hw: HardwareReport) -> list[tuple[str, int]]:
     if any(free == 0 for _, free in out):  # a probe without ggml memory figures: fall back to NVML's
         out = [(name, hw.gpus[i].memory_free if i < len(hw.gpus) else 0) for i, (name, _) in enumerate(out)]
     return out
+
+
+def check_gpu_budgets(info: ModelInfo, hw: HardwareReport, req: PlanRequest, n_ctx: int) -> None:
+    """Refuse a ``--gpu-mem-budget`` no plan can use (:func:`tasks.gpu_memory.budget_problem`), in one line."""
+    budgets = req.gpu_mem_budget_gib or []
+    devices = gpu_devices(hw)
+    for i, (name, free) in enumerate(devices):
+        b = budgets[i] if i < len(budgets) else (budgets[-1] if budgets else None)
+        problem = budget_problem(info, int(b * GIB), free, n_ctx, req.concurrency, req.kv, hw, name,
+                                 len(devices)) if b else None
+        if problem:
+            raise ImpossiblePlan(*problem)
 
 
 def gpu_limits(hw: HardwareReport, req: PlanRequest) -> list[int]:
@@ -355,9 +380,14 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, shape: 
 
 
 def _over_limit(limits: dict[str, int], weights: dict[str, int], kv: dict[str, int], comp: dict[str, int],
-                params: EngineParams, req: PlanRequest) -> str | None:
+                params: EngineParams, req: PlanRequest, hw: HardwareReport | None = None) -> str | None:
+    """Why a candidate does not fit, or None; on a GPU the memory model's bytes plus this machine's correction
+    (:func:`tasks.gpu_memory.correction`) must fit: that sum is what the measure stage will read there."""
+    offloads = offloads_host_weights(params, weights)
     for dev, limit in limits.items():
         resident = kv.get(dev, 0) + comp.get(dev, 0)
+        if dev != "CPU" and (weights.get(dev, 0) or kv.get(dev, 0)):
+            resident += correction(hw, dev, offloads)
         if dev != "CPU" or params.load_mode != "mmap" or not req.allow_storage_streaming:
             resident += weights.get(dev, 0)
         if resident > limit:

@@ -93,6 +93,20 @@ class KernelTiming(_Model):
     prefill_batch: int
     decode_ms_per_layer: float
     prefill_ms_per_layer: float
+    flash_attn: bool = False
+    load_ms: float | None = Field(None, description="the timed load of the whole model on this device")
+    gpu_bytes: int | None = Field(None, description="GPU memory the timed worker held (NVML), for the memory model")
+    gpu_bytes_predicted: int | None = Field(None, description="the memory model's bytes for the same load, uncorrected")
+
+
+class GpuMemoryFit(_Model):
+    """What one GPU holds beyond the memory model's weights, KV cache and compute buffer (tasks.gpu_memory),
+    learned from the probe's loads: for every placement, and in addition when host weights are offloaded."""
+
+    device: str
+    base_bytes: int
+    offload_bytes: int = 0
+    residuals: dict[str, int] = Field(default_factory=dict, description="measured minus modelled, per probe load")
 
 
 class HardwareReport(_Model):
@@ -112,6 +126,8 @@ class HardwareReport(_Model):
     kernels: list[KernelTiming]
     model_hash: str
     backend_build: str
+    gpu_memory: list[GpuMemoryFit] = Field(default_factory=list, description=(
+        "per GPU, the memory model's correction measured by the probe (none: the fixed margin)"))
 
 
 # -- search space --------------------------------------------------------------------------------------
@@ -203,6 +219,10 @@ class MeasureSummary(_Model):
     error: str | None = None
     peak_rss_bytes: int | None = None
     gpu_bytes: int | None = None
+    gpu_method: str | None = Field(None, description=(
+        "how gpu_bytes was read: 'per-process' (NVML's figure) or 'device-delta' (the device's use above a "
+        "baseline, where NVML hides per-process figures)"))
+    predicted_gpu_bytes: int | None = Field(None, description="the memory model's GPU bytes for the candidate")
 
 
 class MeasureResults(_Model):
@@ -215,6 +235,7 @@ class MeasureResults(_Model):
     stopped_by_budget: bool
     lengths: list[int] = Field(default_factory=list, description="prompt tokens of one round")
     n_gen: int = 0
+    scored_dir: str | None = Field(None, description="where finalists' scores of the reference's continuations are")
 
 
 class ValidationResult(_Model):
@@ -265,7 +286,10 @@ class Plan(_Model):
     families: dict[str, str] = Field(default_factory=dict, description="each finalist's family, by candidate id")
     predictions: list[Prediction]
     median_prediction_error: float | None
-    roofline_decode_tps: float | None
+    roofline_decode_tps: float | None = Field(description=(
+        "decode tokens/s if each device only read its bytes per token under the plan's placement and split"))
+    all_gpu_decode: dict[str, str | float] | None = Field(None, description=(
+        "the whole model decoding on one GPU as the probe timed it (device, decode_tps): the practical ceiling"))
     memory_budget: dict[DeviceName, int]
     trials_table: str
     quality_profile: str
@@ -278,5 +302,7 @@ class Plan(_Model):
     kl_limit: float | None = Field(None, description="the largest mean KL validation allowed (noise floor included)")
     top1_limit: float | None = None
     routing_trace: str | None = Field(None, description="store id (kind 'routing') of the workload's routing trace")
+    stage_seconds: dict[str, float] = Field(default_factory=dict, description=(
+        "wall seconds of each planning stage of the run that made the plan, and the total"))
     routing_coverage: dict[str, float] = Field(default_factory=dict, description=(
         "share of picks that each layer's busiest 10/25/50% of experts take (median over layers)"))

@@ -1,0 +1,94 @@
+"""The GPU memory model: the probe's correction applied to every candidate, budgets no plan can use refused in
+one line naming the budget that works, and the finalists' predictions against their measured memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from artifacts.model_info import ModelInfo, model_info
+from tasks.enumerate import compute_bytes, enumerate_placements, gpu_overhead, kv_at, modelled_load
+from tasks.errors import ImpossiblePlan
+from tasks.gpu_memory import (
+    DEFAULT_MARGIN,
+    budget_problem,
+    calibration_loads,
+    correction,
+    fit,
+    offloads_host_weights,
+    predicted_gpu_bytes,
+    smallest_moe_budget,
+)
+from tasks.plan_types import GpuMemoryFit, PlanRequest
+from tasks.testing import h200_report
+
+GIB, MIB = 2**30, 2**20
+
+
+@pytest.fixture(scope="module")
+def moe(tiny_moe: Path) -> ModelInfo:
+    return model_info(tiny_moe)
+
+
+def calibrated(base: int, offload: int) -> object:
+    return h200_report(1).model_copy(update={"gpu_memory": [GpuMemoryFit(device="CUDA0", base_bytes=base,
+                                                                         offload_bytes=offload)]})
+
+
+def test_the_fit_is_the_probe_residuals() -> None:
+    f = fit("CUDA0", {"whole": 600 * MIB, "offload": 950 * MIB})
+    assert (f.base_bytes, f.offload_bytes) == (600 * MIB, 350 * MIB)
+    assert fit("CUDA0", {"whole": 600 * MIB}).offload_bytes == 0
+    hw = calibrated(600 * MIB, 350 * MIB)
+    assert correction(hw, "CUDA0", offloads=False) == 600 * MIB  # type: ignore[arg-type]
+    assert correction(hw, "CUDA0", offloads=True) == 950 * MIB  # type: ignore[arg-type]
+    assert correction(hw, "CUDA1", offloads=True) == DEFAULT_MARGIN  # type: ignore[arg-type]
+    assert correction(None, "CUDA0", offloads=False) == DEFAULT_MARGIN
+
+
+def test_calibration_loads_put_a_moe_models_experts_on_the_host(moe: ModelInfo) -> None:
+    from engine_bridge.params import EngineParams
+
+    base = EngineParams(n_ctx=512, n_batch=64, n_ubatch=64, n_gpu_layers=-1, flash_attn=True)
+    loads = dict(calibration_loads(moe, base))
+    assert set(loads) == {"whole", "offload"}
+    assert loads["offload"].tensor_overrides and loads["offload"].n_ubatch == 2048
+    whole = modelled_load(moe, loads["whole"], "CUDA0", experts_on_host=False)
+    hybrid = modelled_load(moe, loads["offload"], "CUDA0", experts_on_host=True)
+    experts = sum(v for layer in moe.layers for k, v in layer.bytes_by_role.items() if k.startswith("experts_"))
+    comp = {k: compute_bytes(moe, p.n_ubatch, p.n_ctx, p.flash_attn) for k, p in loads.items()}
+    assert hybrid - comp["offload"] == whole - comp["whole"] - experts  # the same load, its experts on the host
+
+
+@pytest.mark.parametrize(("base", "offload"), [(300 * MIB, 0), (700 * MIB, 400 * MIB)])
+def test_every_candidate_fits_its_budget_with_the_correction(moe: ModelInfo, base: int, offload: int) -> None:
+    hw = calibrated(base, offload)
+    budget = (moe.weight_bytes * 0.5 + gpu_overhead(moe, 512, kv_at(moe, 512), base + offload)) / GIB
+    space = enumerate_placements(moe, hw, PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=[budget]), 10)  # type: ignore[arg-type]
+    gpu_cands = [c for c in space.candidates if any(d != "CPU" for d in c.weights_bytes)]
+    assert gpu_cands
+    for c in gpu_cands:
+        pred = predicted_gpu_bytes(c, hw)  # type: ignore[arg-type]
+        assert pred["CUDA0"] <= budget * GIB
+        extra = base + (offload if offloads_host_weights(c.params, c.weights_bytes) else 0)
+        assert pred["CUDA0"] == c.weights_bytes.get("CUDA0", 0) + c.kv_bytes.get("CUDA0", 0) + c.compute_bytes[
+            "CUDA0"] + extra
+
+
+def test_a_budget_over_the_free_memory_is_refused_naming_what_works(moe: ModelInfo) -> None:
+    hw = h200_report(1, free_gib=20)
+    with pytest.raises(ImpossiblePlan, match=r"more than CUDA0's free memory \(20.0 GiB\); use --gpu-mem-budget 20 or less"):
+        enumerate_placements(moe, hw, PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=[24]), 10)
+
+
+def test_a_budget_under_the_non_expert_weights_and_kv_is_refused_naming_the_smallest(moe: ModelInfo) -> None:
+    hw = h200_report(1)
+    need = smallest_moe_budget(moe, 512, 1, "f16", hw)
+    too_small = (need - 64 * MIB) / GIB
+    with pytest.raises(ImpossiblePlan, match=r"non-expert weights and its KV cache .* or more"):
+        enumerate_placements(moe, hw, PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=[too_small]), 10)
+    fix = budget_problem(moe, int(too_small * GIB), 100 * GIB, 512, 1, "f16", hw)
+    assert fix is not None
+    named = float(fix[1].split("--gpu-mem-budget ")[1].split()[0])
+    assert budget_problem(moe, int(named * GIB), 100 * GIB, 512, 1, "f16", hw) is None
