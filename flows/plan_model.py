@@ -1,4 +1,4 @@
-"""The ``plan-model`` Prefect flow: probe → route → enumerate → prune → measure → validate → persist.
+"""The ``plan-model`` Prefect flow: probe → route → enumerate → prune → reference → measure → validate → persist.
 
 This module only composes the stages in ``tasks/``; :mod:`flows.stages` wraps each as a Prefect task
 that returns its stored output when the inputs hash to one (the task's state message says so).
@@ -25,6 +25,7 @@ def plan_model(model: str, ctx: int | None = None, concurrency: int = 1, kv: str
                        gpu_mem_budget_gib=gpu_mem_budget_gib, allow_storage_streaming=allow_storage_streaming,
                        workload=workload, seed=seed)
     ctx_ = stages.context(req, settings)
+    ctx_.clock.say = log.info
     stages.remember_model_path(ctx_)
     if not replan:
         existing = stages.existing_plan(ctx_)
@@ -36,6 +37,7 @@ def plan_model(model: str, ctx: int | None = None, concurrency: int = 1, kv: str
     routing = stages.route_stage(ctx_, hw)
     space = stages.enumerate_stage(ctx_, hw, routing)
     finalists = stages.prune_stage(ctx_, hw, space)
-    measured = stages.measure_stage(ctx_, hw, finalists)
-    report = stages.validate_stage(ctx_, hw, finalists, measured)
+    ref = stages.reference_stage(ctx_, hw, finalists)
+    measured = stages.measure_stage(ctx_, hw, finalists, ref)
+    report = stages.validate_stage(ctx_, hw, finalists, measured, ref)
     return stages.persist_stage(ctx_, hw, space, finalists, measured, report, routing)

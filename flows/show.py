@@ -110,8 +110,13 @@ def print_plan(plan: Plan, con: Console | None = None) -> None:
     if depth:
         con.print(depth)
     if plan.roofline_decode_tps and m.decode_tps:
-        con.print(f"roofline: decode bound {plan.roofline_decode_tps:.1f} tok/s (bytes/bandwidth): "
-                  f"{m.decode_tps / plan.roofline_decode_tps:.0%} of it")
+        con.print(f"roofline: decode bound {plan.roofline_decode_tps:.1f} tok/s (each device's bytes per token under "
+                  f"this placement and split / its bandwidth): {m.decode_tps / plan.roofline_decode_tps:.0%} of it")
+    ceiling = plan.all_gpu_decode
+    if ceiling and m.decode_tps:
+        tps = float(ceiling["decode_tps"])
+        con.print(f"practical ceiling: the whole model on {ceiling['device']} decodes {tps:.1f} tok/s (the probe, same "
+                  f"engine and build): this plan {m.decode_tps / tps:.0%} of it")
     con.print(f"quality vs reference: mean KL {v.mean_kl:.2e}, max {v.max_kl:.2e}, top-1 {v.top1_agreement:.3f} "
               f"over {v.n_tokens} tokens" + (f" (limits: mean KL {plan.kl_limit:.2e}, top-1 {plan.top1_limit:.3f}, "
                                              "from the noise floor of correct kernels)" if plan.kl_limit is not None
@@ -120,19 +125,29 @@ def print_plan(plan: Plan, con: Console | None = None) -> None:
         con.print(f"note: {note}", markup=False)
     t = Table(title="finalists: predicted vs measured", show_edge=False)
     for col in ("candidate", "workload s", "spread", "pred prefill", "meas prefill", "pred decode", "meas decode",
-                "rounds", "error"):
+                "pred GPU GiB", "meas GPU GiB", "rounds", "error"):
         t.add_column(col, justify="left" if col in ("candidate", "error") else "right")
     for s, p in zip(plan.finalists, plan.predictions, strict=False):
         mark = "*" if s.candidate_id == plan.candidate.id else ""
         t.add_row(s.candidate_id + mark, f"{s.workload_s or 0:.2f}", "" if s.workload_iqr is None else
                   f"{s.workload_iqr:.2f}", f"{p.prefill_tps:.1f}", f"{s.prefill_tps or 0:.1f}", f"{p.decode_tps:.1f}",
-                  f"{s.decode_tps or 0:.1f}", str(s.n_rounds), s.error or "")
+                  f"{s.decode_tps or 0:.1f}", _gib(s.predicted_gpu_bytes), _gib(s.gpu_bytes), str(s.n_rounds),
+                  s.error or "")
     con.print(t)
+    if plan.stage_seconds:
+        order = ("probe", "route", "enumerate", "prune", "reference", "measure", "validate", "total")
+        stages = sorted(plan.stage_seconds.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 99)
+        con.print("planning: " + ", ".join(f"{k} {v:.0f} s" for k, v in stages))
     if plan.median_prediction_error is not None:
         con.print(f"cost model median error (workload time): {plan.median_prediction_error:.0%}")
     con.print("memory budget: " + ", ".join(f"{d} {b / GIB:.1f} GiB" for d, b in plan.memory_budget.items())
               + "; chosen uses " + ", ".join(f"{d} {b / GIB:.2f} GiB weights" for d, b in plan.candidate.weights_bytes.items()))
     if plan.measured.gpu_bytes:
-        con.print(f"measured GPU memory of the chosen plan (NVML, after its runs): {plan.measured.gpu_bytes / GIB:.2f} GiB")
+        con.print(f"measured GPU memory of the chosen plan (NVML, after its runs, {plan.measured.gpu_method or 'per-process'}"
+                  f"): {plan.measured.gpu_bytes / GIB:.2f} GiB")
     con.print(f"key: model {plan.model_hash[:16]}, hardware {plan.hardware_fingerprint[:16]}, backend "
               f"{plan.backend_build}, driver {plan.driver or 'none'}")
+
+
+def _gib(n: int | None) -> str:
+    return f"{n / GIB:.2f}" if n else ""

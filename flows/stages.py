@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,6 +22,7 @@ from prefect.context import get_run_context
 from prefect.states import Completed
 from pydantic import BaseModel
 
+from artifacts.code_id import code_id
 from artifacts.config import Settings
 from artifacts.filehash import model_hash
 from artifacts.ids import content_id
@@ -29,19 +30,21 @@ from artifacts.model_info import ModelInfo
 from artifacts.store import Store
 from engine_bridge.backend import backend_info
 from engine_bridge.errors import EngineError
-from engine_bridge.params import EngineParams
 from engine_bridge.routing_trace import routing_table
 from flows import workload as wl
+from flows.progress import StageClock
 from tasks import route
-from tasks.costmodel import Workload
+from tasks.costmodel import Workload, all_gpu_decode, roofline_decode
 from tasks.enumerate import enumerate_placements, gpu_devices, gpu_limits
-from tasks.measure import measure
+from tasks.gpu_memory import predicted_gpu_bytes
+from tasks.measure import Scoring, measure
 from tasks.persist import find_plan, persist, plan_key, plan_notes
 from tasks.plan_types import (
     Finalists,
     HardwareReport,
     MachineFacts,
     MeasureResults,
+    MeasureSummary,
     PlacementSpace,
     PlanRequest,
     ValidationReport,
@@ -49,12 +52,12 @@ from tasks.plan_types import (
 from tasks.probe import machine_facts, probe, probe_key
 from tasks.prune import prune
 from tasks.quality_gate import Gate
+from tasks.reference import ReferenceOutputs, floor_variants, reference
 from tasks.route import RoutingProfile
-from tasks.validate import Cache, rank_measured, reference_params, validate, validation_context
+from tasks.validate import rank_measured, validate
 
 M = TypeVar("M", bound=BaseModel)
 MODEL_PATH_KIND = "model_path"  # where a model's bytes were seen (content id -> path), newest last
-FLOOR_GPU_HEADROOM = 2 * 2**30  # KV cache, compute buffers and the CUDA context of the GPU floor variant
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,8 @@ class PlanContext:
     model_hash: str
     backend_build: str
     facts: MachineFacts
+    code: str = ""
+    clock: StageClock = field(default_factory=lambda: StageClock(0.0))
 
     @property
     def model(self) -> Path:
@@ -93,7 +98,7 @@ def context(req: PlanRequest, settings: Settings) -> PlanContext:
     mh = model_hash([Path(s) for s in info.shards], settings.cache_dir)
     return PlanContext(req=req, settings=settings, store=Store(settings.data_dir), info=info.model_copy(
         update={"content_hash": mh}), model_hash=mh, backend_build=backend_info(settings.cache_dir).build_id,
-        facts=machine_facts())
+        facts=machine_facts(), code=code_id(), clock=StageClock(req.budget_s))
 
 
 def _flow_run_id() -> str:
@@ -137,7 +142,7 @@ def cached(store: Store, kind: str, key: dict[str, Any], model: type[M], compute
 
 def existing_plan(ctx: PlanContext) -> str | None:
     """Id of a stored plan whose key matches, if the probe report (and routing trace) for it are stored."""
-    pk = probe_key(ctx.facts, ctx.model_hash, ctx.backend_build)
+    pk = probe_key(ctx.facts, ctx.model_hash, ctx.backend_build, ctx.code)
     if not ctx.store.has("probe", content_id(pk)):
         return None
     hw = HardwareReport.model_validate(ctx.store.get_json("probe", content_id(pk)))
@@ -147,7 +152,8 @@ def existing_plan(ctx: PlanContext) -> str | None:
         if not ctx.store.has("routing_profile", rid):
             return None
         routing = str(ctx.store.get_json("routing_profile", rid)["trace_id"])
-    found = find_plan(ctx.store, plan_key(ctx.model_hash, hw, ctx.backend_build, ctx.req, ctx.settings_view(), routing))
+    found = find_plan(ctx.store, plan_key(ctx.model_hash, hw, ctx.backend_build, ctx.req, ctx.settings_view(), routing,
+                                          ctx.code))
     return str(found["id"]) if found else None
 
 
@@ -163,9 +169,17 @@ def remember_model_path(ctx: PlanContext) -> None:
 @task(name="probe", cache_policy=NO_CACHE)
 def probe_stage(ctx: PlanContext, reprobe: bool) -> HardwareReport:
     """Measure this machine (reused unless --reprobe)."""
-    key = probe_key(ctx.facts, ctx.model_hash, ctx.backend_build)
-    return cached(ctx.store, "probe", key, HardwareReport,
-                  lambda: probe(ctx.model, ctx.model_hash, ctx.settings, ctx.backend_build), force=reprobe)
+    key = probe_key(ctx.facts, ctx.model_hash, ctx.backend_build, ctx.code)
+    return _clocked(ctx, "probe", lambda: cached(ctx.store, "probe", key, HardwareReport, lambda: probe(
+        ctx.model, ctx.model_hash, ctx.settings, ctx.backend_build), force=reprobe))
+
+
+def _clocked(ctx: PlanContext, name: str, compute: Callable[[], Any]) -> Any:
+    """Run a stage on the flow's clock; a state whose message says "reused" counts as reused."""
+    with ctx.clock.stage(name) as st:
+        state = compute()
+        st.computed = state is not None and "reused" not in str(getattr(state, "message", "") or "")
+    return state
 
 
 def _traces_routing(ctx: PlanContext, hw: HardwareReport) -> bool:
@@ -175,7 +189,7 @@ def _traces_routing(ctx: PlanContext, hw: HardwareReport) -> bool:
 
 def _route_key(ctx: PlanContext) -> dict[str, Any]:
     return {"stage": "route", "model": ctx.model_hash, "workload": ctx.req.workload, "seed": ctx.req.seed,
-            "tokens": route.TRACE_TOKENS, "backend": ctx.backend_build}
+            "tokens": route.TRACE_TOKENS, "backend": ctx.backend_build, "code": ctx.code}
 
 
 @task(name="route", cache_policy=NO_CACHE)
@@ -183,7 +197,7 @@ def route_stage(ctx: PlanContext, hw: HardwareReport) -> RoutingProfile | None:
     """How the model's routers pick experts on the workload (MoE models on a GPU machine; else nothing)."""
     if not _traces_routing(ctx, hw):
         return None
-    return traced_routing(ctx, hw, get_run_logger())
+    return _clocked(ctx, "route", lambda: traced_routing(ctx, hw, get_run_logger()))
 
 
 def traced_routing(ctx: PlanContext, hw: HardwareReport, log: Any) -> Any:
@@ -215,7 +229,7 @@ def traced_routing(ctx: PlanContext, hw: HardwareReport, log: Any) -> Any:
 def _space_key(ctx: PlanContext, hw: HardwareReport, routing: RoutingProfile | None = None) -> dict[str, Any]:
     flags = ctx.req.model_dump(include={"ctx", "concurrency", "kv", "gpu_mem_budget_gib", "allow_storage_streaming", "seed"})
     key = {"stage": "enumerate", "probe": content_id(hw), "model": ctx.model_hash, "flags": flags,
-           "reserve": ctx.settings.host_reserve_percent}
+           "reserve": ctx.settings.host_reserve_percent, "code": ctx.code}
     return {**key, "routing": routing.trace_id} if routing is not None else key
 
 
@@ -223,8 +237,8 @@ def _space_key(ctx: PlanContext, hw: HardwareReport, routing: RoutingProfile | N
 def enumerate_stage(ctx: PlanContext, hw: HardwareReport, routing: RoutingProfile | None = None) -> PlacementSpace:
     """The memory-feasible search space (with per-expert placements when a routing trace is given)."""
     shares = routing.shares() if routing is not None else None
-    return cached(ctx.store, "space", _space_key(ctx, hw, routing), PlacementSpace,
-                  lambda: enumerate_placements(ctx.info, hw, ctx.req, ctx.settings.host_reserve_percent, shares))
+    return _clocked(ctx, "enumerate", lambda: cached(ctx.store, "space", _space_key(ctx, hw, routing), PlacementSpace,
+                    lambda: enumerate_placements(ctx.info, hw, ctx.req, ctx.settings.host_reserve_percent, shares)))
 
 
 def workload_for(ctx: PlanContext, space: PlacementSpace) -> Workload:
@@ -237,9 +251,9 @@ def prune_stage(ctx: PlanContext, hw: HardwareReport, space: PlacementSpace) -> 
     """Cost-model ranking and the finalists."""
     work = workload_for(ctx, space)
     key = {"stage": "prune", "space": content_id(space), "work": [work.prefill_tokens, work.decode_tokens],
-           "n": ctx.req.finalists}
-    state = cached(ctx.store, "finalists", key, Finalists,
-                   lambda: prune(space, ctx.info, hw, work, ctx.req.finalists))
+           "n": ctx.req.finalists, "code": ctx.code}
+    state = _clocked(ctx, "prune", lambda: cached(ctx.store, "finalists", key, Finalists,
+                                                  lambda: prune(space, ctx.info, hw, work, ctx.req.finalists)))
     fin: Finalists = state.data
     log = get_run_logger()
     log.info("prune: %d finalists of %d candidates for a workload of %d prompt + %d generated tokens: %s",
@@ -260,28 +274,74 @@ def prune_stage(ctx: PlanContext, hw: HardwareReport, space: PlacementSpace) -> 
     return state
 
 
-@task(name="measure", cache_policy=NO_CACHE)
-def measure_stage(ctx: PlanContext, hw: HardwareReport, fin: Finalists) -> MeasureResults:
-    """Time the finalists in fresh workers within the budget."""
+@task(name="reference", cache_policy=NO_CACHE)
+def reference_stage(ctx: PlanContext, hw: HardwareReport, fin: Finalists) -> ReferenceOutputs:
+    """The quality gate's reference outputs and noise floor (computed once per model, machine and build)."""
     log = get_run_logger()
-    lengths, n_gen = wl.measurement_lengths(fin, min(c.params.n_ctx for c in fin.finalists), ctx.req)
-    wl.check_budget(fin, lengths, n_gen, ctx.req.budget_s)
-    log.info("measure: %d prompt(s) of %s tokens + %d generated each, %d finalists, up to %d rounds in %.0f s",
-             len(lengths), "/".join(map(str, lengths)), n_gen, len(fin.finalists), ctx.req.repeats, ctx.req.budget_s)
-    key = {"stage": "measure", "finalists": content_id(fin), "run": _flow_run_id(), "budget": ctx.req.budget_s}
+    with ctx.clock.stage("reference") as st:
+        n_tok = ctx.settings.plan.validate_tokens
+        prompts, held = wl.validation_prompts(ctx.model, min(c.params.n_ctx for c in fin.finalists), n_tok,
+                                              ctx.req.seed, ctx.worker_log)
+        out = reference(ctx.model, ctx.info, hw, prompts, held, n_tokens=n_tok, seed=ctx.req.seed,
+                        gate=_gate(ctx.settings), keys={"model": ctx.model_hash, "code": ctx.code,
+                                                        "backend": ctx.backend_build},
+                        cache_dir=ctx.settings.cache_dir / "validation", log_path=ctx.worker_log,
+                        timeout_s=ctx.settings.plan.measure_timeout_s, progress=log.info)
+        st.computed = out.computed
+        log.info("reference: %d sequences of up to %d tokens + %d scored, on %s; %s in %.0f s",
+                 len(prompts), max(len(p) for p in prompts), n_tok, out.device,
+                 "computed" if out.computed else "reused", out.seconds)
+    return out
 
-    def run() -> MeasureResults:
-        prompts = wl.tune_prompts(ctx.model, lengths, ctx.req.seed, ctx.worker_log)
-        summaries, table, spent, stopped = measure(
-            fin.finalists, ctx.model, prompts, n_gen, budget_s=ctx.req.budget_s, repeats=ctx.req.repeats,
-            timeout_s=ctx.settings.plan.measure_timeout_s, log_path=ctx.worker_log, seed=ctx.req.seed,
-            progress=log.info, gpu_budgets=gpu_limits(hw, ctx.req) if ctx.req.gpu_mem_budget_gib else None)
-        tid = content_id({"measure": content_id(key), "rows": table.num_rows})
-        ctx.store.put_table("trials_raw", table, key=tid)
-        return MeasureResults(summaries=summaries, trials_table=tid, budget_s=ctx.req.budget_s, spent_s=spent,
-                              stopped_by_budget=stopped, lengths=lengths, n_gen=n_gen)
 
-    return cached(ctx.store, "measured", key, MeasureResults, run, fault=ctx.settings.fault_inject)
+@task(name="measure", cache_policy=NO_CACHE)
+def measure_stage(ctx: PlanContext, hw: HardwareReport, fin: Finalists, ref: ReferenceOutputs) -> MeasureResults:
+    """Time the finalists in fresh workers within what the budget has left; each finalist's first visit also
+    scores the reference's continuations for validation."""
+    log = get_run_logger()
+    with ctx.clock.stage("measure"):
+        spent = ctx.clock.in_budget_spent()
+        budget = wl.measure_budget(ctx.req.budget_s, spent)
+        rates = wl.load_rates(hw, ctx.info.file_bytes)
+        n_ctx = min(c.params.n_ctx for c in fin.finalists)
+        lengths, n_gen = wl.measurement_lengths(fin, n_ctx, ctx.req, budget, rates)
+        kept = wl.fitting_finalists(fin, lengths, n_gen, budget, rates)
+        wl.check_budget(kept, lengths, n_gen, budget, rates, spent)
+        if len(kept.finalists) < len(fin.finalists):
+            log.info("measure: %d of %d finalists fit %d rounds in the %.0f s left of the budget (%s dropped; a larger "
+                     "--budget-s measures them)", len(kept.finalists), len(fin.finalists), wl.MIN_ROUNDS, budget,
+                     ", ".join(c.id for c in fin.finalists[len(kept.finalists):]))
+        log.info("measure: %d prompt(s) of %s tokens + %d generated each, %d finalists, up to %d rounds in %.0f s",
+                 len(lengths), "/".join(map(str, lengths)), n_gen, len(kept.finalists), ctx.req.repeats, budget)
+        key = {"stage": "measure", "finalists": content_id(fin), "run": _flow_run_id(), "budget": ctx.req.budget_s,
+               "code": ctx.code}
+        score_tokens = sum(len(p) + len(c) for p, c in ref.seqs())
+
+        def run() -> MeasureResults:
+            prompts = wl.tune_prompts(ctx.model, lengths, ctx.req.seed, ctx.worker_log)
+            summaries, table, used, stopped = measure(
+                kept.finalists, ctx.model, prompts, n_gen, budget_s=budget, repeats=ctx.req.repeats,
+                timeout_s=ctx.settings.plan.measure_timeout_s, log_path=ctx.worker_log, seed=ctx.req.seed,
+                progress=log.info, gpu_budgets=gpu_limits(hw, ctx.req) if ctx.req.gpu_mem_budget_gib else None,
+                predicted_gpu={c.id: sum(predicted_gpu_bytes(c, hw).values()) for c in kept.finalists},
+                scoring=Scoring(ref.seqs(), ref.held_out, scored_dir(ctx, key)),
+                predicted_visit_s={c.id: wl.visit_seconds(c, p, lengths, n_gen, rates, score_tokens)
+                                   for c, p in zip(kept.finalists, kept.predictions, strict=True)})
+            tid = content_id({"measure": content_id(key), "rows": table.num_rows})
+            ctx.store.put_table("trials_raw", table, key=tid)
+            dropped = [MeasureSummary(candidate_id=c.id, prefill_tps=None, decode_tps=None, workload_s=None, n_trials=0,
+                                      error="not measured: the budget left did not fit it") for c in fin.finalists
+                       if c.id not in {k.id for k in kept.finalists}]
+            return MeasureResults(summaries=summaries + dropped, trials_table=tid, budget_s=budget, spent_s=used,
+                                  stopped_by_budget=stopped, lengths=lengths, n_gen=n_gen,
+                                  scored_dir=str(scored_dir(ctx, key)))
+
+        return cached(ctx.store, "measured", key, MeasureResults, run, fault=ctx.settings.fault_inject)
+
+
+def scored_dir(ctx: PlanContext, key: dict[str, Any]) -> Path:
+    """Where a measure run keeps its finalists' scores of the reference's continuations."""
+    return ctx.settings.cache_dir / "validation" / "scored" / content_id(key)[:16]
 
 
 def _gate(settings: Settings) -> Gate:
@@ -289,29 +349,17 @@ def _gate(settings: Settings) -> Gate:
     return Gate(max_kl=plan.max_kl, min_top1=plan.min_top1, floor_factor=plan.floor_factor, min_kl=plan.min_kl)
 
 
-def floor_variants(ctx: PlanContext, hw: HardwareReport, ref: EngineParams) -> list[tuple[str, EngineParams]]:
-    """Correct variants of the reference whose differences from it are the noise floor on this machine: other
-    CPU kernels (flash attention, another micro-batch) and, with a GPU, the same layers computed on it (all
-    of them when the model fits the GPU's free memory, else as many of the last layers as do)."""
-    out = [("CPU, flash attention, n_ubatch 64", ref.model_copy(update={"flash_attn": True, "n_ubatch": 64,
-                                                                       "n_batch": 64}))]
-    devices = gpu_devices(hw)
-    if devices:
-        free = devices[0][1] - FLOOR_GPU_HEADROOM
-        per_layer = max(1, max(layer.total_bytes for layer in ctx.info.layers))
-        n = ctx.info.n_layer + 1 if ctx.info.file_bytes <= free else max(0, free // per_layer)
-        if n:
-            what = "every layer" if n > ctx.info.n_layer else f"the last {n - 1} layers"
-            out.append((f"{devices[0][0]}, {what}, flash attention", ref.model_copy(update={
-                "n_gpu_layers": int(n), "flash_attn": True, "tensor_split": (1.0,) + (0.0,) * (len(devices) - 1)
-                if len(devices) > 1 else None})))
-    return out
-
-
 @task(name="validate", cache_policy=NO_CACHE)
-def validate_stage(ctx: PlanContext, hw: HardwareReport, fin: Finalists, measured: MeasureResults) -> ValidationReport:
+def validate_stage(ctx: PlanContext, hw: HardwareReport, fin: Finalists, measured: MeasureResults,
+                   ref: ReferenceOutputs) -> ValidationReport:
     """The fastest finalists against the reference placement, within the noise floor of correct kernels."""
     log = get_run_logger()
+    with ctx.clock.stage("validate"):
+        return _validated(ctx, hw, fin, measured, ref, log)
+
+
+def _validated(ctx: PlanContext, hw: HardwareReport, fin: Finalists, measured: MeasureResults,
+               ref: ReferenceOutputs, log: Any) -> Any:
     ok = rank_measured(measured.summaries, fin.finalists)
     if not ok:
         from tasks.errors import NoMeasurement
@@ -322,23 +370,14 @@ def validate_stage(ctx: PlanContext, hw: HardwareReport, fin: Finalists, measure
     log.info("validate: measured order %s", ", ".join(
         f"{s.candidate_id} {s.workload_s:.2f} s" + (f" (ctx {by_id[s.candidate_id].params.n_ctx})" if len(
             {c.params.n_ctx for c in ranked}) > 1 else "") for s in ok))
-    key = {"stage": "validate", "measured": content_id(measured), "run": _flow_run_id()}
+    key = {"stage": "validate", "measured": content_id(measured), "run": _flow_run_id(), "code": ctx.code}
 
     def run() -> ValidationReport:
-        n_tok = ctx.settings.plan.validate_tokens
-        seqs, held = wl.validation_prompts(ctx.model, min(c.params.n_ctx for c in ranked), n_tok, ctx.req.seed,
-                                           ctx.worker_log)
-        ref = reference_params(validation_context(seqs, n_tok), hw.cpu.physical_cores, ctx.req.seed)
-        variants = floor_variants(ctx, hw, ref)
-        ref_key = content_id({"model": ctx.model_hash, "prompts": seqs, "n_tokens": n_tok,
-                              "reference": ref.model_dump(exclude={"n_threads", "n_threads_batch"})})
-        cache = Cache(ctx.settings.cache_dir / "validation", ref_key, content_id({
-            "reference": ref_key, "variants": [(n, p.model_dump()) for n, p in variants],
-            "hardware": hw.fingerprint, "backend": ctx.backend_build}))
-        return validate(ranked, ctx.model, seqs, held, n_tokens=n_tok, gate=_gate(ctx.settings),
-                        quality_profile=ctx.req.quality_profile, log_path=ctx.worker_log,
-                        timeout_s=ctx.settings.plan.measure_timeout_s, reference=ref, floor_variants=variants,
-                        cache=cache, progress=log.info)
+        return validate(ranked, ctx.model, ref.prompts, ref.held_out, n_tokens=ctx.settings.plan.validate_tokens,
+                        gate=_gate(ctx.settings), quality_profile=ctx.req.quality_profile, log_path=ctx.worker_log,
+                        timeout_s=ctx.settings.plan.measure_timeout_s, reference=ref.reference,
+                        floor_variants=floor_variants(ctx.info, hw, ref.reference), cache=ref.cache, progress=log.info,
+                        scored_dir=Path(measured.scored_dir) if measured.scored_dir else None)
 
     state = cached(ctx.store, "validation", key, ValidationReport, run, fault=ctx.settings.fault_inject)
     report: ValidationReport = state.data
@@ -356,13 +395,14 @@ def persist_stage(ctx: PlanContext, hw: HardwareReport, space: PlacementSpace, f
     work = wl.workload(measured.lengths, measured.n_gen) if measured.lengths else workload_for(ctx, space)
     winner = next(c for c in fin.finalists if c.id == report.winner_id)
     key = plan_key(ctx.model_hash, hw, ctx.backend_build, ctx.req, ctx.settings_view(),
-                   routing.trace_id if routing is not None else None)
+                   routing.trace_id if routing is not None else None, ctx.code)
     plan = persist(ctx.store, key=key, routing=routing,
                    model_path=ctx.req.model, model_name=ctx.info.name, hw=hw, req=ctx.req, finalists=fin,
                    measured=measured, trials=trials, validation=report,
-                   roofline_decode_tps=wl.roofline_decode(ctx.info, hw, winner),
+                   roofline_decode_tps=roofline_decode(ctx.info, hw, winner),
+                   all_gpu_decode=all_gpu_decode(hw),
                    memory_limits=space.memory_limits, prefill_share=work.prefill_share,
-                   notes=plan_notes(space, fin, measured, report))
+                   notes=plan_notes(space, fin, measured, report), stage_seconds=ctx.clock.record())
     log = get_run_logger()
     for note in plan.notes:
         log.info("persist: %s", note)

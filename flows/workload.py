@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from artifacts.model_info import ModelInfo
 from engine_bridge.client import tokenizer
 from tasks.corpus import conversation_text, load_conversations, sized_prompts
-from tasks.costmodel import Workload, cpu_bandwidth, layer_bytes
+from tasks.costmodel import Workload
 from tasks.errors import ImpossiblePlan
 from tasks.plan_types import Candidate, Finalists, HardwareReport, PlanRequest, Prediction
 
@@ -21,7 +20,7 @@ N_GEN = 32
 # --workload chat: a turn on a cached history times only the new message and a long reply
 CHAT_LENGTHS = (64, 128, 256)
 CHAT_N_GEN = 256
-VALIDATION_CAP = 512  # longest validation prompt (tokens): agent chats are cut to their last part
+VALIDATION_CAP = 256  # longest validation prompt (tokens): agent chats are cut to their last part
 MIN_ROUNDS = 2  # rounds every finalist must fit in the budget: one round has no spread
 # Starting a worker and its first run (process, backend init, the warm-up prompt), beyond loading weights.
 VISIT_OVERHEAD_S = 1.5
@@ -42,39 +41,79 @@ def workload(lengths: list[int], n_gen: int) -> Workload:
                     mean_prompt_tokens=sum(lengths) / len(lengths))
 
 
-def visit_seconds(cand: Candidate, pred: Prediction, lengths: list[int], n_gen: int) -> float:
-    """Predicted seconds to measure ``cand`` once: start, load its weights, warm up, run every prompt."""
-    load_s = sum(cand.weights_bytes.values()) / (LOAD_GBS * 1e9) if cand.params.load_mode != "mmap" else \
-        sum(b for d, b in cand.weights_bytes.items() if d != "CPU") / (LOAD_GBS * 1e9)
-    run_s = sum(lengths) / max(pred.prefill_tps, 1e-3) + len(lengths) * n_gen / max(pred.decode_tps, 1e-3)
-    return VISIT_OVERHEAD_S + load_s + run_s
+# The share of --budget-s that measuring keeps however much of it a model's first plan spent on its routing
+# trace and reference: a first plan may run past its budget by up to this share, never measure in nothing.
+MIN_MEASURE_SHARE = 0.5
 
 
-def round_seconds(fin: Finalists, lengths: list[int], n_gen: int) -> float:
+def measure_budget(budget_s: float, spent_s: float) -> float:
+    """Seconds the measure stage may use: what ``--budget-s`` has left after the work of this run counted
+    inside it (a first plan's routing trace and reference), at least MIN_MEASURE_SHARE of it."""
+    return max(budget_s - spent_s, MIN_MEASURE_SHARE * budget_s)
+
+
+def load_rates(hw: HardwareReport, model_bytes: int) -> tuple[float, float]:
+    """(GPU, host) bytes/s a load moves, from the probe's timed whole-model loads (LOAD_GBS without them)."""
+    gpu = next((k.load_ms for k in hw.kernels if k.device != "CPU" and k.load_ms), None)
+    cpu = next((k.load_ms for k in hw.kernels if k.device == "CPU" and k.load_ms), None)
+    return (model_bytes / (gpu / 1e3) if gpu else LOAD_GBS * 1e9), (model_bytes / (cpu / 1e3) if cpu else LOAD_GBS * 1e9)
+
+
+def visit_seconds(cand: Candidate, pred: Prediction, lengths: list[int], n_gen: int,
+                  rates: tuple[float, float] = (LOAD_GBS * 1e9, LOAD_GBS * 1e9), score_tokens: int = 0) -> float:
+    """Predicted seconds to measure ``cand`` once: start, load its weights (at the probe's rates), warm up, run
+    every prompt, and on a first visit score ``score_tokens`` tokens for validation."""
+    gpu_rate, cpu_rate = rates
+    gpu = sum(b for d, b in cand.weights_bytes.items() if d != "CPU")
+    host = cand.weights_bytes.get("CPU", 0) if cand.params.load_mode != "mmap" else 0
+    run_s = (sum(lengths) + score_tokens) / max(pred.prefill_tps, 1e-3) + len(lengths) * n_gen / max(pred.decode_tps, 1e-3)
+    return VISIT_OVERHEAD_S + gpu / gpu_rate + host / cpu_rate + run_s
+
+
+def round_seconds(fin: Finalists, lengths: list[int], n_gen: int,
+                  rates: tuple[float, float] = (LOAD_GBS * 1e9, LOAD_GBS * 1e9)) -> float:
     """Predicted seconds of one measurement round: every finalist once."""
-    return sum(visit_seconds(c, p, lengths, n_gen) for c, p in zip(fin.finalists, fin.predictions, strict=True))
+    return sum(visit_seconds(c, p, lengths, n_gen, rates) for c, p in zip(fin.finalists, fin.predictions, strict=True))
 
 
-def measurement_lengths(fin: Finalists, n_ctx: int, req: PlanRequest) -> tuple[list[int], int]:
+def measurement_lengths(fin: Finalists, n_ctx: int, req: PlanRequest, budget_s: float | None = None,
+                        rates: tuple[float, float] = (LOAD_GBS * 1e9, LOAD_GBS * 1e9)) -> tuple[list[int], int]:
     """The longest prefix of the workload's prompts whose MIN_ROUNDS rounds fit the budget (at least one)."""
+    budget = req.budget_s if budget_s is None else budget_s
     ladder, n_gen = nominal_lengths(n_ctx, req)
     lengths = ladder[:1]
     for n in ladder[1:]:
-        if MIN_ROUNDS * round_seconds(fin, [*lengths, n], n_gen) > req.budget_s:
+        if MIN_ROUNDS * round_seconds(fin, [*lengths, n], n_gen, rates) > budget:
             break
         lengths.append(n)
     return lengths, n_gen
 
 
-def check_budget(fin: Finalists, lengths: list[int], n_gen: int, budget_s: float) -> None:
+def fitting_finalists(fin: Finalists, lengths: list[int], n_gen: int, budget_s: float,
+                      rates: tuple[float, float], keep: int = 2) -> Finalists:
+    """The finalists, the last-ranked dropped until MIN_ROUNDS rounds of the rest fit ``budget_s`` (at least
+    ``keep``): every finalist measured gets a spread, rather than half of them one round each."""
+    n = len(fin.finalists)
+    while n > keep and MIN_ROUNDS * round_seconds(_first(fin, n), lengths, n_gen, rates) > budget_s:
+        n -= 1
+    return _first(fin, n)
+
+
+def _first(fin: Finalists, n: int) -> Finalists:
+    return fin.model_copy(update={"finalists": fin.finalists[:n], "predictions": fin.predictions[:n]})
+
+
+def check_budget(fin: Finalists, lengths: list[int], n_gen: int, budget_s: float,
+                 rates: tuple[float, float] = (LOAD_GBS * 1e9, LOAD_GBS * 1e9), spent_s: float = 0.0) -> None:
     """Refuse a budget that cannot measure every finalist MIN_ROUNDS times (no spread, no fair race)."""
-    need = MIN_ROUNDS * round_seconds(fin, lengths, n_gen)
+    need = MIN_ROUNDS * round_seconds(fin, lengths, n_gen, rates)
     if budget_s < need:
+        spent = f" after {spent_s:.0f} s of this budget spent on the model's routing trace and reference" if spent_s else ""
         raise ImpossiblePlan(
-            f"--budget-s {budget_s:g} cannot measure the {len(fin.finalists)} finalists {MIN_ROUNDS} times each "
-            f"(~{need:.0f} s predicted for {len(lengths)} prompt(s) of {sum(lengths)} tokens + {n_gen} generated "
-            "each): one round has no spread",
-            f"use --budget-s {int(need * 1.5) + 1} or more")
+            f"the {max(0.0, budget_s):.0f} s that --budget-s leaves for measuring{spent} cannot measure the "
+            f"{len(fin.finalists)} finalists {MIN_ROUNDS} times each (~{need:.0f} s predicted for {len(lengths)} "
+            f"prompt(s) of {sum(lengths)} tokens + {n_gen} generated each): one round has no spread",
+            f"use --budget-s {int(need * 1.5 + spent_s) + 1} or more")
 
 
 def tune_prompts(model: Path, lengths: list[int], seed: int, log_path: Path) -> list[list[int]]:
@@ -91,13 +130,3 @@ def validation_prompts(model: Path, n_ctx: int, n_tokens: int, seed: int,
         convs = [tok(conversation_text(c))[-cap:] for c in load_conversations()]
         held = sized_prompts(tok, [min(cap, n) for n in (128, 512)], split="held_out", seed=seed)
     return convs + held, held
-
-
-def roofline_decode(info: ModelInfo, hw: HardwareReport, cand: Candidate) -> float | None:
-    """Decode tokens/s if every device only had to read its bytes at its measured bandwidth."""
-    per_dev = layer_bytes(info, cand.placement)
-    cpu_read = per_dev.get("CPU", (0.0, 0.0))[0]
-    seconds = cpu_read / cpu_bandwidth(hw, cand.params.n_threads) if cpu_read else 0.0
-    gpu_read = sum(r for d, (r, _) in per_dev.items() if d != "CPU")
-    seconds += gpu_read / 3000e9
-    return 1 / seconds if seconds > 0 else None

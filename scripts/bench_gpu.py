@@ -115,7 +115,39 @@ def plan_facts(plan_id: str) -> dict[str, Any]:
             "plan_workload_s": plan.measured.workload_s, "plan_workload_iqr": plan.measured.workload_iqr,
             "plan_rounds": plan.measured.n_rounds, "plan_kv_gpu_gib": sum(b for d, b in c.kv_bytes.items() if d != "CPU") / GIB,
             "plan_notes": json.dumps(plan.notes), "plan_kl": plan.validation.mean_kl,
-            "plan_kl_limit": plan.kl_limit, "plan_top1": plan.validation.top1_agreement}
+            "plan_kl_limit": plan.kl_limit, "plan_top1": plan.validation.top1_agreement,
+            "plan_stage_seconds": json.dumps(plan.stage_seconds), "plan_total_s": plan.stage_seconds.get("total"),
+            "plan_roofline_tps": plan.roofline_decode_tps,
+            "all_gpu_decode_tps": float(plan.all_gpu_decode["decode_tps"]) if plan.all_gpu_decode else None,
+            "finalists_gpu": json.dumps([{"id": f.candidate_id, "family": plan.families.get(f.candidate_id),
+                                          "predicted": f.predicted_gpu_bytes, "measured": f.gpu_bytes,
+                                          "method": f.gpu_method, "rounds": f.n_rounds, "error": f.error}
+                                         for f in plan.finalists]),
+            "finalists_rejected_for_memory": sum(1 for f in plan.finalists if (f.error or "").startswith("over the GPU"))}
+
+
+def memory_record(plan_id: str, path: Path) -> None:
+    """The plan's finalists (candidates with their predicted and measured GPU memory), its probe report and its
+    model's header, as JSON: what tests/tasks/test_gpu_memory.py checks the memory model against."""
+    from artifacts.config import load_settings
+    from artifacts.model_info import model_info
+    from artifacts.store import Store
+    from tasks.plan_types import Finalists, HardwareReport, Plan
+
+    store = Store(load_settings().data_dir)
+    plan = Plan.model_validate(store.get_json("plan", store.find("plan", plan_id)))
+    fins = [Finalists.model_validate(store.get_json("finalists", r["id"])) for r in store.list("finalists")]
+    fin = next((f for f in reversed(fins) if plan.candidate in f.finalists), None)
+    probes = [HardwareReport.model_validate(store.get_json("probe", r["id"])) for r in store.list("probe")]
+    hw = next((h for h in reversed(probes) if h.fingerprint == plan.hardware_fingerprint
+               and h.model_hash == plan.model_hash), None)
+    measured = {s.candidate_id: s for s in plan.finalists}
+    path.write_text(json.dumps({
+        "plan_id": plan.id, "hardware": hw.model_dump(mode="json") if hw else None,
+        "model": model_info(Path(plan.model_path)).model_dump(mode="json"),
+        "finalists": [{"candidate": c.model_dump(mode="json"), "predicted": measured[c.id].predicted_gpu_bytes,
+                       "measured": measured[c.id].gpu_bytes, "method": measured[c.id].gpu_method}
+                      for c in (fin.finalists if fin else []) if c.id in measured]}))
 
 
 def whole_tensor_facts(plan: Any) -> dict[str, Any]:
@@ -143,12 +175,18 @@ def record_row(run: str, preset: str, routing: str, budget: float, plan_id: str,
             continue
         m = json.loads(r["metrics"] or "{}")
         turns = m.get("per_turn") or {}
+        unreported = m.get("unreported") or {}
         out.update({f"tg_vs_{key}": r["ratio_decode"], f"pp_vs_{key}": r["ratio_prefill"],
+                    f"{key}_valid": m.get("baseline_valid"), f"{key}_flag": m.get("baseline_flag"),
+                    f"{key}_gpu_method": m.get("baseline_gpu_method"),
+                    f"{key}_tg_unreported": (unreported.get("decode") or {}).get("ratio"),
                     f"{key}_gpu_gib": (m.get("baseline_gpu_bytes") or 0) / GIB or None,
                     f"{key}_note": m.get("engine_note"), f"{key}_sweep_vs_race": m.get("sweep_vs_race")})
         agent = (turns.get("agent") or next(iter(turns.values()), {})).get("turn_speedup") if turns else None
         out[f"agent_vs_{key}"] = agent["ratio"] if agent else None
-        out.update({"served_decode_tps": m.get("served_decode_tps"), "plan_gpu_gib": (m.get("plan_gpu_bytes") or 0) / GIB or None})
+        out.update({"served_decode_tps": m.get("served_decode_tps"), "plan_gpu_gib": (m.get("plan_gpu_bytes") or 0) / GIB or None,
+                    "plan_gpu_method": m.get("plan_gpu_method"), "plan_gpu_vs_measured": m.get("plan_gpu_vs_measured"),
+                    "plan_flag": m.get("plan_flag")})
     if out.get("served_decode_tps") and out.get("plan_decode_tps"):
         out["http_vs_plan_decode"] = out["served_decode_tps"] / out["plan_decode_tps"]
     return out
@@ -207,6 +245,10 @@ def main() -> int:
         plan_id = proc.stdout.strip().splitlines()[-1]
         log(f"{tag}: plan {plan_id[:12]} in {plan_s:.0f} s")
         flux("show", plan_id, out=args.out, name=f"show-{tag}")
+        try:
+            memory_record(plan_id, args.out / f"memory-{tag}.json")
+        except Exception as exc:  # noqa: BLE001 - the record goes on without it
+            log(f"{tag}: memory record not written: {exc}")
         t1 = time.time()
         bench = flux("bench", "run", plan_id, "--via", "serve", "--rounds", str(args.rounds), "--baselines",
                      args.baselines, out=args.out, name=f"bench-{tag}")

@@ -65,7 +65,7 @@ def bench_model(preset: str, budget_s: float, rounds: int, grid_rounds: int, out
     store = Store(settings.data_dir)
     plan = Plan.model_validate(store.get_json("plan", plan_id))
     ctx = stages.context(plan.request, settings)
-    hw = HardwareReport.model_validate(store.get_json("probe", stages.content_id(stages.probe_key(ctx.facts, ctx.model_hash, ctx.backend_build))))
+    hw = HardwareReport.model_validate(store.get_json("probe", stages.content_id(stages.probe_key(ctx.facts, ctx.model_hash, ctx.backend_build, ctx.code))))
     space = PlacementSpace.model_validate(store.get_json("space", stages.content_id(stages._space_key(ctx, hw))))
     lengths, n_gen = ((plan.workload_lengths, plan.workload_n_gen) if plan.workload_lengths
                       else workload.nominal_lengths(space.n_ctx, plan.request))

@@ -13,6 +13,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +24,17 @@ from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.gpumem import GpuMemoryMeter, over_budget
 from tasks.plan_types import Candidate, MeasureSummary
+from tasks.validate import score_loaded
 
 log = logging.getLogger(__name__)
+MIN_VISIT_TIMEOUT_S = 30.0
 Progress = Callable[[str], None]
 TRIAL_SCHEMA = pa.schema([
     ("candidate_id", pa.string()), ("round", pa.int32()), ("prompt_index", pa.int32()),
     ("prompt_tokens", pa.int32()), ("prompt_ms", pa.float64()), ("gen_tokens", pa.int32()),
     ("gen_ms", pa.float64()), ("prefill_tps", pa.float64()), ("decode_tps", pa.float64()),
-    ("load_ms", pa.float64()), ("peak_rss_bytes", pa.int64()), ("gpu_bytes", pa.int64()), ("error", pa.string()),
+    ("load_ms", pa.float64()), ("peak_rss_bytes", pa.int64()), ("gpu_bytes", pa.int64()), ("gpu_method", pa.string()),
+    ("error", pa.string()),
 ])
 
 
@@ -45,16 +49,29 @@ def _peak_rss(pid: int | None) -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class Scoring:
+    """What a finalist's first visit scores while it is loaded, for validation (tasks.validate.score_loaded)."""
+
+    seqs: list[tuple[list[int], list[int]]]
+    held_out: list[list[int]]
+    directory: Path
+
+
 def _visit(cand: Candidate, model: Path, prompts: list[list[int]], n_gen: int, rnd: int, timeout_s: float,
-           log_path: Path, env: Mapping[str, str], gpu_budgets: list[int] | None = None) -> list[dict[str, Any]]:
+           log_path: Path, env: Mapping[str, str], gpu_budgets: list[int] | None = None,
+           scoring: Scoring | None = None) -> list[dict[str, Any]]:
     """Load one finalist in a fresh worker, warm it up, run every prompt; errors become one row.
+
+    With ``scoring`` (a finalist's first visit), the loaded worker then scores the reference's continuations
+    for the quality gate, after the timed prompts so that it does not disturb them.
 
     After its prompts, the GPU memory the worker holds (its peak: llama.cpp reserves its buffers at load)
     is read through NVML; over a per-GPU budget, every row of the visit becomes an error, so the plan
     can never be a configuration whose measured VRAM breaks the budget.
     """
     rows: list[dict[str, Any]] = []
-    meter = GpuMemoryMeter() if gpu_budgets else None
+    meter = GpuMemoryMeter()
     w = WorkerClient(log_path=log_path, env={**cand.params.environment(), **env})
     load_ms: float | None = None
     try:
@@ -68,10 +85,13 @@ def _visit(cand: Candidate, model: Path, prompts: list[list[int]], n_gen: int, r
                          "prefill_tps": t.prefill_tps if t.prompt_ms else None,
                          "decode_tps": t.decode_tps if t.gen_ms else None,
                          "load_ms": load_ms, "peak_rss_bytes": _peak_rss(w.pid), "error": None})
-        used = meter.used_by(w.pid) if meter else None
-        why = over_budget(used, gpu_budgets)
+        reading = meter.read(w.pid)
+        if scoring is not None and not over_budget(reading.per_gpu if reading else None, gpu_budgets):
+            score_loaded(w, cand.id, scoring.seqs, scoring.held_out, scoring.directory, timeout_s)
+        why = over_budget(reading.per_gpu if reading else None, gpu_budgets)
         for r in rows:
-            r["gpu_bytes"] = sum(used) if used else None
+            r["gpu_bytes"] = reading.total if reading else None
+            r["gpu_method"] = reading.method if reading else None
             r["error"] = why
         if why:
             log.warning("measure: %s in round %d: %s", cand.id, rnd, why)
@@ -87,26 +107,42 @@ def _visit(cand: Candidate, model: Path, prompts: list[list[int]], n_gen: int, r
 def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n_gen: int, *, budget_s: float,
             repeats: int, timeout_s: float, log_path: Path, seed: int = 0, progress: Progress | None = None,
             worker_env: Mapping[str, Mapping[str, str]] | None = None,
-            gpu_budgets: list[int] | None = None) -> tuple[list[MeasureSummary], pa.Table, float, bool]:
+            gpu_budgets: list[int] | None = None, predicted_gpu: Mapping[str, int] | None = None,
+            scoring: Scoring | None = None,
+            predicted_visit_s: Mapping[str, float] | None = None) -> tuple[list[MeasureSummary], pa.Table, float, bool]:
     """Time every finalist; return (summaries, trials table, seconds spent, stopped by budget).
 
-    ``gpu_budgets`` (bytes per GPU) turns a finalist whose measured GPU memory exceeds them into an error.
+    ``gpu_budgets`` (bytes per GPU) turns a finalist whose measured GPU memory exceeds them into an error;
+    ``predicted_gpu`` (bytes on every GPU, by candidate id) is recorded beside the measured bytes. The budget
+    is a deadline: no visit starts that its estimate (the median visit so far, else ``predicted_visit_s``)
+    would end past it, in any round; the first two finalists' first visits always run. After the first round,
+    the finalists whose second visits (each as long as its first) do not all fit what is left are cut, slowest
+    first, so that every finalist kept gets a second round (a spread); a cut one is an error row ("measured
+    once"), never the plan.
     """
     rng = random.Random(seed)
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
     failed: set[str] = set()
     visit_s: list[float] = []
+    first_visit: dict[str, float] = {}
     stopped = False
     total = repeats * len(finalists)
     done = 0
     for rnd in range(repeats):
+        if rnd == 1:
+            for cid in _cut_for_second_round(rows, first_visit, failed, budget_s - (time.monotonic() - t0)):
+                failed.add(cid)
+                rows.append({"candidate_id": cid, "round": 1, "prompt_index": -1,
+                             "error": "measured once: the budget left no second round (no spread)"})
+                if progress:
+                    progress(f"measure: {cid} cut after one round: the budget left no second round for it")
         order = [c for c in finalists if c.id not in failed]
         rng.shuffle(order)
         for cand in order:
             spent = time.monotonic() - t0
-            estimate = statistics.median(visit_s) if visit_s else 0.0
-            if rnd > 0 and spent + estimate > budget_s:
+            estimate = statistics.median(visit_s) if visit_s else (predicted_visit_s or {}).get(cand.id, 0.0)
+            if done >= 2 and spent + estimate > budget_s:
                 stopped = True
                 break
             done += 1
@@ -114,16 +150,51 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
                 progress(f"measure: candidate {done}/{total} ({cand.id}, round {rnd + 1}); "
                          f"{max(0.0, budget_s - spent):.0f} s left in the budget")
             v0 = time.monotonic()
-            got = _visit(cand, model, prompts, n_gen, rnd, timeout_s, log_path, (worker_env or {}).get(cand.id, {}),
-                         gpu_budgets)
+            # no request of a visit may wait past the budget's end (at least MIN_VISIT_TIMEOUT_S): a finalist
+            # that hangs or crawls becomes a timeout row instead of holding the plan for measure_timeout_s
+            wait_s = min(timeout_s, max(MIN_VISIT_TIMEOUT_S, budget_s - spent))
+            got = _visit(cand, model, prompts, n_gen, rnd, wait_s, log_path, (worker_env or {}).get(cand.id, {}),
+                         gpu_budgets, scoring if rnd == 0 else None)
             visit_s.append(time.monotonic() - v0)
+            first_visit.setdefault(cand.id, visit_s[-1])
             rows.extend(got)
             if any(r.get("error") for r in got):
                 failed.add(cand.id)
         if stopped:
             break
+    rows += _measured_once(rows, failed)
     table = pa.Table.from_pylist([{f.name: r.get(f.name) for f in TRIAL_SCHEMA} for r in rows], schema=TRIAL_SCHEMA)
-    return [summarize(c.id, rows) for c in finalists], table, time.monotonic() - t0, stopped
+    pred = predicted_gpu or {}
+    summaries = [summarize(c.id, rows).model_copy(update={"predicted_gpu_bytes": pred.get(c.id)}) for c in finalists]
+    return summaries, table, time.monotonic() - t0, stopped
+
+
+def _measured_once(rows: list[dict[str, Any]], failed: set[str]) -> list[dict[str, Any]]:
+    """Error rows for live finalists left with one round while others got more: their one reading has no
+    spread to set against the others' medians, so they are shown, never ranked."""
+    rounds: dict[str, set[int]] = {}
+    for r in rows:
+        if not r.get("error"):
+            rounds.setdefault(r["candidate_id"], set()).add(r["round"])
+    if not any(len(v) >= 2 for v in rounds.values()):
+        return []  # nobody got a spread: the plan says so (persist's note), and the fastest single reading stands
+    return [{"candidate_id": cid, "round": 1, "prompt_index": -1,
+             "error": "measured once: the budget ran out before its second round (no spread)"}
+            for cid, v in rounds.items() if len(v) < 2 and cid not in failed]
+
+
+def _cut_for_second_round(rows: list[dict[str, Any]], first_visit: Mapping[str, float], failed: set[str],
+                          left_s: float) -> list[str]:
+    """Finalists to cut so that the rest get a second visit within ``left_s``: the slowest by their first
+    round's workload time go first (the fastest are the ones a plan can be)."""
+    live = [cid for cid in first_visit if cid not in failed]
+    work = {cid: sum((r.get("prompt_ms") or 0) + (r.get("gen_ms") or 0) for r in rows if r["candidate_id"] == cid)
+            for cid in live}
+    keep = sorted(live, key=lambda cid: work[cid])
+    cut: list[str] = []
+    while len(keep) > 1 and sum(first_visit[c] for c in keep) > left_s:
+        cut.append(keep.pop())
+    return cut
 
 
 def _iqr(xs: list[float]) -> float | None:
@@ -148,9 +219,10 @@ def summarize(cid: str, rows: list[dict[str, Any]]) -> MeasureSummary:
     ok = [r for r in mine if not r.get("error")]
     err = next((r["error"] for r in mine if r.get("error")), None)
     gpu = max((r.get("gpu_bytes") or 0 for r in mine), default=0) or None
+    method = next((r.get("gpu_method") for r in mine if r.get("gpu_method")), None)
     if not ok:
         return MeasureSummary(candidate_id=cid, prefill_tps=None, decode_tps=None, workload_s=None, n_trials=0,
-                              error=err or "not measured (budget)", gpu_bytes=gpu)
+                              error=err or "not measured (budget)", gpu_bytes=gpu, gpu_method=method)
     by_round: dict[int, list[dict[str, Any]]] = {}
     for r in ok:
         by_round.setdefault(r["round"], []).append(r)
@@ -163,7 +235,10 @@ def summarize(cid: str, rows: list[dict[str, Any]]) -> MeasureSummary:
             dec.append(sum(r["gen_tokens"] for r in rs) / g_ms * 1e3)
         work.append((p_ms + g_ms) / 1e3)
     rss = max((r["peak_rss_bytes"] or 0) for r in ok) or None
+    once = bool(err and err.startswith("measured once"))  # speeds shown, never ranked: no spread behind them
     return MeasureSummary(candidate_id=cid, prefill_tps=statistics.median(pre) if pre else None,
                           decode_tps=statistics.median(dec) if dec else None, prefill_iqr=_iqr(pre),
-                          decode_iqr=_iqr(dec), workload_s=statistics.median(work), workload_iqr=_iqr(work),
-                          n_trials=len(ok), n_rounds=len(by_round), error=err, peak_rss_bytes=rss, gpu_bytes=gpu)
+                          decode_iqr=_iqr(dec), workload_s=None if once else statistics.median(work),
+                          workload_iqr=_iqr(work),
+                          n_trials=len(ok), n_rounds=len(by_round), error=err, peak_rss_bytes=rss, gpu_bytes=gpu,
+                          gpu_method=method)

@@ -40,9 +40,11 @@ SHORTER_CONTEXT_GAIN = 0.05
 
 
 def reference_params(n_ctx: int, threads: int, seed: int = 0) -> EngineParams:
-    """The reference placement: everything on the CPU, f16 KV, no flash attention, mapped weights."""
+    """The reference placement: everything on the CPU in llama.cpp's plain layout (no repacking: the
+    plainest kernels, and a mapped load costs no copy), f16 KV, no flash attention, mapped weights."""
     return EngineParams(n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
-                        n_gpu_layers=0, flash_attn=False, type_k="f16", type_v="f16", load_mode="mmap", seed=seed)
+                        n_gpu_layers=0, flash_attn=False, type_k="f16", type_v="f16", load_mode="mmap", seed=seed,
+                        repack=False)
 
 
 def validation_context(prompts: Sequence[Sequence[int]], n_tokens: int) -> int:
@@ -100,18 +102,30 @@ def _scored(model: Path, params: EngineParams, seqs: Seqs, tmp: Path, tag: str, 
         return _logprobs(w, seqs, tmp, tag, timeout_s)
 
 
-def _reference(model: Path, params: EngineParams, prompts: list[list[int]], n_tokens: int, tmp: Path,
-               log_path: Path, timeout_s: float, cache: Cache | None) -> tuple[Seqs, list[np.ndarray]]:
-    """The reference's greedy continuations and their log-probabilities (from the cache when there)."""
+def reference_continuations(model: Path, params: EngineParams, prompts: list[list[int]], n_tokens: int,
+                            log_path: Path, timeout_s: float, cache: Cache | None,
+                            generator: EngineParams | None = None) -> tuple[Seqs, list[np.ndarray]]:
+    """The greedy continuations (written by ``generator`` when given: a GPU holding the whole model, else by
+    the reference) and the reference's log-probabilities of them (from the cache when there)."""
     if cache is not None and cache.reference().exists():
         with np.load(cache.reference()) as z:
             conts = [z[f"cont{i}"].tolist() for i in range(len(prompts))]
             return list(zip(prompts, conts, strict=True)), [z[f"lp{i}"] for i in range(len(prompts))]
-    with WorkerClient(log_path=log_path) as w:
-        w.request(ops.LOAD, ops.LoadArgs(model=str(model), params=params), timeout_s)
-        seqs = [(p, w.request(ops.GREEDY, ops.GreedyArgs(prompt=p, n_gen=n_tokens, stop_eog=False), timeout_s).tokens)
+
+    def greedy(w: WorkerClient) -> Seqs:
+        return [(p, w.request(ops.GREEDY, ops.GreedyArgs(prompt=p, n_gen=n_tokens, stop_eog=False), timeout_s).tokens)
                 for p in prompts]
-        lps = _logprobs(w, seqs, tmp, "ref", timeout_s)
+
+    with tempfile.TemporaryDirectory(prefix="flux-reference-") as d:
+        if generator is not None:
+            with WorkerClient(log_path=log_path, env=generator.environment()) as g:
+                g.request(ops.LOAD, ops.LoadArgs(model=str(model), params=generator), timeout_s)
+                seqs = greedy(g)
+        with WorkerClient(log_path=log_path, env=params.environment()) as w:
+            w.request(ops.LOAD, ops.LoadArgs(model=str(model), params=params), timeout_s)
+            if generator is None:
+                seqs = greedy(w)
+            lps = _logprobs(w, seqs, Path(d), "ref", timeout_s)
     if cache is not None:
         cache.directory.mkdir(parents=True, exist_ok=True)
         part = cache.reference().with_suffix(f".{os.getpid()}.partial.npz")
@@ -122,26 +136,63 @@ def _reference(model: Path, params: EngineParams, prompts: list[list[int]], n_to
     return seqs, lps
 
 
-def noise_floor(model: Path, variants: Sequence[tuple[str, EngineParams]], seqs: Seqs, ref: list[np.ndarray],
-                tmp: Path, log_path: Path, timeout_s: float, cache: Cache | None,
-                progress: Progress = log.info) -> list[FloorResult]:
+def floor_results(model: Path, variants: Sequence[tuple[str, EngineParams]], seqs: Seqs, ref: list[np.ndarray],
+                  log_path: Path, timeout_s: float, cache: Cache | None,
+                  progress: Progress = log.info) -> list[FloorResult]:
     """The reference against itself with other correct kernels (from the cache when there)."""
     if cache is not None and cache.floor().exists():
         return [FloorResult.model_validate(x) for x in json.loads(cache.floor().read_text())]
     out = []
-    for name, params in variants:
-        try:
-            stats = compare_all(ref, _scored(model, params, seqs, tmp, "floor", log_path, timeout_s))
-        except EngineError as exc:  # a variant that cannot run here (no room on the GPU) samples nothing
-            progress(f"validate: noise floor {name}: not measured ({exc})")
-            continue
-        out.append(FloorResult(name=name, stats=stats))
-        progress(f"validate: noise floor {name}: mean KL {stats.mean_kl:.2e}, p90 {stats.p90_kl:.2e}, "
-                 f"top-1 {stats.top1:.3f}")
+    with tempfile.TemporaryDirectory(prefix="flux-floor-") as d:
+        for name, params in variants:
+            try:
+                stats = compare_all(ref, _scored(model, params, seqs, Path(d), "floor", log_path, timeout_s))
+            except EngineError as exc:  # a variant that cannot run here (no room on the GPU) samples nothing
+                progress(f"validate: noise floor {name}: not measured ({exc})")
+                continue
+            out.append(FloorResult(name=name, stats=stats))
+            progress(f"validate: noise floor {name}: mean KL {stats.mean_kl:.2e}, p90 {stats.p90_kl:.2e}, "
+                     f"top-1 {stats.top1:.3f}")
     if cache is not None:
         cache.directory.mkdir(parents=True, exist_ok=True)
         cache.floor().write_text(json.dumps([f.model_dump() for f in out]))
     return out
+
+
+def _held_out_speeds(timings: Sequence[ops.Timing]) -> tuple[float | None, float | None]:
+    """(prefill, decode) tokens/s over the held-out prompts' timed runs."""
+    if not timings:
+        return None, None
+    pre = sum(t.prompt_tokens for t in timings) / max(1e-9, sum(t.prompt_ms for t in timings)) * 1e3
+    dec = sum(t.gen_tokens for t in timings) / max(1e-9, sum(t.gen_ms for t in timings)) * 1e3
+    return pre, dec
+
+
+def scored_path(directory: Path, cand_id: str) -> Path:
+    """Where a finalist's scores of the reference's continuations are kept (written while it was measured)."""
+    return directory / f"{cand_id}.npz"
+
+
+def score_loaded(w: WorkerClient, cand_id: str, seqs: Seqs, held_out: list[list[int]], directory: Path,
+                 timeout_s: float) -> None:
+    """Score the reference's continuations on a loaded finalist and time the held-out prompts, for validation
+    without a load of its own (the measure stage calls it in a finalist's first visit)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="flux-score-", dir=directory) as d:
+        lps = _logprobs(w, seqs, Path(d), cand_id, timeout_s)
+    timings = [w.request(ops.TIMED_RUN, ops.TimedRunArgs(prompt=p, n_gen=16), timeout_s) for p in held_out]
+    pre, dec = _held_out_speeds(timings)
+    arrays: dict[str, np.ndarray] = {f"lp{i}": lp for i, lp in enumerate(lps)}
+    arrays["held_out"] = np.asarray([pre or np.nan, dec or np.nan], dtype=np.float64)
+    part = directory / f".{cand_id}.{os.getpid()}.partial.npz"
+    np.savez(part, **arrays)  # type: ignore[arg-type]
+    os.replace(part, scored_path(directory, cand_id))
+
+
+def _from_measurement(path: Path, n: int) -> tuple[list[np.ndarray], float | None, float | None]:
+    with np.load(path) as z:
+        pre, dec = (float(x) for x in z["held_out"])
+        return [z[f"lp{i}"] for i in range(n)], None if np.isnan(pre) else pre, None if np.isnan(dec) else dec
 
 
 def _candidate(cand: Candidate, model: Path, seqs: Seqs, held_out: list[list[int]], tmp: Path, log_path: Path,
@@ -150,15 +201,15 @@ def _candidate(cand: Candidate, model: Path, seqs: Seqs, held_out: list[list[int
         w.request(ops.LOAD, ops.LoadArgs(model=str(model), params=cand.params), timeout_s)
         lps = _logprobs(w, seqs, tmp, cand.id, timeout_s)
         timings = [w.request(ops.TIMED_RUN, ops.TimedRunArgs(prompt=p, n_gen=16), timeout_s) for p in held_out]
-    pre = sum(t.prompt_tokens for t in timings) / max(1e-9, sum(t.prompt_ms for t in timings)) * 1e3 if timings else None
-    dec = sum(t.gen_tokens for t in timings) / max(1e-9, sum(t.gen_ms for t in timings)) * 1e3 if timings else None
+    pre, dec = _held_out_speeds(timings)
     return lps, pre, dec
 
 
 def validate(ranked: list[Candidate], model: Path, prompts: list[list[int]], held_out: list[list[int]], *,
              n_tokens: int, gate: Gate, quality_profile: str, log_path: Path, timeout_s: float,
              reference: EngineParams, floor_variants: Sequence[tuple[str, EngineParams]] = (),
-             cache: Cache | None = None, progress: Progress = log.info) -> ValidationReport:
+             cache: Cache | None = None, progress: Progress = log.info, generator: EngineParams | None = None,
+             scored_dir: Path | None = None) -> ValidationReport:
     """Check the two fastest measured finalists against the reference; the faster one that passes wins.
 
     When neither passes, the next finalists are checked in order until one does: a plan is the fastest
@@ -170,19 +221,25 @@ def validate(ranked: list[Candidate], model: Path, prompts: list[list[int]], hel
         held_out: held-out prompts timed again on the checked candidates.
         reference: the reference's parameters (:func:`reference_params`).
         floor_variants: named correct variants of the reference whose differences are the noise floor.
-        cache: where the reference and the floor are kept between plans.
+        cache: where the reference and the floor are kept between plans (:mod:`tasks.reference` fills it first).
+        generator: where the greedy continuations are written when the reference is not cached.
+        scored_dir: where the measure stage kept finalists' scores of the continuations (no load needed).
     """
     results: list[ValidationResult] = []
+    seqs, ref = reference_continuations(model, reference, prompts, n_tokens, log_path, timeout_s, cache, generator)
+    floor = floor_results(model, floor_variants, seqs, ref, log_path, timeout_s, cache, progress)
+    kl_limit, top1_limit = gate.limits(floor)
     with tempfile.TemporaryDirectory(prefix="flux-validate-") as d:
         tmp = Path(d)
-        seqs, ref = _reference(model, reference, prompts, n_tokens, tmp, log_path, timeout_s, cache)
-        floor = noise_floor(model, floor_variants, seqs, ref, tmp, log_path, timeout_s, cache, progress)
-        kl_limit, top1_limit = gate.limits(floor)
         for i, cand in enumerate(ranked):
             if i >= 2 and any(r.passed for r in results):
                 break
+            kept = scored_path(scored_dir, cand.id) if scored_dir is not None else None
             try:
-                lps, pre, dec = _candidate(cand, model, seqs, held_out, tmp, log_path, timeout_s)
+                if kept is not None and kept.exists():
+                    lps, pre, dec = _from_measurement(kept, len(seqs))
+                else:
+                    lps, pre, dec = _candidate(cand, model, seqs, held_out, tmp, log_path, timeout_s)
             except EngineError as exc:
                 progress(f"validate: {cand.id} failed: {exc}")
                 results.append(ValidationResult(candidate_id=cand.id, mean_kl=float("inf"), max_kl=float("inf"),

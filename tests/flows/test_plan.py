@@ -47,6 +47,8 @@ def test_plan_finishes_within_budget_and_prints_an_id(planned: dict[str, object]
     for stage in ("probe", "enumerate", "prune", "measure", "validate", "persist"):
         assert f"Task run '{stage}" in log, stage
     assert re.search(r"measure: candidate \d+/\d+ .* s left in the budget", log)
+    for stage in ("probe", "reference", "measure", "validate"):  # the flow's clock: time and what is left
+        assert re.search(rf"{stage}: \d+ s \((computed|reused)\); \d+ s so far, about \d+ s left", log), stage
 
 
 def test_plan_is_immutable_and_keyed(planned: dict[str, object]) -> None:
@@ -57,13 +59,19 @@ def test_plan_is_immutable_and_keyed(planned: dict[str, object]) -> None:
     assert plan.candidate.id in {s.candidate_id for s in plan.finalists}
     trials = store.get_table("trials", plan.trials_table)
     assert trials.num_rows >= len([s for s in plan.finalists if s.n_trials])
+    assert {"probe", "enumerate", "prune", "reference", "measure", "validate", "total"} <= set(plan.stage_seconds)
+    assert plan.key["planner_code"], "plans are keyed by the code that made them"
+    ranked = [s for s in plan.finalists if s.workload_s is not None]
+    assert ranked and all(s.n_rounds >= 2 for s in ranked), "every finalist that can be the plan has a spread"
+    assert all(s.n_rounds >= 2 or (s.error or "").startswith(("measured once", "not measured"))
+               for s in plan.finalists if s.n_trials)
 
 
 def test_show_prints_the_plan(planned: dict[str, object]) -> None:
     out = flux(planned["env"], "show", str(planned["id"])[:10])  # type: ignore[arg-type]
     assert out.returncode == 0, out.stderr
     for needle in ("llama.cpp flags", "measured: prefill", "spread", "predicted vs measured", "roofline",
-                   "cost model median error", "memory budget", "key: model"):
+                   "cost model median error", "memory budget", "key: model", "planning: probe", "pred GPU GiB"):
         assert needle in out.stdout, needle
     listing = flux(planned["env"], "plans")  # type: ignore[arg-type]
     assert str(planned["id"])[:12] in listing.stdout

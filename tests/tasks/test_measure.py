@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_bridge.gpumem import GpuMemoryMeter, over_budget
+from engine_bridge.gpumem import GpuMemoryMeter, GpuReading, over_budget
 from engine_bridge.params import EngineParams
 from tasks.measure import TRIAL_SCHEMA, measure
 from tasks.plan_types import Candidate, Placement
@@ -44,17 +44,18 @@ def test_the_budget_stops_further_rounds(tiny_moe: Path, tmp_path: Path) -> None
         [cand("a"), cand("b")], tiny_moe, [list(range(10, 40))], 2, budget_s=0.01, repeats=5, timeout_s=60,
         log_path=tmp_path / "w.log")
     assert stopped
-    assert {r["round"] for r in table.to_pylist()} == {0}, "the first round always runs; later ones respect the budget"
+    timed = [r for r in table.to_pylist() if not r["error"]]
+    assert {r["round"] for r in timed} == {0}, "the first round always runs; later ones respect the budget"
 
 
 def test_a_finalist_over_its_gpu_budget_cannot_be_chosen(tiny_moe: Path, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     # The GPU reading is the one part this machine cannot produce: NVML's answer for the worker's pid is
     # replaced by what an H200 reported for a 16 GiB placement; the workers and timings are real.
-    def reading(self: GpuMemoryMeter, pid: int | None) -> list[int] | None:
-        return [16 * GIB, 0] if pid else None
+    def reading(self: GpuMemoryMeter, pid: int | None) -> GpuReading | None:
+        return GpuReading(per_gpu=(16 * GIB, 0), method="per-process") if pid else None
 
-    monkeypatch.setattr(GpuMemoryMeter, "used_by", reading)
+    monkeypatch.setattr(GpuMemoryMeter, "read", reading)
     summaries, table, _, _ = measure([cand("big")], tiny_moe, [list(range(10, 40))], 2, budget_s=60, repeats=1,
                                      timeout_s=60, log_path=tmp_path / "w.log", gpu_budgets=[8 * GIB])
     (s,) = summaries
@@ -64,10 +65,10 @@ def test_a_finalist_over_its_gpu_budget_cannot_be_chosen(tiny_moe: Path, tmp_pat
 
 
 def test_within_budget_keeps_its_timings(tiny_moe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(GpuMemoryMeter, "used_by", lambda self, pid: [7 * GIB])
+    monkeypatch.setattr(GpuMemoryMeter, "read", lambda self, pid: GpuReading(per_gpu=(7 * GIB,), method="device-delta"))
     (s,), _, _, _ = measure([cand("fits")], tiny_moe, [list(range(10, 40))], 2, budget_s=60, repeats=1,
                             timeout_s=60, log_path=tmp_path / "w.log", gpu_budgets=[8 * GIB])
-    assert s.error is None and s.workload_s and s.gpu_bytes == 7 * GIB
+    assert s.error is None and s.workload_s and s.gpu_bytes == 7 * GIB and s.gpu_method == "device-delta"
 
 
 def test_over_budget_rules() -> None:
@@ -82,4 +83,29 @@ def test_the_meter_without_a_gpu_reads_unknown() -> None:
     meter = GpuMemoryMeter()
     if meter.available:
         pytest.skip("this machine has NVML: the no-GPU answer cannot be seen here")
-    assert meter.used_by(os.getpid()) is None
+    assert meter.read(os.getpid()) is None
+
+
+def test_a_second_round_that_does_not_fit_cuts_the_slowest_first(tiny_moe: Path, tmp_path: Path) -> None:
+    """After round one, the finalists whose second visits do not all fit what is left are cut, slowest first:
+    the kept ones get their spread; a cut one is shown, never ranked (measured once)."""
+    from tasks.measure import _cut_for_second_round
+
+    rows = [{"candidate_id": c, "round": 0, "prompt_ms": ms, "gen_ms": 1.0} for c, ms in
+            (("fast", 10.0), ("mid", 20.0), ("slow", 30.0))]
+    visits = {"fast": 4.0, "mid": 4.0, "slow": 4.0}
+    assert _cut_for_second_round(rows, visits, set(), 100.0) == []
+    assert _cut_for_second_round(rows, visits, set(), 9.0) == ["slow"]
+    assert _cut_for_second_round(rows, visits, set(), 1.0) == ["slow", "mid"]
+    assert _cut_for_second_round(rows, visits, {"fast"}, 4.0) == ["slow"]
+
+
+def test_a_finalist_measured_once_is_never_ranked(tiny_moe: Path, tmp_path: Path) -> None:
+    from tasks.measure import summarize
+
+    rows = [{"candidate_id": "a", "round": 0, "prompt_index": 0, "prompt_tokens": 10, "prompt_ms": 5.0,
+             "gen_tokens": 2, "gen_ms": 2.0, "peak_rss_bytes": 1, "error": None},
+            {"candidate_id": "a", "round": 1, "prompt_index": -1,
+             "error": "measured once: the budget left no second round (no spread)"}]
+    s = summarize("a", rows)
+    assert s.workload_s is None and s.decode_tps and s.error and s.error.startswith("measured once")

@@ -1,0 +1,63 @@
+"""How long each planning stage took, what of the budget it used, and what is left: the flow's clock.
+
+``--budget-s B`` is the wall time of measuring and validating the finalists; the work a model's first plan
+does once — its routing trace and its reference outputs — is counted inside it too, so a first plan ends
+about B after probing and enumerating, and a further plan (those reused) about B after enumerating. Each
+stage reports its time and an estimate of what is left; the plan records every stage's seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+# Rough seconds of the stages after measuring when nothing is known yet (persist, the flow's end).
+TAIL_S = 2.0
+IN_BUDGET = ("route", "reference", "measure", "validate")
+
+
+@dataclass
+class StageTimer:
+    """One stage's running record: set ``computed`` when its result was not reused from the store."""
+
+    name: str
+    computed: bool = True
+
+
+@dataclass
+class StageClock:
+    """Seconds per stage, whether each computed or reused, and the budget they leave."""
+
+    budget_s: float
+    say: Callable[[str], None] | None = None
+    t0: float = field(default_factory=time.monotonic)
+    seconds: dict[str, float] = field(default_factory=dict)
+    computed: dict[str, bool] = field(default_factory=dict)
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[StageTimer]:
+        """Time one stage; log its time and what is left when it ends."""
+        timer = StageTimer(name)
+        start = time.monotonic()
+        try:
+            yield timer
+        finally:
+            self.seconds[name] = round(time.monotonic() - start, 2)
+            self.computed[name] = timer.computed
+            if self.say is not None:
+                self.say(f"{name}: {self.seconds[name]:.0f} s ({'computed' if timer.computed else 'reused'}); "
+                         f"{time.monotonic() - self.t0:.0f} s so far, about {self.left_s():.0f} s left")
+
+    def in_budget_spent(self) -> float:
+        """Seconds of the budget used so far (the stages counted inside it that computed something)."""
+        return sum(s for n, s in self.seconds.items() if n in IN_BUDGET and self.computed.get(n, True))
+
+    def left_s(self) -> float:
+        """Estimated seconds until the plan is saved: what the budget has left, plus the tail."""
+        return max(0.0, self.budget_s - self.in_budget_spent()) + TAIL_S if "validate" not in self.seconds else TAIL_S
+
+    def record(self) -> dict[str, float]:
+        """Seconds per stage and the total, for the plan."""
+        return {**self.seconds, "total": round(time.monotonic() - self.t0, 2)}

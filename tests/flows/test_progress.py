@@ -1,0 +1,55 @@
+"""The flow's clock and budget arithmetic: stage seconds, what counts inside --budget-s, and the finalists
+sized so that every one measured gets MIN_ROUNDS rounds."""
+
+from __future__ import annotations
+
+import time
+
+from engine_bridge.params import EngineParams
+from flows import workload as wl
+from flows.progress import StageClock
+from tasks.plan_types import Candidate, Finalists, Placement, Prediction
+
+
+def test_stages_inside_the_budget_count_only_when_computed() -> None:
+    said: list[str] = []
+    clock = StageClock(budget_s=100.0, say=said.append)
+    for name, computed in (("probe", True), ("route", True), ("enumerate", True), ("reference", False)):
+        with clock.stage(name) as st:
+            time.sleep(0.01)
+            st.computed = computed
+    assert set(clock.seconds) == {"probe", "route", "enumerate", "reference"}
+    assert clock.in_budget_spent() == clock.seconds["route"]  # probe and enumerate are outside; reference reused
+    assert any(line.startswith("reference: 0 s (reused)") and "s left" in line for line in said)
+    assert set(clock.record()) == {*clock.seconds, "total"}
+
+
+def _fin(n: int, visit_load_bytes: int) -> Finalists:
+    params = EngineParams(n_ctx=512, n_batch=64, n_ubatch=64, load_mode="load")
+    cands = [Candidate(id=f"c{i}", family="f", placement=Placement(layer_device=["CPU"]), params=params,
+                       weights_bytes={"CPU": visit_load_bytes}, kv_bytes={}, compute_bytes={}) for i in range(n)]
+    preds = [Prediction(candidate_id=c.id, prefill_tps=1000.0, decode_tps=100.0, score_s=1.0) for c in cands]
+    return Finalists(finalists=cands, predictions=preds, workload_prefill_tokens=0, workload_decode_tokens=0,
+                     n_ranked=n)
+
+
+def test_finalists_are_cut_to_what_two_rounds_fit() -> None:
+    fin = _fin(6, 10 * 10**9)               # 10 GB loads at 1 GB/s: ~10 s a visit
+    rates = (1e9, 1e9)
+    one = wl.visit_seconds(fin.finalists[0], fin.predictions[0], [64], 32, rates)
+    kept = wl.fitting_finalists(fin, [64], 32, budget_s=4.5 * one * 2, rates=rates)
+    assert len(kept.finalists) == 4 and kept.finalists == fin.finalists[:4]
+    assert wl.MIN_ROUNDS * wl.round_seconds(kept, [64], 32, rates) <= 4.5 * one * 2
+    assert len(wl.fitting_finalists(fin, [64], 32, budget_s=1.0, rates=rates).finalists) == 2  # at least two
+
+
+def test_the_probes_load_times_price_a_visit() -> None:
+    from tasks.plan_types import KernelTiming
+    from tasks.testing import h200_report
+
+    hw = h200_report(1)
+    timed = hw.model_copy(update={"kernels": [*hw.kernels, KernelTiming(
+        device="CUDA0", n_threads=16, decode_ms_per_token=4.6, prefill_ms_per_token=0.47, prefill_batch=64,
+        decode_ms_per_layer=0.1, prefill_ms_per_layer=0.01, load_ms=3319.0)]})
+    gpu_rate, cpu_rate = wl.load_rates(timed, 17_300_000_000)
+    assert abs(gpu_rate - 17.3e9 / 3.319) < 1e6 and cpu_rate == wl.LOAD_GBS * 1e9  # the CPU load was not timed
