@@ -173,13 +173,21 @@ class AsyncWorkerClient:
         return WorkerDied(self.returncode, detail)
 
     def _send(self, rid: int, op: str, args: Mapping[str, Any] | None) -> None:
-        """Write one request (no await: small writes go to the transport's buffer at once)."""
+        """Write one request (no await: small writes go to the transport's buffer at once).
+
+        Raises:
+            EngineError: ``bad_request`` when the request cannot be encoded (text that is not Unicode).
+            WorkerDied: the worker is gone.
+        """
+        self._write(encode({"id": rid, "op": op, "args": dict(args or {})}))
+
+    def _write(self, line: bytes) -> None:
         if self.proc is None or self.proc.stdin is None:
             raise WorkerDied(None, "not started")
         if self._eof or not self.alive or self.proc.stdin.is_closing():
             raise self._died()
         try:
-            self.proc.stdin.write(encode({"id": rid, "op": op, "args": dict(args or {})}))
+            self.proc.stdin.write(line)
         except (BrokenPipeError, ConnectionError, RuntimeError) as exc:
             raise self._died() from exc
 
@@ -204,16 +212,18 @@ class AsyncWorkerClient:
         consumer stops early sends ``cancel {"rid": args["rid"]}`` (see the module docstring).
 
         Raises:
-            EngineError: the worker refused the request (its ``code`` and ``message``).
+            EngineError: the worker refused the request (its ``code`` and ``message``), or it could not be sent
+                (``bad_request``: text that is not Unicode).
             WorkerDied: the worker exited before the answer.
             WorkerTimeout: no message within ``timeout``; the worker has been killed.
         """
         rid = next(self._ids)
+        line = encode({"id": rid, "op": op, "args": dict(args or {})})  # a request that cannot be sent starts nothing
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._pending[rid] = q
         finished = False
         try:
-            self._send(rid, op, args)
+            self._write(line)
             await self._drain(op)
             while True:
                 try:

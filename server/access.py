@@ -17,6 +17,7 @@ from typing import Any
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.generation import Generation
+from server.transport import sent_status
 
 log = logging.getLogger("server.access")
 GEN_KEY = "flux_generation"  # routes put the request's Generation in scope["state"] under this key
@@ -41,7 +42,9 @@ def _ms(seconds: float | None) -> str:
 
 
 def access_line(scope: Scope, status: int | None, duration_s: float, client_gone: bool) -> str:
-    """The log line of a finished request."""
+    """The log line of a finished request, with the status its client got (the transport's own 408 when the
+    body timed out, not the app's answer to the disconnect that followed)."""
+    status = sent_status(scope) or status
     state: dict[str, Any] = scope.get("state") or {}
     gen: Generation | None = state.get(GEN_KEY)
     parts = [f"id={state.get(RID_KEY, '-')}", f"method={scope.get('method')}", f"path={scope.get('path')}",

@@ -15,6 +15,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from artifacts.config import Settings
 from server import access
 from server.errors import EXCEPTION_HANDLERS
+from server.openapi import openapi_config
 from server.routes import routers
 from server.service import FluxService
 from tasks.plan_types import Plan
@@ -97,6 +98,6 @@ def create_app(settings: Settings, plan: Plan, api_key: str | None = None, model
             await service.close()
 
     return Litestar(route_handlers=routers(api_key), lifespan=[lifespan], exception_handlers=EXCEPTION_HANDLERS,
-                    request_max_body_size=max_body_bytes(settings, plan), openapi_config=None,
+                    request_max_body_size=max_body_bytes(settings, plan), openapi_config=openapi_config(),
                     state=State({"flux": service}),
                     middleware=[access.access_log, client_write_timeout(settings.serve.client_write_timeout_s)])

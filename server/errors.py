@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
 from artifacts.errors import FluxError
 from engine_bridge.errors import EngineError, WorkerDied, WorkerTimeout
+from server.transport import sent_status
+
+if TYPE_CHECKING:
+    from server.service import FluxService
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +191,12 @@ def to_api_error(exc: Exception) -> ApiError:
 
 
 def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
-    """Litestar exception handler: every error as OpenAI's error body."""
+    """Litestar exception handler: every error as OpenAI's error body, counted by the status its client gets
+    (the transport's own 408 when it cut a slow body: this response then reaches nobody)."""
     err = to_api_error(exc)
+    svc: FluxService | None = request.app.state.get("flux")
+    if svc is not None:
+        svc.counters.error_response(sent_status(request.scope) or err.status)
     headers = dict(err.headers)
     rid = request.scope.get("state", {}).get("request_id")
     if rid:

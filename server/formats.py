@@ -64,7 +64,7 @@ class Builder(ABC):
         return {**self._head(self.chunk_object), "choices": [], "usage": usage}
 
     def tool_call(self, index: int, call: ToolCallBody, tokens: list[TokenEvent]) -> dict[str, Any]:
-        """A chunk carrying one whole tool call (only chat replies have them)."""
+        """A chunk carrying a tool call, whole or a piece of it (only chat replies have them)."""
         raise NotImplementedError(f"{self.kind} completions have no tool calls")
 
     @abstractmethod
@@ -100,7 +100,8 @@ class ChatBuilder(Builder):
         return self._chunk({"content": text}, self._lp(tokens), None)
 
     def tool_call(self, index: int, call: ToolCallBody, tokens: list[TokenEvent]) -> dict[str, Any]:
-        """``delta: {tool_calls: [{index, id, type, function: {name, arguments}}]}``: a whole call at once."""
+        """``delta: {tool_calls: [{index, ...call}]}``: a whole call (id, type, function name and arguments), a
+        call's start (its arguments still empty), or a piece of its arguments (``{function: {arguments}}``)."""
         return self._chunk({"tool_calls": [{"index": index, **call}]}, self._lp(tokens), None)
 
     def finish(self, reason: str) -> dict[str, Any]:

@@ -9,7 +9,10 @@ most) into the journal, so a client that resumes gets all of it; a reply nobody 
 ``orphan_s`` (the journal's TTL) is cancelled, and ``DELETE /v1/requests/{id}`` cancels at once. A worker
 failure ends the request with an error event (streamed) or an error response (plain). With tools, the text after stop matching
 goes through the format's call parser: content streams as it comes, each tool call once it is whole,
-and a reply with calls ends with ``finish_reason: "tool_calls"``.
+and a reply with calls ends with ``finish_reason: "tool_calls"``. When a grammar makes the whole reply
+calls (``tool_choice`` ``required`` or a named function), each call streams as it is written: a first
+``tool_calls`` delta with its id and name, then its arguments in pieces; one cut by ``max_tokens`` stays a
+call (arguments as far as they got) and the reply's ``finish_reason`` is ``"length"``.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from server.stats import Outcome
 from server.stops import StopMatcher
 from server.supervisor import Admission, WorkerSupervisor
 from server.tools.formats import ToolFormat
-from server.tools.parse import CallParser, Piece
+from server.tools.parse import CallParser, Piece, PieceKind
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class GenSpec:
     arrived: float = field(default_factory=time.monotonic)  # when the request came in (before its queue wait)
     grammar: GrammarSpec | None = None
     tool_format: ToolFormat | None = None  # parse tool calls in this format
+    forced_calls: tuple[str, ...] = ()  # the grammar makes the reply calls to these: stream them as written
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,7 @@ class Generation:
         self.error: EngineError | ApiError | None = None
         self._acc = _Acc()
         self._matcher = StopMatcher(spec.stops)
-        self._parser: CallParser | None = spec.tool_format.parser() if spec.tool_format is not None else None
+        self._parser = _call_parser(spec)
         self._cancel_requested = False
         self._cancel_sent = False
         self._started = time.monotonic()
@@ -298,11 +302,34 @@ class Generation:
     def _piece(self, piece: Piece) -> None:
         tokens, self._acc.pending = self._acc.pending, []
         self._acc.tokens.extend(tokens)
+        self._PIECES[piece.kind](self, piece, tokens)
+
+    def _content(self, piece: Piece, tokens: list[TokenEvent]) -> None:
+        self._acc.text.append(piece.text)
+        self._emit(self.builder.piece(piece.text, tokens))
+
+    def _call(self, piece: Piece, tokens: list[TokenEvent]) -> None:
+        """A whole call, or (``call_open``) the start of one whose arguments follow in pieces."""
         if piece.call is None:
-            self._acc.text.append(piece.text)
-            self._emit(self.builder.piece(piece.text, tokens))
             return
         call: ToolCallBody = {"id": f"call_{secrets.token_hex(12)}", "type": "function",
                               "function": {"name": piece.call.name, "arguments": piece.call.arguments}}
         self._acc.calls.append(call)
         self._emit(self.builder.tool_call(len(self._acc.calls) - 1, call, tokens))
+
+    def _call_args(self, piece: Piece, tokens: list[TokenEvent]) -> None:
+        """A piece of the open call's arguments: a delta with the call's index and the new text alone."""
+        if not self._acc.calls:
+            return
+        self._acc.calls[-1]["function"]["arguments"] += piece.text
+        self._emit(self.builder.tool_call(len(self._acc.calls) - 1, {"function": {"arguments": piece.text}}, tokens))
+
+    _PIECES: dict[PieceKind, Callable[[Generation, Piece, list[TokenEvent]], None]] = {
+        "content": _content, "call": _call, "call_open": _call, "call_args": _call_args}
+
+
+def _call_parser(spec: GenSpec) -> CallParser | None:
+    """The parser of the reply's tool calls: streamed as written when a grammar forces them, else whole."""
+    if spec.tool_format is None:
+        return None
+    return spec.tool_format.forced_parser(spec.forced_calls) if spec.forced_calls else spec.tool_format.parser()

@@ -3,7 +3,7 @@
 Names follow llama-server's ``/metrics`` where they mean the same (``llamacpp:prompt_tokens_total`` counts
 prompt tokens computed, cached ones apart; ``llamacpp:tokens_predicted_total``; ``llamacpp:n_decode_total``;
 ``llamacpp:requests_processing`` / ``requests_deferred``; ...), so dashboards made for llama-server work.
-Flux's own are ``flux_*``: requests by outcome, time to first token and request duration (histograms),
+Flux's own are ``flux_*``: requests by outcome, error responses by status, time to first token and request duration (histograms),
 worker restarts, the journal, refused connections.
 
 Counters of finished requests are recorded as each request ends (:meth:`Metrics.finished`); gauges are
@@ -38,6 +38,7 @@ class Snapshot:
     journal_bytes: int
     journal_requests: int
     requests: Mapping[str, int]
+    errors: Mapping[str, int]  # error responses by HTTP status
     worker: Mapping[str, Any] | None  # the worker's serve_stats (None while it is down)
 
 
@@ -74,6 +75,10 @@ class _ServiceCollector(Collector):
         for outcome, n in sorted(s.requests.items()):
             fam.add_metric([outcome], n)
         yield fam
+        errors = CounterMetricFamily("flux_error_responses", "Error responses sent, by HTTP status", labels=["status"])
+        for status, n in sorted(s.errors.items()):
+            errors.add_metric([status], n)
+        yield errors
 
 
 def _counter(name: str, doc: str, value: float) -> Metric:

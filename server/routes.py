@@ -25,7 +25,8 @@ from server.errors import InvalidRequest, NotFound, Unauthorized
 from server.generation import Generation
 from server.journal import Entry
 from server.metrics import CONTENT_TYPE
-from server.schemas import AdmissionRequest, parse_body
+from server.openapi import body_operation, openapi_json
+from server.schemas import AdmissionRequest, ChatRequest, CompletionRequest, parse_body
 from server.service import FluxService
 
 AnyRequest = Request[Any, Any, Any]
@@ -78,14 +79,14 @@ def _request_id(request: AnyRequest, kind: str) -> str:
     return rid
 
 
-@post("/chat/completions", status_code=200)
+@post("/chat/completions", status_code=200, operation_class=body_operation(ChatRequest))
 async def chat_completions(request: AnyRequest) -> Response[Any]:
     """OpenAI chat completions (streamed or not)."""
     arrived, rid = time.monotonic(), _request_id(request, "chat")
     return await _reply(request, await _svc(request).chat(rid, await request.body(), arrived))
 
 
-@post("/completions", status_code=200)
+@post("/completions", status_code=200, operation_class=body_operation(CompletionRequest))
 async def completions(request: AnyRequest) -> Response[Any]:
     """OpenAI (legacy) text completions (streamed or not)."""
     arrived, rid = time.monotonic(), _request_id(request, "text")
@@ -145,7 +146,7 @@ async def flux_stats(request: AnyRequest) -> dict[str, Any]:
     return await _svc(request).stats()
 
 
-@post("/admission", status_code=200)
+@post("/admission", status_code=200, operation_class=body_operation(AdmissionRequest))
 async def flux_admission(request: AnyRequest) -> dict[str, Any]:
     """Override the host memory reserve until the server restarts."""
     svc = _svc(request)
@@ -182,9 +183,10 @@ def api_key_guard(key: str | None) -> Any:
 
 
 def routers(api_key: str | None) -> list[Any]:
-    """The app's route handlers; /v1, /flux and /metrics want the API key when one is set."""
+    """The app's route handlers; /v1, /flux and /metrics want the API key when one is set (not /health, nor
+    the OpenAPI document)."""
     guard = api_key_guard(api_key)
     v1 = Router(path="/v1", route_handlers=[chat_completions, completions, list_models, get_model, request_events,
                                             cancel_request], guards=[guard])
     flux = Router(path="/flux", route_handlers=[flux_stats, flux_admission], guards=[guard])
-    return [v1, flux, Router(path="/", route_handlers=[metrics], guards=[guard]), health]
+    return [v1, flux, Router(path="/", route_handlers=[metrics], guards=[guard]), health, openapi_json]

@@ -8,6 +8,7 @@ type or an out-of-range value is a 400 naming the field (``param``), never a coe
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -261,6 +262,8 @@ class AdmissionRequest(BaseModel):
 M = TypeVar("M", bound=BaseModel)
 _BRANCHES = frozenset({"str", "int", "float", "bool", "function-after", "function-before"})
 _TAGGED = {"response_format": frozenset({"text", "json_object", "json_schema"})}  # discriminated unions
+# A lone surrogate can only come from a JSON escape (the body is valid UTF-8): \uD800-\uDFFF
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
 
 
 def _field_path(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
@@ -301,11 +304,53 @@ def _first_error(exc: ValidationError) -> InvalidRequest:
                           code="invalid_value" if first["type"] != "missing" else "missing_required_parameter")
 
 
+def _not_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def lone_surrogate(value: Any) -> tuple[int | str, ...] | None:
+    """Where in a parsed JSON value a string (or an object's key) holds a lone UTF-16 surrogate, None if
+    nowhere: such text is not Unicode, and neither the engine nor a grammar can take it. Iterative, as the
+    value may be nested as deeply as the JSON parser allows."""
+    stack: list[tuple[tuple[int | str, ...], Any]] = [((), value)]
+    while stack:
+        loc, v = stack.pop()
+        if isinstance(v, str):
+            if _not_unicode(v):
+                return loc
+        elif isinstance(v, dict):
+            if any(_not_unicode(key) for key in v):
+                return loc
+            stack.extend(((*loc, key), item) for key, item in reversed(v.items()))  # popped in order
+        elif isinstance(v, list):
+            stack.extend(((*loc, i), item) for i, item in reversed(list(enumerate(v))))
+    return None
+
+
+def _check_unicode(text: str, value: dict[str, Any]) -> None:
+    """400 naming the first field whose text holds a lone surrogate (``"\\ud800"`` sent as a JSON escape)."""
+    if not _SURROGATE_ESCAPE.search(text):
+        return
+    loc = lone_surrogate(value)
+    if loc is None:
+        return
+    param = _param(loc)
+    raise InvalidRequest(f"Invalid request: {param or 'the request body'} holds a lone UTF-16 surrogate (a "
+                         "\\ud800-\\udfff escape without its pair), which is not Unicode text: send surrogates in "
+                         "pairs, or the character itself",
+                         param=param, code="invalid_value")
+
+
 def parse_body(raw: bytes, model: type[M]) -> M:
     """Parse a JSON request body into ``model``.
 
     Raises:
-        InvalidRequest: empty body, invalid UTF-8, malformed JSON, not an object, or an invalid field.
+        InvalidRequest: empty body, invalid UTF-8, malformed JSON, not an object, text with a lone UTF-16
+            surrogate, or an invalid field.
     """
     if not raw.strip():
         raise InvalidRequest("the request body is empty: send a JSON object", code="invalid_json")
@@ -326,6 +371,7 @@ def parse_body(raw: bytes, model: type[M]) -> M:
     if not isinstance(value, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {type(value).__name__}",
                              code="invalid_json")
+    _check_unicode(text, value)
     try:
         return model.model_validate(value, strict=True)  # the parsed value: a 100 KB agent request is parsed once
     except ValidationError as exc:

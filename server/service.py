@@ -22,7 +22,15 @@ import psutil
 from artifacts.config import Settings
 from engine_bridge.errors import EngineError
 from server.chat import ChatTemplate, TemplateInfo
-from server.errors import ApiError, Conflict, ContextLengthExceeded, InvalidRequest, NotFound, Unavailable
+from server.errors import (
+    ApiError,
+    Conflict,
+    ContextLengthExceeded,
+    InvalidRequest,
+    NotFound,
+    Unavailable,
+    from_engine,
+)
 from server.formats import BUILDERS, Kind
 from server.generation import GenContext, Generation, GenSpec
 from server.journal import Journal, RequestIdInUse
@@ -159,8 +167,8 @@ class FluxService:
     @contextlib.contextmanager
     def _counting(self, rid: str) -> Iterator[None]:
         """Hold ``rid`` while the request is parsed, tokenized and queued (a second request with a running or
-        waiting request's id is a 409 at once); count a request refused before it runs (by status), or
-        failed by the engine while admitted."""
+        waiting request's id is a 409 at once); count a request refused before it runs (by the status it
+        gets), or failed unexpectedly (a 500: errored)."""
         if rid in self._claimed or rid in self.running:
             self.counters.rejected(409)
             raise Conflict(f"request id {rid!r} belongs to a request that is still running (cancel it with "
@@ -172,7 +180,10 @@ class FluxService:
         except ApiError as exc:
             self.counters.rejected(exc.status)
             raise
-        except EngineError:
+        except EngineError as exc:
+            self.counters.rejected(from_engine(exc).status)
+            raise
+        except Exception:
             self.counters.outcome("errored")
             raise
         finally:
@@ -246,7 +257,8 @@ class FluxService:
         spec = GenSpec(rid=rid, prompt=prompt, max_tokens=max_tokens, sampling=self._sampling(req), stops=req.stops(),
                        logprobs=logprobs, top_logprobs=top_logprobs, include_usage=req.include_usage() or not req.stream,
                        echo=echo, stream=bool(req.stream), arrived=arrived, grammar=reply.grammar if reply else None,
-                       tool_format=self.tool_format if reply and reply.parse_tools else None)
+                       tool_format=self.tool_format if reply and reply.parse_tools else None,
+                       forced_calls=reply.forced if reply else ())
         builder = BUILDERS[kind](rid, self.model_id, self.fingerprint, logprobs, top_logprobs)
         serve = self.settings.serve
         ctx = GenContext(engine=self.engine, admission=self.admission, journal=self.journal, wait_s=serve.queue_wait_s,
@@ -327,7 +339,8 @@ class FluxService:
         return {
             "plan_id": self.plan.id, "model": self.model_id, "uptime_s": round(time.time() - self.started, 1),
             "memory": memory_by_use(c["weights"], c["kv"], worker, self.journal.nbytes),
-            "requests": dict(self.counters.requests), "tokens_total": self.counters.tokens_total,
+            "requests": dict(self.counters.requests), "error_responses": dict(self.counters.errors),
+            "tokens_total": self.counters.tokens_total,
             "tokens_per_s": round(self.counters.tokens_per_s(), 2),
             "active": self.admission.active,
             "queue": {"length": self.admission.waiting, "max": serve.queue_max, "wait_s": serve.queue_wait_s},
@@ -346,7 +359,7 @@ class FluxService:
         return self.metrics.render(Snapshot(
             processing=self.admission.active, deferred=self.admission.waiting, worker_up=self.engine.alive,
             restarts=self.engine.restarts, journal_bytes=self.journal.nbytes, journal_requests=len(self.journal),
-            requests=dict(self.counters.requests), worker=worker))
+            requests=dict(self.counters.requests), errors=dict(self.counters.errors), worker=worker))
 
     def candidate_bytes(self) -> dict[str, dict[str, int]]:
         """Weights and KV per device as the plan measured them."""

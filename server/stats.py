@@ -8,17 +8,21 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Outcome = Literal["completed", "errored", "cancelled", "rejected_400", "rejected_429", "rejected_503"]
-OUTCOMES: tuple[Outcome, ...] = ("completed", "errored", "cancelled", "rejected_400", "rejected_429", "rejected_503")
+Outcome = Literal["completed", "errored", "cancelled", "rejected_400", "rejected_409", "rejected_429", "rejected_503"]
+OUTCOMES: tuple[Outcome, ...] = ("completed", "errored", "cancelled", "rejected_400", "rejected_409", "rejected_429",
+                                 "rejected_503")
+_REJECTED: dict[int, Outcome] = {409: "rejected_409", 429: "rejected_429", 503: "rejected_503"}
 RATE_WINDOW_S = 10.0
 
 
 @dataclass
 class Counters:
-    """Requests by outcome and generated tokens, with a sliding window for the recent token rate."""
+    """Requests by outcome, error responses by HTTP status, and generated tokens, with a sliding window for
+    the recent token rate."""
 
     clock: Callable[[], float] = time.monotonic
     requests: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    errors: dict[str, int] = field(default_factory=dict)  # error responses by status ("500": 2)
     tokens_total: int = 0
     _recent: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)
 
@@ -27,11 +31,13 @@ class Counters:
         self.requests[what] = self.requests.get(what, 0) + 1
 
     def rejected(self, status: int) -> None:
-        """Count a request refused before it ran: 429 and 503 by name, other 4xx as rejected_400, 5xx as errored."""
-        key: Outcome = "rejected_400" if 400 <= status < 500 else "errored"
-        if status in (429, 503):
-            key = "rejected_429" if status == 429 else "rejected_503"
-        self.requests[key] += 1
+        """Count a request refused before it ran: 409, 429 and 503 by name, other 4xx as rejected_400, other
+        5xx as errored."""
+        self.requests[_REJECTED.get(status, "rejected_400" if 400 <= status < 500 else "errored")] += 1
+
+    def error_response(self, status: int) -> None:
+        """Count an error response the server sent (any route, any cause: a 500 from a bug included)."""
+        self.errors[str(status)] = self.errors.get(str(status), 0) + 1
 
     def tokens(self, n: int) -> None:
         """Count generated tokens."""

@@ -11,7 +11,9 @@ as it likes. :func:`guarded_protocol` adds, per connection:
   ``Retry-After`` as soon as it sends its request, and is closed.
 
 A timed-out request gets a 408 with OpenAI's error body when no response has started, then the
-connection closes (the app, if it was reading the body, sees a disconnect).
+connection closes (the app, if it was reading the body, sees a disconnect). The status the client got is
+left in the request's ``scope["state"]`` under :data:`SENT_STATUS_KEY`, so the access log and the error
+counters report it rather than whatever the app answered to the disconnect (which nobody receives).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import h11
@@ -28,6 +30,14 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from artifacts.config import ServeSettings
 
 log = logging.getLogger(__name__)
+SENT_STATUS_KEY = "flux_sent_status"  # scope["state"]: the status this layer answered in the app's stead
+
+
+def sent_status(scope: Mapping[str, Any]) -> int | None:
+    """The status the transport answered a request with itself (a 408 body timeout), None if it did not."""
+    state = scope.get("state")
+    status = state.get(SENT_STATUS_KEY) if isinstance(state, dict) else None
+    return status if isinstance(status, int) else None
 
 
 def raw_response(status: int, reason: str, code: str, message: str, extra: dict[str, str] | None = None) -> bytes:
@@ -112,6 +122,9 @@ class GuardedH11Protocol(H11Protocol):
         started = self.cycle is not None and getattr(self.cycle, "response_started", False)
         if not started:
             self.transport.write(raw_response(status, phrase, code, message, extra))
+            state = self.cycle.scope.get("state") if self.cycle is not None else None
+            if isinstance(state, dict):
+                state[SENT_STATUS_KEY] = status
         if self.cycle is not None:
             self.cycle.disconnected = True
             self.cycle.message_event.set()

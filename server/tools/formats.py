@@ -6,7 +6,8 @@ Each format declares itself once in :data:`FORMATS` (detected in that order, as 
 - its call text, as a head (which starts with the format's trigger word), the arguments JSON, and a tail,
   from which the grammars are built: ``required`` and a named function make every reply a call (or
   several, with ``parallel_tool_calls``); ``auto`` is lazy: free text until the trigger word, then a call;
-- the parser that reads calls back from a reply (:mod:`server.tools.parse`);
+- the parsers that read calls back from a reply: whole calls amid text (:mod:`server.tools.parse`), or
+  the calls of a reply that a grammar makes all calls, streamed as they are written (:mod:`server.tools.forced`);
 - how to describe tools to a model whose template does not render them (the Hermes prompt).
 
 ``hermes`` is Qwen2.5/Qwen3's (and NousResearch Hermes'): ``<tool_call>\\n{"name": ..., "arguments": ...}
@@ -23,9 +24,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from engine_bridge.gbnf import GrammarBuilder, GrammarSpec, Trigger, literal
+from server.tools.forced import ForcedCallParser
 from server.tools.parse import CallParser, JsonReplyParser, TaggedCallParser
 
 MAX_PARALLEL_CALLS = 16  # a grammar allows this many calls per reply (random-weight models never stop else)
+_NAME_MARK = "flux-name"  # splits a call's head around the function's name
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,12 @@ class ToolFormat(ABC):
             more = f" ({literal(self.separator)} {call}){{0,{MAX_PARALLEL_CALLS - 1}}}"
         trigger = Trigger(words=[self.trigger], at_start=self.at_start) if lazy else None
         return g.build(f"{first}{more}", trigger)
+
+    def forced_parser(self, names: Sequence[str]) -> CallParser:
+        """A parser of replies that a (not lazy) grammar of this format makes all calls to ``names``: it streams
+        each call's name and arguments as they are written."""
+        prefix, infix = self.head(_NAME_MARK).split(json.dumps(_NAME_MARK), 1)
+        return ForcedCallParser(prefix, infix, self.tail(), names)
 
     def tools_prompt(self, tools: Sequence[Mapping[str, Any]]) -> str:
         """A system prompt describing ``tools`` (Hermes'), for templates that do not render tools."""

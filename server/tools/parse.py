@@ -25,11 +25,15 @@ class ParsedCall:
     arguments: str
 
 
+PieceKind = Literal["content", "call", "call_open", "call_args"]
+
+
 @dataclass(frozen=True)
 class Piece:
-    """What a parser lets out: content text or one tool call."""
+    """What a parser lets out: content text, one whole tool call, or a call streamed in pieces (its name in
+    ``call_open``'s ``call``, then its arguments' text in ``call_args`` pieces)."""
 
-    kind: Literal["content", "call"]
+    kind: PieceKind
     text: str = ""
     call: ParsedCall | None = None
 

@@ -34,6 +34,7 @@ class ReplyPlan:
     tools: list[dict[str, Any]] | None  # OpenAI's tools, for the template
     grammar: GrammarSpec | None
     parse_tools: bool
+    forced: tuple[str, ...] = ()  # the functions a grammar makes the whole reply calls to (streamed as written)
 
 
 class ReplyPlanner:
@@ -69,8 +70,10 @@ class ReplyPlanner:
             while len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
+        forced = (choice.function.name,) if isinstance(choice, NamedToolChoice) else ()
         return ReplyPlan(tools=[t.model_dump(mode="json", exclude_none=True) for t in tools] or None,
-                         grammar=self._cache[key], parse_tools=bool(tools) and choice != "none")
+                         grammar=self._cache[key], parse_tools=bool(tools) and choice != "none",
+                         forced=tuple(names) if choice == "required" else forced)
 
     def _grammar(self, req: ChatRequest, choice: Any) -> GrammarSpec | None:
         tools = req.tools or []

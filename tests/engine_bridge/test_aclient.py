@@ -192,3 +192,17 @@ def test_wait_exit_and_clean_close(tmp_path: Path) -> None:
         assert w2.returncode == 0, "shutdown exits cleanly"
 
     asyncio.run(main())
+
+
+def test_text_that_is_not_unicode_is_refused_before_it_is_sent(tmp_path: Path, tiny_moe: Path) -> None:
+    """A lone surrogate cannot be UTF-8 encoded: a typed ``bad_request`` (the server's 400), nothing sent, the
+    worker and the client's other calls unharmed."""
+
+    async def body(w: AsyncWorkerClient) -> None:
+        with pytest.raises(EngineError) as err:
+            await w.tokenize("hello \ud800 there")
+        assert err.value.code == "bad_request" and "surrogate" in err.value.message
+        assert not w._pending, "no call left waiting for an answer"
+        assert await w.tokenize("hello there") and w.alive
+
+    with_worker(tmp_path, tiny_moe, body)

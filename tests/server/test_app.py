@@ -70,3 +70,41 @@ def test_bad_last_event_id_is_400(client: TestClient) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "Last-Event-ID"
     r = client.get("/v1/requests/lei/events?after=-1")
     assert r.status_code == 400 and r.json()["error"]["param"] == "after"
+
+
+def _counted(c: TestClient) -> tuple[dict[str, int], dict[str, float]]:
+    """(/flux/stats' error responses by status and requests by outcome, /metrics' samples of both)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    stats = c.get("/flux/stats").json()
+    samples = {f"{s.name}{sorted(s.labels.items())}": s.value
+               for fam in text_string_to_metric_families(c.get("/metrics").text) for s in fam.samples
+               if s.name in ("flux_error_responses_total", "flux_requests_total")}
+    return {**stats["error_responses"], **{f"outcome:{k}": v for k, v in stats["requests"].items()}}, samples
+
+
+def test_a_500_is_counted_in_stats_and_metrics(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    # No request a client can send is a 500 any more (that is the point); a bug is simulated where one would
+    # hide: the chat template raising something no handler expects, and a report route failing.
+    svc = client.app.state.flux
+    before, metrics_before = _counted(client)
+
+    def broken(*args: object, **kwargs: object) -> str:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(svc.chat_template, "render", broken)
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 500, r.text
+    assert r.json()["error"] == {"message": "internal server error (RuntimeError); see the server log",
+                                 "type": "server_error", "param": None, "code": "internal_error"}
+    monkeypatch.setattr(svc, "models", broken)
+    assert client.get("/v1/models").status_code == 500
+    monkeypatch.undo()
+    assert client.get("/v1/models").status_code == 200
+    after, metrics_after = _counted(client)
+    assert after.get("500", 0) == before.get("500", 0) + 2, "both 500s, whatever the route"
+    assert after["outcome:errored"] == before["outcome:errored"] + 1, "the chat request failed"
+    key = "flux_error_responses_total[('status', '500')]"
+    assert metrics_after[key] == metrics_before.get(key, 0) + 2
+    key = "flux_requests_total[('outcome', 'errored')]"
+    assert metrics_after[key] == metrics_before[key] + 1

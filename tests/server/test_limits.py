@@ -116,13 +116,29 @@ def test_slow_headers_are_cut_off(strict_server: Server) -> None:
     assert _chat_ok(strict_server) < 5
 
 
+def _access_line(srv: Server, rid: str, deadline_s: float = 10) -> str:
+    end = time.monotonic() + deadline_s
+    while True:
+        lines = [x for x in srv.log.read_text().splitlines() if " access " in x and f"id={rid} " in x]
+        if lines or time.monotonic() > end:
+            assert len(lines) == 1, lines
+            return lines[0]
+        time.sleep(0.1)
+
+
 def test_slow_body_is_cut_off(strict_server: Server) -> None:
+    before = strict_server.stats()
     body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: flux\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(body))
+            b"x-request-id: slow-body-1\r\nContent-Length: %d\r\n\r\n" % len(body))
     took, got = _dribble(strict_server, body, gap_s=1.0, budget_s=20, fast=head)
     assert took < 8, f"a 3 s body timeout let a slow client hold the connection for {took:.1f} s"
+    assert got.startswith(b"HTTP/1.1 408"), got[:200]
+    assert "status=408 " in _access_line(strict_server, "slow-body-1"), "the log says what the client got"
     assert _chat_ok(strict_server) < 5
+    after = strict_server.stats()
+    assert after["error_responses"].get("408", 0) == before["error_responses"].get("408", 0) + 1
+    assert "500" not in after["error_responses"] and after["requests"]["errored"] == 0
 
 
 def test_connections_over_the_limit_are_refused_with_an_openai_error(strict_server: Server) -> None:

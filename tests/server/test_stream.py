@@ -124,7 +124,14 @@ def test_unknown_request_id_is_404(slow_server: Server) -> None:
     assert r.json()["error"]["code"] == "request_not_found"
 
 
+def _conflicts_in_metrics(srv: Server) -> float:
+    text = httpx.get(f"{srv.base}/metrics", timeout=30).text
+    line = next(x for x in text.splitlines() if x.startswith('flux_requests_total{outcome="rejected_409"}'))
+    return float(line.split()[-1])
+
+
 def test_running_request_id_cannot_be_reused(slow_server: Server) -> None:
+    before, metric_before = slow_server.stats(), _conflicts_in_metrics(slow_server)
     with httpx.Client(timeout=60) as c, c.stream("POST", f"{slow_server.base}/v1/chat/completions", json=LONG,
                                                   headers={"x-request-id": "dup-1"}) as r:
         assert r.status_code == 200, r.read()
@@ -134,7 +141,11 @@ def test_running_request_id_cannot_be_reused(slow_server: Server) -> None:
                        headers={"x-request-id": "dup-1"})
         assert clash.status_code == 409 and clash.json()["error"]["code"] == "request_id_in_use"
     httpx.delete(f"{slow_server.base}/v1/requests/dup-1", timeout=30)
-    _wait_idle(slow_server)
+    after = _wait_idle(slow_server)
+    assert after["requests"]["rejected_409"] == before["requests"]["rejected_409"] + 1, "counted as the 409 it was"
+    assert after["requests"]["rejected_400"] == before["requests"]["rejected_400"]
+    assert after["error_responses"]["409"] == before["error_responses"].get("409", 0) + 1
+    assert _conflicts_in_metrics(slow_server) == metric_before + 1
     assert httpx.post(f"{slow_server.base}/v1/chat/completions", json={**LONG, "max_tokens": 2},
                       headers={"x-request-id": "bad id!"}).status_code == 400
 

@@ -80,3 +80,55 @@ def test_call_text_round_trips_through_the_parser() -> None:
     for fmt in (Hermes(), Llama3()):
         text = fmt.call_text("f", json.dumps({"x": [1, "é"]}, ensure_ascii=False))
         assert run(fmt.parser(), [text])[1] == [ParsedCall("f", '{"x": [1, "é"]}')]
+
+
+# -- replies a grammar makes all calls: streamed as written ---------------------------------------------
+NAMES = ["get_weather", "get_time", "get"]
+FORCED = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris \\"{[", "n": [1, {"x": null}]}}\n'
+          '</tool_call>\n<tool_call>\n{"name": "get", "arguments": {}}\n</tool_call>')
+
+
+def forced(parser: CallParser, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
+    """(content, [(name, arguments)]) with each call's arguments joined from its pieces."""
+    out: list[Piece] = []
+    for p in pieces:
+        out += parser.feed(p)
+    out += parser.finish()
+    calls: list[tuple[str, str]] = []
+    for p in out:
+        if p.kind == "call_open" and p.call is not None:
+            calls.append((p.call.name, ""))
+        elif p.kind == "call_args":
+            calls[-1] = (calls[-1][0], calls[-1][1] + p.text)
+    return "".join(p.text for p in out if p.kind == "content"), calls
+
+
+WHOLE = [("get_weather", '{"city": "Pa}ris \\"{[", "n": [1, {"x": null}]}'), ("get", "{}")]
+
+
+@given(cuts=st.lists(st.integers(0, len(FORCED)), max_size=12))
+@settings(max_examples=150, deadline=None)
+def test_forced_calls_split_anywhere_give_the_calls_and_no_markup(cuts: list[int]) -> None:
+    bounds = sorted({0, len(FORCED), *cuts})
+    pieces = [FORCED[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert forced(Hermes().forced_parser(NAMES), pieces) == ("", WHOLE)
+
+
+def test_a_forced_call_opens_as_soon_as_its_name_is_known_and_a_cut_one_stays() -> None:
+    p = Hermes().forced_parser(NAMES)
+    assert p.feed('<tool_call>\n{"name": "get') == []  # get, get_time or get_weather
+    assert p.feed("_w") == [Piece("call_open", call=ParsedCall("get_weather", ""))]
+    assert p.feed('eather", "arguments": {"ci') == [Piece("call_args", '{"ci')]
+    assert p.finish() == []
+    one = Llama3().forced_parser(["get_time"])
+    assert one.feed('{"name": ') == [Piece("call_open", call=ParsedCall("get_time", ""))], "a named function"
+    for cut in range(1, len(FORCED)):  # cut anywhere: every call begun is there, arguments as far as they got
+        content, calls = forced(Hermes().forced_parser(NAMES), [FORCED[:cut]])
+        assert content == "" and all(WHOLE[i][1].startswith(args) for i, (_, args) in enumerate(calls))
+    assert forced(Hermes().forced_parser(["f"]), ["<tool_"]) == ("", [("f", "")])
+    assert forced(Hermes().forced_parser(NAMES), ['<tool_call>\n{"name": "ge']) == ("", []), "no name yet"
+
+
+def test_a_reply_that_leaves_the_grammar_is_content_from_there() -> None:
+    assert forced(Hermes().forced_parser(NAMES), ["Sure: ", "<tool_call>"]) == ("Sure: <tool_call>", [])
+    assert forced(Llama3().forced_parser(["f"]), ['{"name": "f", "parameters": 7}']) == ("", [("f", "7")])

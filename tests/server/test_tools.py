@@ -110,10 +110,9 @@ def test_parallel_calls_each_valid(client: openai.OpenAI, plan: Plan) -> None:
     r = client.chat.completions.create(model=plan.model_name, messages=ASK, tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
                                        max_tokens=200, seed=11)
     calls = r.choices[0].message.tool_calls or []
-    _check_calls(calls, {"get_weather", "get_time"})
-    assert len({c.id for c in calls}) == len(calls)
-    if r.choices[0].finish_reason == "length":  # the reply was cut inside a further call: it is content
-        assert (r.choices[0].message.content or "").startswith("<tool_")
+    cut = r.choices[0].finish_reason == "length"  # the last call may be cut: arguments as far as they got
+    _check_calls(calls[:-1] if cut else calls, {"get_weather", "get_time"})
+    assert len({c.id for c in calls}) == len(calls) and r.choices[0].message.content is None
 
 
 def test_tools_reach_the_template(server: Server) -> None:
@@ -184,3 +183,93 @@ def test_malformed_tools_and_formats_are_400(server: Server, field: dict[str, An
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
+
+
+# -- forced calls stream as they are written, and one cut by max_tokens is still a call -------------------
+HEAD = '<tool_call>\n{"name": "get_weather", "arguments": '
+NAMED: Any = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _chunks(server: Server, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.Client(timeout=120) as c:
+        r = c.post(f"{server.base}/v1/chat/completions", json={**body, "stream": True})
+    assert r.status_code == 200, r.text
+    data = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def _streamed_call(chunks: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]], str | None]:
+    """(content, the tool_calls deltas in order, finish_reason) of a streamed reply."""
+    content, deltas, reason = "", [], None
+    for ch in chunks:
+        for choice in ch["choices"]:
+            content += choice["delta"].get("content") or ""
+            deltas += choice["delta"].get("tool_calls") or []
+            reason = choice["finish_reason"] or reason
+    return content, deltas, reason
+
+
+def _full_call(server: Server, body: dict[str, Any]) -> tuple[list[str], str]:
+    """The token texts of a whole forced call (greedy, so a shorter reply is its prefix) and its arguments."""
+    r = httpx.post(f"{server.base}/v1/chat/completions", timeout=120, json={**body, "max_tokens": 300,
+                                                                              "logprobs": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    return [t["token"] for t in choice["logprobs"]["content"]], call["function"]["arguments"]
+
+
+def _inside_arguments(tokens: list[str], arguments: str) -> int:
+    """A max_tokens that ends the reply halfway through the call's arguments."""
+    text, head_end = "", None
+    for i, t in enumerate(tokens):
+        text += t
+        if head_end is None and len(text) >= len(HEAD):
+            head_end = i + 1
+    assert head_end is not None and "".join(tokens).startswith(HEAD + arguments)
+    return head_end + max(1, (len(tokens) - head_end) // 2)
+
+
+@pytest.mark.parametrize("choice", [NAMED, "required"])
+def test_a_forced_call_cut_by_max_tokens_is_still_a_call(server: Server, choice: Any) -> None:
+    body: dict[str, Any] = {"messages": ASK, "tools": TOOLS[:1], "tool_choice": choice, "temperature": 0,
+                            "parallel_tool_calls": False}
+    tokens, arguments = _full_call(server, body)
+    cut = _inside_arguments(tokens, arguments)
+    assert cut < len(tokens) - 1, "the arguments run past max_tokens"
+    r = httpx.post(f"{server.base}/v1/chat/completions", json={**body, "max_tokens": cut}, timeout=120)
+    assert r.status_code == 200, r.text
+    choice_ = r.json()["choices"][0]
+    assert choice_["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == cut
+    assert choice_["message"]["content"] is None, "no markup in content"
+    (call,) = choice_["message"]["tool_calls"]
+    assert call["id"].startswith("call_") and call["function"]["name"] == "get_weather"
+    got = call["function"]["arguments"]
+    assert got and arguments.startswith(got) and got != arguments, (got, arguments)
+
+    content, deltas, reason = _streamed_call(_chunks(server, {**body, "max_tokens": cut}))
+    assert reason == "length" and content == ""
+    first, *rest = deltas
+    assert first["index"] == 0 and first["id"].startswith("call_") and first["type"] == "function"
+    assert first["function"] == {"name": "get_weather", "arguments": ""}, "the name comes first, at once"
+    assert rest and all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in rest)
+    assert "".join(d["function"]["arguments"] for d in rest) == got
+
+
+def test_a_forced_call_streams_its_arguments_as_they_come(server: Server) -> None:
+    body: dict[str, Any] = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "temperature": 0,
+                            "parallel_tool_calls": False, "max_tokens": 300}
+    chunks = _chunks(server, body)
+    content, deltas, reason = _streamed_call(chunks)
+    assert reason == "tool_calls" and content == ""
+    assert deltas[0]["function"]["name"] in SCHEMAS and deltas[0]["function"]["arguments"] == ""
+    pieces = [d["function"]["arguments"] for d in deltas[1:]]
+    assert len(pieces) > 3, "the arguments arrive in pieces, not at the end"
+    jsonschema.validate(json.loads("".join(pieces)), SCHEMAS[deltas[0]["function"]["name"]])
+    finish = next(i for i, ch in enumerate(chunks) if ch["choices"] and ch["choices"][0]["finish_reason"])
+    assert finish == len(chunks) - 1 or "usage" in chunks[-1]
+    whole = httpx.post(f"{server.base}/v1/chat/completions", json={**body, "stream": False}, timeout=120).json()
+    (call,) = whole["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == {"name": deltas[0]["function"]["name"], "arguments": "".join(pieces)}
