@@ -189,6 +189,20 @@ def record_row(run: str, preset: str, routing: str, budget: float, plan_id: str,
                     "plan_flag": m.get("plan_flag")})
     if out.get("served_decode_tps") and out.get("plan_decode_tps"):
         out["http_vs_plan_decode"] = out["served_decode_tps"] / out["plan_decode_tps"]
+    return mask_invalid(out)
+
+
+def mask_invalid(row: dict[str, Any]) -> dict[str, Any]:
+    """No ratio against a flagged baseline (or of a flagged plan) stands as a result: each moves to
+    ``<key>_<ratio>_unreported`` and its result column is emptied."""
+    out = dict(row)
+    for key in BASELINE_KEYS.values():
+        if out.get(f"{key}_valid") is False:
+            for ratio in ("tg", "pp", "agent"):
+                col = f"{ratio}_vs_{key}"
+                if out.get(col) is not None:
+                    out[f"{key}_{ratio}_unreported"] = out[col]
+                out[col] = None
     return out
 
 
