@@ -67,6 +67,7 @@ class DevicesResult(_Msg):
 class LoadArgs(_Msg):
     model: str
     params: EngineParams
+    vocab_only: bool = Field(False, description="the vocabulary alone (tokenize/detokenize only; params ignored)")
 
 
 class LoadResult(_Msg):

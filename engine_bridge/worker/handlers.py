@@ -42,13 +42,13 @@ def devices(w: Worker, a: ops.NoArgs) -> ops.DevicesResult:
 
 def load(w: Worker, a: ops.LoadArgs) -> ops.LoadResult:
     """Load a model with EngineParams for measuring; replaces a loaded one."""
-    from engine_bridge.worker.native import NativeModel
+    from engine_bridge.worker.native import NativeModel, VocabModel
 
     w.unload()
     if w.fault == "abort-on-load":
         os.abort()
     t0 = time.perf_counter()
-    w.model = NativeModel(Path(a.model), a.params)
+    w.model = VocabModel(Path(a.model)) if a.vocab_only else NativeModel(Path(a.model), a.params)
     return ops.LoadResult(load_ms=(time.perf_counter() - t0) * 1e3, n_ctx=w.model.n_ctx, n_vocab=w.model.n_vocab)
 
 

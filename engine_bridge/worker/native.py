@@ -151,3 +151,35 @@ class NativeModel:
         llama_cpp.llama_free(self.ctx)
         llama_cpp.llama_model_free(self.model)
         self._keep.clear()
+
+
+class VocabModel:
+    """A model's vocabulary alone (llama.cpp's vocab-only load: no weights read, no context): what tokenizing
+    needs, in milliseconds where loading a 30B model's weights takes seconds."""
+
+    def __init__(self, model_path: Path) -> None:
+        llama_cpp.llama_backend_init()
+        mp = llama_cpp.llama_model_default_params()
+        mp.vocab_only = True
+        self.model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), mp)
+        if not self.model:
+            raise EngineError("load_failed", f"llama.cpp could not read the vocabulary of {model_path}")
+        self.vocab = Vocab(llama_cpp.llama_model_get_vocab(self.model))
+        self.n_vocab = self.vocab.n_vocab
+        self.n_ctx = 0
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        """Tokens of ``text`` (no BOS added)."""
+        return self.vocab.tokenize(text, special=special, add_special=False)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """Text of ``tokens``."""
+        return self.vocab.detokenize([int(t) for t in tokens])
+
+    def close(self) -> None:
+        """Free the vocabulary."""
+        llama_cpp.llama_model_free(self.model)
+
+    def __getattr__(self, name: str) -> Any:
+        """Every op that needs weights: a typed refusal, not a missing attribute."""
+        raise EngineError("not_loaded", f"{name}: the worker holds a vocabulary only; send 'load' without vocab_only")

@@ -153,3 +153,21 @@ def test_plain_cpu_weights_load_and_are_a_flag_too(tiny_moe: Path) -> None:
         w.request(ops.LOAD, ops.LoadArgs(model=str(tiny_moe), params=plain))
         toks = w.tokenize("plain layout")
         assert len(w.request(ops.GREEDY, ops.GreedyArgs(prompt=toks, n_gen=4, stop_eog=False)).tokens) == 4
+
+
+def test_a_vocabulary_only_load_tokenizes_like_the_whole_model(tiny_moe: Path) -> None:
+    """The tokenizer helper reads the vocabulary alone (no weights: 12-14 s saved per plan of a 30B model on
+    the H200); its tokens are the full load's, and an op that needs weights is a typed refusal."""
+    text = "def f(x):\n    return x  <|im_start|>user\nhé 🙂"
+    got = []
+    for vocab_only in (False, True):
+        with WorkerClient() as w:
+            w.request(ops.LOAD, ops.LoadArgs(model=str(tiny_moe), params=EngineParams(n_ctx=256, n_batch=64,
+                                                                                      n_ubatch=64),
+                                             vocab_only=vocab_only), 60)
+            got.append((w.tokenize(text, timeout=30), w.tokenize(text, special=False, timeout=30)))
+            if vocab_only:
+                with pytest.raises(EngineError) as err:
+                    w.request(ops.TIMED_RUN, ops.TimedRunArgs(prompt=[1, 2, 3], n_gen=2), 30)
+                assert err.value.code == "not_loaded" and "vocabulary only" in err.value.message
+    assert got[0] == got[1] and got[0][0]
