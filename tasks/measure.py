@@ -140,6 +140,8 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
         order = [c for c in finalists if c.id not in failed]
         rng.shuffle(order)
         for cand in order:
+            if cand.id in failed:  # dropped while this round ran
+                continue
             spent = time.monotonic() - t0
             estimate = statistics.median(visit_s) if visit_s else (predicted_visit_s or {}).get(cand.id, 0.0)
             if done >= 2 and spent + estimate > budget_s:
@@ -160,6 +162,13 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
             rows.extend(got)
             if any(r.get("error") for r in got):
                 failed.add(cand.id)
+            if rnd == 0 and predicted_visit_s:
+                left = budget_s - (time.monotonic() - t0)
+                for cid, why in _drop_unvisited(finalists, first_visit, predicted_visit_s, failed, left):
+                    failed.add(cid)
+                    rows.append({"candidate_id": cid, "round": 0, "prompt_index": -1, "error": why})
+                    if progress:
+                        progress(f"measure: {cid} dropped: {why}")
         if stopped:
             break
     rows += _measured_once(rows, failed)
@@ -167,6 +176,28 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
     pred = predicted_gpu or {}
     summaries = [summarize(c.id, rows).model_copy(update={"predicted_gpu_bytes": pred.get(c.id)}) for c in finalists]
     return summaries, table, time.monotonic() - t0, stopped
+
+
+def _drop_unvisited(finalists: list[Candidate], first_visit: Mapping[str, float], predicted: Mapping[str, float],
+                    failed: set[str], left_s: float) -> list[tuple[str, str]]:
+    """(id, reason) of finalists not yet visited to drop, prune's last-ranked first, until what is left of the
+    first round and a whole second round fit ``left_s``, with visits priced by how the ones so far compared
+    with their predictions (on the H200 they took twice as long): finalists a budget cannot measure twice
+    are better left out than measured once. Two finalists at least stay."""
+    ratios = [first_visit[c] / predicted[c] for c in first_visit if predicted.get(c)]
+    if not ratios:
+        return []
+    scale = max(1.0, statistics.median(ratios))
+    live = [c.id for c in finalists if c.id not in failed]
+    est = {c: first_visit.get(c, predicted.get(c, 0.0) * scale) for c in live}
+    unvisited = [c for c in live if c not in first_visit]
+    out: list[tuple[str, str]] = []
+    while unvisited and len(live) > 2 and sum(est[c] for c in unvisited) + sum(est[c] for c in live) > left_s:
+        cid = unvisited.pop()
+        live.remove(cid)
+        out.append((cid, f"not measured: visits took {scale:.1f}x their predicted time, and the budget left no room "
+                         "for two rounds of it"))
+    return out
 
 
 def _measured_once(rows: list[dict[str, Any]], failed: set[str]) -> list[dict[str, Any]]:

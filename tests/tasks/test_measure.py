@@ -109,3 +109,16 @@ def test_a_finalist_measured_once_is_never_ranked(tiny_moe: Path, tmp_path: Path
              "error": "measured once: the budget left no second round (no spread)"}]
     s = summarize("a", rows)
     assert s.workload_s is None and s.decode_tps and s.error and s.error.startswith("measured once")
+
+
+def test_slow_first_visits_drop_the_last_ranked_unvisited_finalists() -> None:
+    """Visits twice as long as predicted (the H200's): the last-ranked finalists not yet visited are dropped
+    until the rest fit two rounds; two always stay, and nothing is dropped while predictions hold."""
+    from tasks.measure import _drop_unvisited
+
+    fin = [cand(f"c{i}") for i in range(6)]
+    pred = {c.id: 10.0 for c in fin}
+    assert _drop_unvisited(fin, {"c0": 10.0}, pred, set(), 120.0) == []
+    dropped = _drop_unvisited(fin, {"c0": 20.0}, pred, set(), 120.0)
+    assert [cid for cid, _ in dropped] == ["c5", "c4", "c3"] and "2.0x" in dropped[0][1]
+    assert [cid for cid, _ in _drop_unvisited(fin, {"c0": 50.0}, pred, set(), 1.0)] == ["c5", "c4", "c3", "c2"]
