@@ -59,6 +59,11 @@ _LAYOUT: dict[Format, tuple[str, str]] = {"json": ("objects", ".json"), "parquet
 RESERVED_TABLE_KINDS = frozenset({"objects"})  # the catalog's view in query()
 
 
+def _how_to_list(kind: str) -> str:
+    """The command a person runs to see what of ``kind`` is stored."""
+    return "`flux plans`" if kind == "plan" else f"`flux sql \"SELECT id FROM objects WHERE kind = '{kind}'\"`"
+
+
 class AmbiguousId(NotFound):
     """An id prefix matches several stored objects."""
 
@@ -230,7 +235,7 @@ class Store:
             raise AmbiguousId(kind, id_prefix, ids)
         raise NotFound(
             f"no {kind} id starts with '{id_prefix}' in {self.data_dir}: "
-            f"check the prefix and the store directory (Store.list('{kind}') shows what is stored)"
+            f"check the prefix and the store directory ({_how_to_list(kind)} lists what is stored)"
         )
 
     def list(self, kind: str) -> builtins.list[dict[str, Any]]:

@@ -69,8 +69,11 @@ def depth_line(plan: Plan) -> str | None:
             + f" tok/s; at {d1} tokens {v1 / v0:.0%} of the speed at {d0}")
 
 
-def _spread(lo: float | None) -> str:
-    return f" (spread {lo:.1f}: IQR, or range under 4 trials)" if lo is not None else " (one trial: no spread)"
+def _spread(lo: float | None, rounds: int = 0) -> str:
+    """The spread and which statistic it is (measure._iqr: the IQR from 4 rounds, the full range under 4)."""
+    if lo is None:
+        return " (one round: no spread)"
+    return f" (spread {lo:.1f}: {'IQR over' if rounds >= 4 else 'range of'} {rounds} rounds)"
 
 
 def plan_markdown(plan: Plan) -> str:
@@ -103,8 +106,8 @@ def print_plan(plan: Plan, con: Console | None = None) -> None:
     con.print(f"workload mix: {r.workload}, {plan.workload_prefill_share:.0%} prefill tokens")
     for line in _placement_lines(plan):
         con.print("  " + line, markup=False)
-    con.print(f"measured: prefill {m.prefill_tps or 0:.1f} tok/s{_spread(m.prefill_iqr)}, decode "
-              f"{m.decode_tps or 0:.1f} tok/s{_spread(m.decode_iqr)} over {m.n_rounds or m.n_trials} rounds")
+    con.print(f"measured: prefill {m.prefill_tps or 0:.1f} tok/s{_spread(m.prefill_iqr, m.n_rounds)}, decode "
+              f"{m.decode_tps or 0:.1f} tok/s{_spread(m.decode_iqr, m.n_rounds)} over {m.n_rounds or m.n_trials} rounds")
     con.print(ranking_line(plan))
     depth = depth_line(plan)
     if depth:

@@ -40,6 +40,7 @@ from tasks.gpu_memory import predicted_gpu_bytes
 from tasks.measure import Scoring, measure
 from tasks.persist import find_plan, persist, plan_key, plan_notes
 from tasks.plan_types import (
+    Candidate,
     Finalists,
     HardwareReport,
     MachineFacts,
@@ -241,6 +242,13 @@ def enumerate_stage(ctx: PlanContext, hw: HardwareReport, routing: RoutingProfil
                     lambda: enumerate_placements(ctx.info, hw, ctx.req, ctx.settings.host_reserve_percent, shares)))
 
 
+def _kv_label(c: Candidate) -> str:
+    """Where a finalist's KV cache lives, for the log (a CPU-only candidate has no GPU to hold it)."""
+    if not any(d != "CPU" for d in (*c.weights_bytes, *c.kv_bytes)):
+        return "cpu-only"
+    return "kv-gpu" if c.params.offload_kqv else "kv-host"
+
+
 def workload_for(ctx: PlanContext, space: PlacementSpace) -> Workload:
     """Token counts of the workload the plan is ranked on: every prompt of the request's workload once."""
     return wl.workload(*wl.nominal_lengths(space.n_ctx, ctx.req))
@@ -259,7 +267,7 @@ def prune_stage(ctx: PlanContext, hw: HardwareReport, space: PlacementSpace) -> 
     log.info("prune: %d finalists of %d candidates for a workload of %d prompt + %d generated tokens: %s",
              len(fin.finalists), fin.n_ranked, work.prefill_tokens, work.decode_tokens, "; ".join(
                  f"{c.id} {c.family} ctx {c.params.n_ctx} ub {c.params.n_ubatch} t {c.params.n_threads} "
-                 f"{'kv-gpu' if c.params.offload_kqv else 'kv-host'} predicted {p.score_s:.2f} s "
+                 f"{_kv_label(c)} predicted {p.score_s:.2f} s "
                  f"({p.prefill_tps:.0f}/{p.decode_tps:.1f} tok/s)"
                  for c, p in zip(fin.finalists, fin.predictions, strict=True)))
     create_table_artifact(key="finalists", description="Finalists and their predicted speed", table=[

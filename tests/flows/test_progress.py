@@ -53,3 +53,23 @@ def test_the_probes_load_times_price_a_visit() -> None:
         decode_ms_per_layer=0.1, prefill_ms_per_layer=0.01, load_ms=3319.0)]})
     gpu_rate, cpu_rate = wl.load_rates(timed, 17_300_000_000)
     assert abs(gpu_rate - 17.3e9 / 3.319) < 1e6 and cpu_rate == wl.LOAD_GBS * 1e9  # the CPU load was not timed
+
+
+def test_show_names_the_spread_statistic_it_used() -> None:
+    from flows.show import _spread
+
+    assert _spread(None, 1) == " (one round: no spread)"
+    assert _spread(2.5, 3) == " (spread 2.5: range of 3 rounds)"
+    assert _spread(2.5, 5) == " (spread 2.5: IQR over 5 rounds)"
+
+
+def test_an_unknown_plan_prefix_points_to_flux_plans(tmp_path: object) -> None:
+    import pathlib
+
+    import pytest
+
+    from artifacts.errors import NotFound
+    from artifacts.store import Store
+
+    with pytest.raises(NotFound, match="`flux plans` lists what is stored"):
+        Store(pathlib.Path(str(tmp_path))).find("plan", "abc")
