@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
@@ -18,9 +18,6 @@ from litestar.exceptions import HTTPException, ValidationException
 from artifacts.errors import FluxError
 from engine_bridge.errors import EngineError, WorkerDied, WorkerTimeout
 from server.transport import sent_status
-
-if TYPE_CHECKING:
-    from server.service import FluxService
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +191,7 @@ def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[
     """Litestar exception handler: every error as OpenAI's error body, counted by the status its client gets
     (the transport's own 408 when it cut a slow body: this response then reaches nobody)."""
     err = to_api_error(exc)
-    svc: FluxService | None = request.app.state.get("flux")
+    svc: Any = request.app.state.get("flux")  # the FluxService (not imported: server.service imports this module)
     if svc is not None:
         svc.counters.error_response(sent_status(request.scope) or err.status)
     headers = dict(err.headers)

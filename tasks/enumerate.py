@@ -24,20 +24,12 @@ from tasks import expert_select, layer_split
 from tasks.costmodel import EXPERT_PARTS, all_on, head_bytes, layer_bytes
 from tasks.errors import ImpossiblePlan
 from tasks.expert_hot import hot_placement, split_bytes
-from tasks.gpu_memory import DEFAULT_MARGIN, budget_problem, correction, offloads_host_weights
+from tasks.gpu_memory import DEFAULT_MARGIN, budget_problem, compute_bytes, correction, offloads_host_weights
 from tasks.plan_types import Candidate, HardwareReport, Placement, PlacementSpace, PlanRequest
 
 log = logging.getLogger(__name__)
 GIB = 2**30
 PIPELINE_BATCH = 2048  # tokens per llama_decode call when micro-batches are pipelined over GPUs
-
-
-def compute_bytes(info: ModelInfo, n_ubatch: int, n_ctx: int, flash_attn: bool) -> int:
-    """Estimated compute buffer of one device: activations + logits of a micro-batch (+ scores without FA)."""
-    act = n_ubatch * (4 * info.n_embd + 3 * max(info.n_embd * 4, 1)) * 4
-    logits = n_ubatch * info.n_vocab * 4
-    scores = 0 if flash_attn else n_ubatch * n_ctx * max(info.n_head, 1) * 4
-    return int(act + logits + scores + 16 * 2**20)
 
 
 def _thread_choices(hw: HardwareReport) -> list[int]:

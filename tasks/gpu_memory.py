@@ -23,6 +23,14 @@ EXPERTS_ON_HOST = TensorOverride(pattern=r"\.ffn_(up|down|gate)_exps\.", device=
 CALIBRATION_UBATCH = 2048  # the largest micro-batch the search tries
 
 
+def compute_bytes(info: ModelInfo, n_ubatch: int, n_ctx: int, flash_attn: bool) -> int:
+    """Estimated compute buffer of one device: activations + logits of a micro-batch (+ scores without FA)."""
+    act = n_ubatch * (4 * info.n_embd + 3 * max(info.n_embd * 4, 1)) * 4
+    logits = n_ubatch * info.n_vocab * 4
+    scores = 0 if flash_attn else n_ubatch * n_ctx * max(info.n_head, 1) * 4
+    return int(act + logits + scores + 16 * 2**20)
+
+
 def offloads_host_weights(p: EngineParams, weights_bytes: dict[str, int]) -> bool:
     """Whether llama.cpp copies host weights to a GPU for large micro-batches (op offload) under ``p``."""
     host = weights_bytes.get("CPU", 0)
@@ -78,7 +86,6 @@ def smallest_moe_budget(info: ModelInfo, n_ctx: int, n_seq: int, kv_type: str, h
     512-token micro-batch's compute buffer and this machine's correction (the experts can all stay on the
     host; these cannot, on the GPU path Flux plans)."""
     from tasks.costmodel import head_bytes
-    from tasks.enumerate import compute_bytes
     from tasks.expert_hot import block_bytes
 
     kv = info.kv_bytes_per_token.get(kv_type, 0) * n_ctx * n_seq

@@ -24,5 +24,5 @@ def test_show_states_the_measured_gpu_memory_when_there_is_one(tiny_moe: Path, t
                        (stored_plan(settings, tiny_moe, params), False)):
         out = io.StringIO()
         print_plan(plan, Console(file=out, width=200))
-        assert ("measured GPU memory of the chosen plan (NVML, after its runs): 7.85 GiB" in out.getvalue()) is want
+        assert ("measured GPU memory of the chosen plan (NVML, after its runs, per-process): 7.85 GiB" in out.getvalue()) is want
         assert "workload mix" in out.getvalue()
