@@ -1,8 +1,9 @@
 """How long each planning stage took, what of the budget it used, and what is left: the flow's clock.
 
-``--budget-s B`` is the wall time of measuring and validating the finalists; the work a model's first plan
-does once — its routing trace and its reference outputs — is counted inside it too, so a first plan ends
-about B after probing and enumerating, and a further plan (those reused) about B after enumerating. Each
+``--budget-s B`` is the flow's wall time after probing: the routing trace and reference outputs a model's
+first plan makes once, enumerating and pruning, reading reused results back, measuring and validating all
+count inside it, so every plan ends about B after its probe (a probe is reused after a machine's first plan).
+Measuring keeps at least half of B whatever came before it (:func:`flows.workload.measure_budget`). Each
 stage reports its time and an estimate of what is left; the plan records every stage's seconds.
 """
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 # Rough seconds of the stages after measuring when nothing is known yet (persist, the flow's end).
 TAIL_S = 2.0
-IN_BUDGET = ("route", "reference", "measure", "validate")
+OUTSIDE_BUDGET = ("probe",)
 
 
 @dataclass
@@ -51,8 +52,8 @@ class StageClock:
                          f"{time.monotonic() - self.t0:.0f} s so far, about {self.left_s():.0f} s left")
 
     def in_budget_spent(self) -> float:
-        """Seconds of the budget used so far (the stages counted inside it that computed something)."""
-        return sum(s for n, s in self.seconds.items() if n in IN_BUDGET and self.computed.get(n, True))
+        """Seconds of the budget used so far: every stage but the probe, computed or reused."""
+        return sum(s for n, s in self.seconds.items() if n not in OUTSIDE_BUDGET)
 
     def left_s(self) -> float:
         """Estimated seconds until the plan is saved: what the budget has left, plus the tail."""

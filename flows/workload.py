@@ -41,14 +41,14 @@ def workload(lengths: list[int], n_gen: int) -> Workload:
                     mean_prompt_tokens=sum(lengths) / len(lengths))
 
 
-# The share of --budget-s that measuring keeps however much of it a model's first plan spent on its routing
-# trace and reference: a first plan may run past its budget by up to this share, never measure in nothing.
+# The share of --budget-s that measuring keeps however much of it the stages before spent (a model's first
+# routing trace and reference): a first plan may run past its budget by up to this share, never measure in nothing.
 MIN_MEASURE_SHARE = 0.5
 
 
 def measure_budget(budget_s: float, spent_s: float) -> float:
-    """Seconds the measure stage may use: what ``--budget-s`` has left after the work of this run counted
-    inside it (a first plan's routing trace and reference), at least MIN_MEASURE_SHARE of it."""
+    """Seconds the measure stage may use: what ``--budget-s`` has left after the stages before it (all but the
+    probe, :class:`flows.progress.StageClock`), at least MIN_MEASURE_SHARE of it."""
     return max(budget_s - spent_s, MIN_MEASURE_SHARE * budget_s)
 
 
