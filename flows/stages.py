@@ -318,7 +318,7 @@ def measure_stage(ctx: PlanContext, hw: HardwareReport, fin: Finalists, ref: Ref
         if len(kept.finalists) < len(fin.finalists):
             log.info("measure: %d of %d finalists fit %d rounds in the %.0f s left of the budget (%s dropped; a larger "
                      "--budget-s measures them)", len(kept.finalists), len(fin.finalists), wl.MIN_ROUNDS, budget,
-                     ", ".join(c.id for c in fin.finalists[len(kept.finalists):]))
+                     ", ".join(c.id for c in fin.finalists if c not in kept.finalists))
         log.info("measure: %d prompt(s) of %s tokens + %d generated each, %d finalists, up to %d rounds in %.0f s",
                  len(lengths), "/".join(map(str, lengths)), n_gen, len(kept.finalists), ctx.req.repeats, budget)
         key = {"stage": "measure", "finalists": content_id(fin), "run": _flow_run_id(), "budget": ctx.req.budget_s,

@@ -159,3 +159,21 @@ def test_model_hash_covers_contents_in_shard_order_not_names(tmp_path: Path) -> 
     assert model_hash([a], cache) != h
     with pytest.raises(ModelFileError):
         model_hash([], cache)
+
+
+def test_a_file_of_several_pieces_hashes_as_a_tree_of_piece_digests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(filehash, "PIECE_BYTES", 1000)
+    monkeypatch.setattr(filehash, "CHUNK_BYTES", 300)  # pieces read in several chunks, the last one short
+    data = os.urandom(3500)
+    path = _write(tmp_path / "m.gguf", data)
+    root = hashlib.blake2b(filehash.TREE_TAG + len(data).to_bytes(8, "little"), digest_size=32)
+    for i in range(0, len(data), 1000):
+        root.update(hashlib.blake2b(data[i : i + 1000], digest_size=32).digest())
+    assert filehash._hash_content(path) == root.hexdigest()
+    one_piece = _write(tmp_path / "small.gguf", data[:1000])
+    assert filehash._hash_content(one_piece) == _blake(data[:1000]), "a file of one piece hashes as its bytes"
+    changed = bytearray(data)
+    changed[2999] ^= 1
+    assert filehash._hash_content(_write(tmp_path / "m2.gguf", bytes(changed))) != root.hexdigest()

@@ -74,3 +74,30 @@ def test_an_unknown_plan_prefix_points_to_flux_plans(tmp_path: object) -> None:
 
     with pytest.raises(NotFound, match="`flux plans` lists what is stored"):
         Store(pathlib.Path(str(tmp_path))).find("plan", "abc")
+
+
+def test_a_tight_budget_races_different_families_before_variants_of_one() -> None:
+    fin = _fin(4, 10 * 10**9)
+    fams = ["milp-mixed/kv-host", "milp-mixed/kv-host@32768", "milp-decode@32768", "n-cpu-moe"]
+    fin = fin.model_copy(update={"finalists": [c.model_copy(update={"family": f})
+                                               for c, f in zip(fin.finalists, fams, strict=True)]})
+    rates = (1e9, 1e9)
+    kept = wl.fitting_finalists(fin, [64], 32, budget_s=1.0, rates=rates)
+    assert [c.id for c in kept.finalists] == ["c0", "c2"], "the context variant of c0 waits behind another family"
+    assert [p.candidate_id for p in kept.predictions] == ["c0", "c2"]
+    assert [c.id for c in wl.diverse_order(fin).finalists] == ["c0", "c2", "c3", "c1"]
+
+
+def test_a_tight_budget_measures_the_deepest_prompt_that_fits_not_the_shortest() -> None:
+    from tasks.plan_types import PlanRequest
+
+    fin = _fin(2, 10**9)                     # ~2.5 s a visit before its prompts; 1000 / 100 tok/s
+    req = PlanRequest(model="m.gguf", budget_s=60)
+    rates = (1e9, 1e9)
+    lengths, n_gen = wl.measurement_lengths(fin, 40960, req, 60, rates)
+    assert wl.MIN_ROUNDS * wl.round_seconds(fin, lengths, n_gen, rates) <= 60
+    assert max(lengths) >= 2048, f"a deep prompt is measured when the budget holds one: {lengths}"
+    assert 16384 not in lengths  # 4 visits x 16 s of prefill do not fit 60 s
+    assert wl.measurement_lengths(fin, 40960, req, 1.0, rates)[0] == [64], "nothing fits: the shortest"
+    everything, _ = wl.measurement_lengths(fin, 40960, req, 10**6, rates)
+    assert everything == list(wl.LENGTHS)
