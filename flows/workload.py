@@ -22,6 +22,7 @@ CHAT_LENGTHS = (64, 128, 256)
 CHAT_N_GEN = 256
 VALIDATION_CAP = 256  # longest validation prompt (tokens): agent chats are cut to their last part
 MIN_ROUNDS = 2  # rounds every finalist must fit in the budget: one round has no spread
+KEEP_FINALISTS = 2  # finalists measured however small the budget (a race needs two)
 # Starting a worker and its first run (process, backend init, the warm-up prompt), beyond loading weights.
 VISIT_OVERHEAD_S = 1.5
 LOAD_GBS = 6.0  # weights read into (or copied to) their device while loading, GB/s
@@ -78,17 +79,20 @@ def round_seconds(fin: Finalists, lengths: list[int], n_gen: int,
 
 def measurement_lengths(fin: Finalists, n_ctx: int, req: PlanRequest, budget_s: float | None = None,
                         rates: tuple[float, float] = (LOAD_GBS * 1e9, LOAD_GBS * 1e9)) -> tuple[list[int], int]:
-    """The workload's prompts whose MIN_ROUNDS rounds fit the budget: the deepest that fits first, then shorter
-    ones while they fit (at least the shortest), in the ladder's order.
+    """The workload's prompts whose MIN_ROUNDS rounds of the KEEP_FINALISTS best (:func:`diverse_order`) fit the
+    budget: the deepest that fits first, then shorter ones while they fit (at least the shortest), in the ladder's
+    order; :func:`fitting_finalists` then keeps as many finalists as those prompts leave room for.
 
     Deepest first because the mix's time is mostly its long prompts, and a deep KV cache is where KV placement and
     the per-token cost of attention show: run 8 on the H200 measured only a 64-token prompt at an 8 GiB budget and
-    chose a KV-on-host plan that decoded 44 tok/s there and 25 tok/s at a 512-token depth."""
+    chose a KV-on-host plan that decoded 44 tok/s there and 25 tok/s at a 512-token depth; prompts sized for all
+    six finalists left only that 64-token prompt again at 10 GiB, where two of them fit a 1024-token one."""
     budget = req.budget_s if budget_s is None else budget_s
     ladder, n_gen = nominal_lengths(n_ctx, req)
+    racers = _first(diverse_order(fin), min(KEEP_FINALISTS, len(fin.finalists)))
 
     def fits(lengths: list[int]) -> bool:
-        return MIN_ROUNDS * round_seconds(fin, lengths, n_gen, rates) <= budget
+        return MIN_ROUNDS * round_seconds(racers, lengths, n_gen, rates) <= budget
 
     chosen = [next((n for n in reversed(ladder) if fits([n])), ladder[0])]
     for n in reversed(ladder):
@@ -118,7 +122,7 @@ def diverse_order(fin: Finalists) -> Finalists:
 
 
 def fitting_finalists(fin: Finalists, lengths: list[int], n_gen: int, budget_s: float,
-                      rates: tuple[float, float], keep: int = 2) -> Finalists:
+                      rates: tuple[float, float], keep: int = KEEP_FINALISTS) -> Finalists:
     """The finalists (:func:`diverse_order`), the last dropped until MIN_ROUNDS rounds of the rest fit
     ``budget_s`` (at least ``keep``): every finalist measured gets a spread, rather than half of them one round
     each."""

@@ -101,3 +101,16 @@ def test_a_tight_budget_measures_the_deepest_prompt_that_fits_not_the_shortest()
     assert wl.measurement_lengths(fin, 40960, req, 1.0, rates)[0] == [64], "nothing fits: the shortest"
     everything, _ = wl.measurement_lengths(fin, 40960, req, 10**6, rates)
     assert everything == list(wl.LENGTHS)
+
+
+def test_prompt_depth_is_sized_for_the_two_best_finalists_then_the_rest_fill_what_is_left() -> None:
+    from tasks.plan_types import PlanRequest
+
+    fin = _fin(6, 10**9)
+    req = PlanRequest(model="m.gguf", budget_s=60)
+    rates = (1e9, 1e9)
+    lengths, n_gen = wl.measurement_lengths(fin, 40960, req, 60, rates)
+    assert max(lengths) >= 2048, "six finalists do not shrink the prompts to 64 tokens: two are raced at depth"
+    kept = wl.fitting_finalists(fin, lengths, n_gen, 60, rates)
+    assert len(kept.finalists) >= 2
+    assert wl.MIN_ROUNDS * wl.round_seconds(kept, lengths, n_gen, rates) <= 60 or len(kept.finalists) == 2
