@@ -23,6 +23,10 @@ CHAT_N_GEN = 256
 VALIDATION_CAP = 256  # longest validation prompt (tokens): agent chats are cut to their last part
 MIN_ROUNDS = 2  # rounds every finalist must fit in the budget: one round has no spread
 KEEP_FINALISTS = 2  # finalists measured however small the budget (a race needs two)
+# The shallowest prompt measured however small the budget: decode after 64 tokens hides what a KV cache on the
+# host costs (run 8: 44 tok/s there, 25 at a 512-token depth, 8 at 16k).
+MIN_DEPTH = 1024
+VISIT_ERROR = 1.5  # prompts are sized as if visits took this much longer than predicted (run 9: up to 1.9x)
 # Starting a worker and its first run (process, backend init, the warm-up prompt), beyond loading weights.
 VISIT_OVERHEAD_S = 1.5
 LOAD_GBS = 6.0  # weights read into (or copied to) their device while loading, GB/s
@@ -80,8 +84,9 @@ def round_seconds(fin: Finalists, lengths: list[int], n_gen: int,
 def measurement_lengths(fin: Finalists, n_ctx: int, req: PlanRequest, budget_s: float | None = None,
                         rates: tuple[float, float] = (LOAD_GBS * 1e9, LOAD_GBS * 1e9)) -> tuple[list[int], int]:
     """The workload's prompts whose MIN_ROUNDS rounds of the KEEP_FINALISTS best (:func:`diverse_order`) fit the
-    budget: the deepest that fits first, then shorter ones while they fit (at least the shortest), in the ladder's
-    order; :func:`fitting_finalists` then keeps as many finalists as those prompts leave room for.
+    budget (with VISIT_ERROR to spare): the deepest that fits first (at least MIN_DEPTH where the context holds
+    it), then shorter ones while they fit, in the ladder's order; :func:`fitting_finalists` then keeps as many
+    finalists as those prompts leave room for.
 
     Deepest first because the mix's time is mostly its long prompts, and a deep KV cache is where KV placement and
     the per-token cost of attention show: run 8 on the H200 measured only a 64-token prompt at an 8 GiB budget and
@@ -92,11 +97,12 @@ def measurement_lengths(fin: Finalists, n_ctx: int, req: PlanRequest, budget_s: 
     racers = _first(diverse_order(fin), min(KEEP_FINALISTS, len(fin.finalists)))
 
     def fits(lengths: list[int]) -> bool:
-        return MIN_ROUNDS * round_seconds(racers, lengths, n_gen, rates) <= budget
+        return MIN_ROUNDS * VISIT_ERROR * round_seconds(racers, lengths, n_gen, rates) <= budget
 
-    chosen = [next((n for n in reversed(ladder) if fits([n])), ladder[0])]
+    floor = max((n for n in ladder if n <= MIN_DEPTH), default=ladder[0])
+    chosen = [next((n for n in reversed(ladder) if n >= floor and fits([n])), floor)]
     for n in reversed(ladder):
-        if n not in chosen and n < chosen[0] and fits([*chosen, n]):
+        if n < chosen[0] and fits([*chosen, n]):
             chosen.append(n)
     return sorted(chosen), n_gen
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from artifacts.model_info import ModelInfo
+from artifacts.model_info import KV_TYPES, ModelInfo
 from tasks.plan_types import Candidate, HardwareReport, Placement, Prediction
 
 EXPERT_PARTS = ("gate", "up", "down")
@@ -23,6 +23,12 @@ DEFAULT_OFFLOAD_MIN_BATCH = 32
 # backend's repacked layout, which the probe's CPU-only kernel timing uses (notes: 23.0 vs 30.5 tok/s on the
 # H200 box with every weight on the CPU). Hybrids with ``no_host`` get the repacked speed.
 PLAIN_LAYOUT_SLOWDOWN = 30.5 / 23.0
+# Attention that decodes on the host (its KV cache there: -nkvo, or layers left on the CPU) is bound by compute,
+# not by reading the cache: each query head multiplies every cached key and value (GQA reads a KV head once per
+# query head). Measured on the H200 host (run 9, 16 threads on 16 cores): a plan with 26 layers' KV on the host
+# decoded 38.3 tok/s at a 64-token depth and 8.3 at 16,384, 94 ms more per token for 7.0 GFLOP of attention =
+# 74 GFLOPS, 6x what the cache's bytes cost at the CPU's read bandwidth.
+HOST_ATTN_GFLOPS_PER_CORE = 4.6
 
 
 @dataclass(frozen=True)
@@ -175,6 +181,18 @@ def decode_reads(info: ModelInfo, cand: Candidate, depth: float = 0.0) -> tuple[
     return cpu_read + kv_cpu - moved, gpu_read + kv_gpu + moved
 
 
+def host_attention_ms(info: ModelInfo, hw: HardwareReport, cand: Candidate, kv_cpu_bytes: float,
+                      eff: float = 1.0) -> float:
+    """Milliseconds a decoded token spends in attention over ``kv_cpu_bytes`` of KV cache on the host: the
+    slower of reading those bytes and the query heads' multiply-adds over them (HOST_ATTN_GFLOPS_PER_CORE)."""
+    if kv_cpu_bytes <= 0:
+        return 0.0
+    per_elem = KV_TYPES.get(cand.params.type_k, 2.0)
+    flops = kv_cpu_bytes / per_elem * 2 * info.n_head / max(1, info.n_head_kv)
+    rate = HOST_ATTN_GFLOPS_PER_CORE * 1e9 * effective_cores(hw, cand.params.n_threads)
+    return max(kv_cpu_bytes / (cpu_bandwidth(hw, cand.params.n_threads) * eff), flops / rate) * 1e3
+
+
 def roofline_decode(info: ModelInfo, hw: HardwareReport, cand: Candidate) -> float | None:
     """Decode tokens/s if every device only had to read its bytes per token (:func:`decode_reads`, the
     plan's split included) at its bandwidth: the host's measured for the plan's threads, the GPU's."""
@@ -198,10 +216,13 @@ def predict(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: Workload
     gpu_bw, gpu_fixed = _gpu_bandwidth(hw)
     p = cand.params
     cpu_read, gpu_read = decode_reads(info, cand, work.mean_prompt_tokens)
-    decode_ms = cpu_read / (cpu_bandwidth(hw, p.n_threads) * eff) * 1e3
+    kv_cpu = kv_reads(info, cand, work.mean_prompt_tokens)[0]
+    decode_ms = (cpu_read - kv_cpu) / (cpu_bandwidth(hw, p.n_threads) * eff) * 1e3
     if gpu_read:
         if not p.no_host:
             decode_ms *= PLAIN_LAYOUT_SLOWDOWN
+    decode_ms += host_attention_ms(info, hw, cand, kv_cpu, eff)
+    if gpu_read:
         syncs = _transitions(cand.placement) + 2 * _host_attention_layers(cand)
         decode_ms += gpu_fixed + gpu_read / gpu_bw * 1e3 + syncs * HYBRID_LAYER_SYNC_MS
     if gpu_read and p.flash_attn != _gpu_probe_fa(hw):  # flash attention: ~15% off a GPU step (notes)

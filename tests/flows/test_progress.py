@@ -95,10 +95,11 @@ def test_a_tight_budget_measures_the_deepest_prompt_that_fits_not_the_shortest()
     req = PlanRequest(model="m.gguf", budget_s=60)
     rates = (1e9, 1e9)
     lengths, n_gen = wl.measurement_lengths(fin, 40960, req, 60, rates)
-    assert wl.MIN_ROUNDS * wl.round_seconds(fin, lengths, n_gen, rates) <= 60
+    assert wl.MIN_ROUNDS * wl.VISIT_ERROR * wl.round_seconds(fin, lengths, n_gen, rates) <= 60
     assert max(lengths) >= 2048, f"a deep prompt is measured when the budget holds one: {lengths}"
     assert 16384 not in lengths  # 4 visits x 16 s of prefill do not fit 60 s
-    assert wl.measurement_lengths(fin, 40960, req, 1.0, rates)[0] == [64], "nothing fits: the shortest"
+    assert wl.measurement_lengths(fin, 40960, req, 1.0, rates)[0] == [wl.MIN_DEPTH], "nothing fits: MIN_DEPTH"
+    assert wl.measurement_lengths(fin, 512, req, 1.0, rates)[0] == [256], "a short context: its deepest prompt"
     everything, _ = wl.measurement_lengths(fin, 40960, req, 10**6, rates)
     assert everything == list(wl.LENGTHS)
 

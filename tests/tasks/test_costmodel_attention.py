@@ -1,0 +1,75 @@
+"""Decode attention over a KV cache on the host is priced by its multiply-adds, as the H200 measured it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from artifacts.model_info import ModelInfo, model_info
+from engine_bridge.params import EngineParams
+from tasks.costmodel import Workload, all_on, host_attention_ms, predict
+from tasks.plan_types import Candidate, HardwareReport, Placement
+from tasks.testing import h200_report
+
+# qwen3-30b-a3b's attention: 32 query heads over 4 KV heads of 128 (f16 K and V: 2 KiB per token and layer)
+QWEN3_30B = {"n_head": 32, "n_head_kv": 4, "key_length": 128, "value_length": 128}
+KV_PER_TOKEN_LAYER = 4 * (128 + 128) * 2
+RECORDED = Path(__file__).parent / "data" / "h200_memory"
+
+
+@pytest.fixture(scope="module")
+def moe(tiny_moe: Path) -> ModelInfo:
+    return model_info(tiny_moe).model_copy(update=QWEN3_30B)
+
+
+def _cand(placement: Placement, kv: dict[str, int], n_ctx: int = 32768) -> Candidate:
+    return Candidate(id="c", family="t", placement=placement,
+                     params=EngineParams(n_ctx=n_ctx, n_threads=16, n_threads_batch=16, flash_attn=True),
+                     weights_bytes={}, kv_bytes=kv, compute_bytes={})
+
+
+def _recorded(name: str) -> tuple[ModelInfo, HardwareReport, dict[str, Candidate]]:
+    doc = json.loads((RECORDED / f"{name}.json").read_text())
+    cands = {f["candidate"]["id"]: Candidate.model_validate(f["candidate"]) for f in doc["finalists"]}
+    return ModelInfo.model_validate(doc["model"]), HardwareReport.model_validate(doc["hardware"]), cands
+
+
+def test_predicted_decode_by_depth_matches_what_run_9_measured() -> None:
+    """Run 9b on the H200 (skewed qwen3-30b-a3b twin at 10 GiB, `flux show 58f5d37e0b9e`, recorded with its
+    probe and model): c253 (-ngl 23: 26 layers' KV on the host) decoded 38.3 tok/s at a 64-token depth and 8.3
+    at 16,384; c121 (every layer's KV on the host) 7.9 over one 64- and one 16,384-token prompt."""
+    info, hw, cands = _recorded("memory-qwen3-30b-a3b-skewed-10-run9b")
+
+    def decode(cid: str, depth: int) -> float:
+        return predict(info, hw, cands[cid], Workload(prefill_tokens=depth, decode_tokens=32,
+                                                      mean_prompt_tokens=depth)).decode_tps
+
+    assert decode("c253", 64) == pytest.approx(38.3, rel=0.15)
+    assert decode("c253", 16384) == pytest.approx(8.3, rel=0.15)
+    both = 2 / (1 / decode("c121", 64) + 1 / decode("c121", 16384))  # 32 tokens at each depth
+    assert both == pytest.approx(7.9, rel=0.2)
+
+
+def test_the_rate_is_the_measured_flops(moe: ModelInfo) -> None:
+    kv = 26 * (16384 - 64) * KV_PER_TOKEN_LAYER  # 7.0 GFLOP of attention for 32 query heads over 4 KV heads
+    _, hw, _ = _recorded("memory-qwen3-30b-a3b-skewed-10-run9b")
+    ms = host_attention_ms(moe, hw, _cand(all_on(moe, "CPU"), {"CPU": kv}), kv)
+    assert ms == pytest.approx(94.4, rel=0.05)
+
+
+def test_a_kv_on_host_plan_slows_with_depth_and_a_kv_on_gpu_plan_does_not(moe: ModelInfo) -> None:
+    hw = h200_report()
+    gpu = all_on(moe, "CUDA0")
+    n_ctx = 32768
+    kv_all = moe.n_layer * n_ctx * KV_PER_TOKEN_LAYER
+
+    def decode(kv_device: str, depth: int) -> float:
+        cand = _cand(gpu, {kv_device: kv_all}, n_ctx)
+        work = Workload(prefill_tokens=depth, decode_tokens=32, mean_prompt_tokens=depth)
+        return predict(moe, hw, cand, work).decode_tps
+
+    assert decode("CUDA0", 16384) > 0.9 * decode("CUDA0", 64)
+    host_ratio = decode("CPU", 16384) / decode("CPU", 64)
+    assert host_ratio < 0.5, f"KV on the host at 16k decodes {host_ratio:.2f}x its 64-token speed"
