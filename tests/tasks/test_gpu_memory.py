@@ -131,11 +131,12 @@ def test_no_recorded_finalist_broke_its_budget() -> None:
     """At most 1 finalist in 6 may be rejected for memory: none of the recorded ones measured over its plan's
     budget (the plans before this change lost 3 of 6 at each budget), and each prediction was under it too."""
     budgets = {"memory-qwen3-30b-a3b-skewed-8": 8, "memory-qwen3-30b-a3b-skewed-12": 12,
-               "memory-qwen3-30b-a3b-skewed-16": 16}
+               "memory-qwen3-30b-a3b-skewed-16": 16, "memory-qwen3-30b-a3b-skewed-8-run8": 8,
+               "memory-qwen3-30b-a3b-skewed-10-run9a": 10, "memory-qwen3-30b-a3b-skewed-10-run9b": 10}
     checked = 0
     for tag, c, hw, measured in _recorded():
         if tag in budgets:
             assert measured <= budgets[tag] * GIB, (tag, c.id)  # type: ignore[attr-defined]
             assert sum(predicted_gpu_bytes(c, hw).values()) <= budgets[tag] * GIB  # type: ignore[arg-type]
             checked += 1
-    assert checked >= 12
+    assert checked >= 18
