@@ -84,8 +84,8 @@ def round_seconds(fin: Finalists, lengths: list[int], n_gen: int,
 def measurement_lengths(fin: Finalists, n_ctx: int, req: PlanRequest, budget_s: float | None = None,
                         rates: tuple[float, float] = (LOAD_GBS * 1e9, LOAD_GBS * 1e9)) -> tuple[list[int], int]:
     """The workload's prompts whose MIN_ROUNDS rounds of the KEEP_FINALISTS best (:func:`diverse_order`) fit the
-    budget (with VISIT_ERROR to spare): the deepest that fits first (at least MIN_DEPTH where the context holds
-    it), then shorter ones while they fit, in the ladder's order; :func:`fitting_finalists` then keeps as many
+    budget (with VISIT_ERROR to spare): the deepest that fits first (at least MIN_DEPTH where the context and
+    the budget as predicted hold it, else the shortest), then shorter ones while they fit, in the ladder's order; :func:`fitting_finalists` then keeps as many
     finalists as those prompts leave room for.
 
     Deepest first because the mix's time is mostly its long prompts, and a deep KV cache is where KV placement and
@@ -100,6 +100,8 @@ def measurement_lengths(fin: Finalists, n_ctx: int, req: PlanRequest, budget_s: 
         return MIN_ROUNDS * VISIT_ERROR * round_seconds(racers, lengths, n_gen, rates) <= budget
 
     floor = max((n for n in ladder if n <= MIN_DEPTH), default=ladder[0])
+    if MIN_ROUNDS * round_seconds(racers, [floor], n_gen, rates) > budget:
+        floor = ladder[0]  # a budget that cannot hold it even as predicted: the shortest, rather than no plan
     chosen = [next((n for n in reversed(ladder) if n >= floor and fits([n])), floor)]
     for n in reversed(ladder):
         if n < chosen[0] and fits([*chosen, n]):

@@ -98,8 +98,10 @@ def test_a_tight_budget_measures_the_deepest_prompt_that_fits_not_the_shortest()
     assert wl.MIN_ROUNDS * wl.VISIT_ERROR * wl.round_seconds(fin, lengths, n_gen, rates) <= 60
     assert max(lengths) >= 2048, f"a deep prompt is measured when the budget holds one: {lengths}"
     assert 16384 not in lengths  # 4 visits x 16 s of prefill do not fit 60 s
-    assert wl.measurement_lengths(fin, 40960, req, 1.0, rates)[0] == [wl.MIN_DEPTH], "nothing fits: MIN_DEPTH"
-    assert wl.measurement_lengths(fin, 512, req, 1.0, rates)[0] == [256], "a short context: its deepest prompt"
+    tight = wl.MIN_ROUNDS * wl.round_seconds(fin, [wl.MIN_DEPTH], 32, rates) * 1.01  # not with VISIT_ERROR
+    assert wl.measurement_lengths(fin, 40960, req, tight, rates)[0] == [wl.MIN_DEPTH], "MIN_DEPTH as predicted"
+    assert wl.measurement_lengths(fin, 512, req, tight, rates)[0] == [256], "a short context: its deepest prompt"
+    assert wl.measurement_lengths(fin, 40960, req, 1.0, rates)[0] == [64], "nothing fits: the shortest, not no plan"
     everything, _ = wl.measurement_lengths(fin, 40960, req, 10**6, rates)
     assert everything == list(wl.LENGTHS)
 
