@@ -117,3 +117,16 @@ def test_prompt_depth_is_sized_for_the_two_best_finalists_then_the_rest_fill_wha
     kept = wl.fitting_finalists(fin, lengths, n_gen, 60, rates)
     assert len(kept.finalists) >= 2
     assert wl.MIN_ROUNDS * wl.round_seconds(kept, lengths, n_gen, rates) <= 60 or len(kept.finalists) == 2
+
+
+def test_the_cost_models_error_compares_the_measured_round_not_the_whole_mix() -> None:
+    from tasks.persist import prediction_error
+    from tasks.plan_types import MeasureSummary
+
+    fin = _fin(2, 10**9)  # predicted 1000 prefill / 100 decode tok/s; prune's score for the mix: 1.0 s
+    measured = [MeasureSummary(candidate_id="c0", prefill_tps=900.0, decode_tps=90.0, workload_s=0.4, n_trials=2),
+                MeasureSummary(candidate_id="c1", prefill_tps=None, decode_tps=None, workload_s=None, n_trials=0)]
+    # one 64-token prompt + 32 generated: 0.064 + 0.32 = 0.384 s predicted against 0.4 s measured
+    err = prediction_error(fin, measured, [64], 32)
+    assert err is not None and abs(err - (0.4 - 0.384) / 0.4) < 1e-9
+    assert prediction_error(fin, measured, [], 32) is None
