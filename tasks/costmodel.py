@@ -29,6 +29,10 @@ PLAIN_LAYOUT_SLOWDOWN = 30.5 / 23.0
 # decoded 38.3 tok/s at a 64-token depth and 8.3 at 16,384, 94 ms more per token for 7.0 GFLOP of attention =
 # 74 GFLOPS, 6x what the cache's bytes cost at the CPU's read bandwidth.
 HOST_ATTN_GFLOPS_PER_CORE = 4.6
+# Prefill of hybrids with pinned host weights (--no-mmap) moves them to the GPU at about half the probe's
+# pinned copy rate: on the H200 (runs 8-9) plans served 1,533-1,633 tok/s and measured 1,547-1,585 where the
+# probe's 53.5 GB/s predicted 2,560-3,090 (the copies do not overlap the GPU's own compute of the micro-batch).
+PINNED_OFFLOAD_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -249,7 +253,7 @@ def _prefill_ms(info: ModelInfo, hw: HardwareReport, cand: Candidate, per_dev: d
     gpu = next((g for g in hw.gpus), None)
     pinned = p.load_mode != "mmap"
     h2d = (gpu.h2d_pinned_gbs if pinned else gpu.h2d_pageable_gbs) if gpu else None
-    h2d_gbs = h2d or (45.0 if pinned else 7.5)
+    h2d_gbs = (h2d or 45.0) * PINNED_OFFLOAD_SHARE if pinned else (h2d or 7.5)
     host_resident = per_dev.get("CPU", (0.0, 0.0))[1] - info.bytes_by_role.get("embeddings", 0)
     copy_ms_per_token = host_resident / (h2d_gbs * 1e9) * 1e3 / p.n_ubatch
     return 0.08 + copy_ms_per_token * (0.9 if p.flash_attn else 1.0)

@@ -73,3 +73,12 @@ def test_a_kv_on_host_plan_slows_with_depth_and_a_kv_on_gpu_plan_does_not(moe: M
     assert decode("CUDA0", 16384) > 0.9 * decode("CUDA0", 64)
     host_ratio = decode("CPU", 16384) / decode("CPU", 64)
     assert host_ratio < 0.5, f"KV on the host at 16k decodes {host_ratio:.2f}x its 64-token speed"
+
+
+def test_predicted_prefill_of_pinned_hybrids_matches_run_9() -> None:
+    """Run 9b measured c121 (kv-host split) at 1,547 and c253 (last-22-layers) at 1,585 tok/s of prefill, both
+    with pinned host weights; the probe's pinned copy rate alone predicted 3,089 and 2,678."""
+    info, hw, cands = _recorded("memory-qwen3-30b-a3b-skewed-10-run9b")
+    work = Workload(prefill_tokens=16448, decode_tokens=64, mean_prompt_tokens=8224)
+    for cid, measured in (("c121", 1547.0), ("c253", 1585.0)):
+        assert predict(info, hw, cands[cid], work).prefill_tps == pytest.approx(measured, rel=0.2), cid
