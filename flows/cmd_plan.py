@@ -6,7 +6,6 @@ import argparse
 import logging
 import time
 from pathlib import Path
-from typing import get_args
 
 from rich.table import Table
 
@@ -14,9 +13,8 @@ from artifacts.config import Settings
 from artifacts.errors import FluxError
 from artifacts.logs import console
 from artifacts.store import Store
-from engine_bridge.params import KvType
-from flows.request import plan_request
-from tasks.errors import ImpossiblePlan
+from flows.request import check_for_model, flow_params
+from flows.request_flags import add_plan_flags, request_from_args
 from tasks.plan_types import Plan
 
 DEFAULT_MODEL = "tiny-moe"
@@ -28,21 +26,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                        description="Runs the Prefect flow plan-model in-process: probe, enumerate, prune, "
                                    "measure, validate, persist. Prints the plan id. With no model, plans a "
                                    "synthesized tiny MoE model.")
-    p.add_argument("model", type=Path, nargs="?", help="a .gguf file (default: a synthesized tiny-moe twin)")
-    p.add_argument("--ctx", type=int, help="tokens per sequence (default: trained context, capped by RAM)")
-    p.add_argument("--concurrency", type=int, default=1, help="sequences served at once")
-    p.add_argument("--kv", default="f16", choices=get_args(KvType),
-                   help="KV cache type; other than f16 is a separate quality profile")
-    p.add_argument("--budget-s", type=float, help="measurement budget (default [plan] tuning_budget_s)")
-    p.add_argument("--gpu-mem-budget", type=str, help="GiB per GPU, e.g. 12 or 12,24")
-    p.add_argument("--allow-storage-streaming", action="store_true",
-                   help="allow placements that read weights beyond RAM from the drive")
-    p.add_argument("--workload", choices=("agent", "chat"), default="agent",
-                   help="what the plan is timed on: agent (long prompts, short replies; the default) or chat "
-                        "(a short message on a cached history, a long reply: decode-heavy)")
-    p.add_argument("--replan", action="store_true", help="measure again even if a matching plan exists")
-    p.add_argument("--reprobe", action="store_true", help="measure the hardware again")
-    p.add_argument("--seed", type=int, default=0)
+    add_plan_flags(p)
     p.set_defaults(handler=cmd_plan)
 
     p = sub.add_parser("plans", help="list saved plans")
@@ -71,31 +55,18 @@ def default_model(settings: Settings) -> Path:
     return path
 
 
-def _gpu_budget(text: str | None) -> list[float] | None:
-    if not text:
-        return None
-    try:
-        return [float(x) for x in text.split(",")]
-    except ValueError as exc:
-        raise FluxError(f"--gpu-mem-budget {text!r}: expected GiB per GPU, e.g. 12 or 12,24") from exc
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     """Plan a model (reusing a matching saved plan unless --replan) and print the plan id."""
     from flows import stages
 
     settings: Settings = args.settings
-    model = (args.model or default_model(settings)).expanduser().resolve()
+    model = Path(args.model) if args.model else default_model(settings)
     con = console(stderr=True)
-    req = plan_request(settings, model, ctx=args.ctx, concurrency=args.concurrency, kv=args.kv,
-                       budget_s=args.budget_s, gpu_mem_budget_gib=_gpu_budget(args.gpu_mem_budget),
-                       allow_storage_streaming=args.allow_storage_streaming, workload=args.workload, seed=args.seed)
+    req = request_from_args(settings, args, model)
     t0 = time.monotonic()
     pctx = stages.context(req, settings)
-    trained = pctx.info.n_ctx_train
-    if req.ctx and trained and req.ctx > trained:
-        raise ImpossiblePlan(f"--ctx {req.ctx} exceeds the model's trained context {trained}", f"use --ctx {trained} or less")
-    if not args.replan and not args.reprobe:
+    check_for_model(req, pctx.info.n_ctx_train)
+    if not req.replan and not req.reprobe:
         found = stages.existing_plan(pctx)
         if found:
             stages.remember_model_path(pctx)
@@ -106,9 +77,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from flows.plan_model import plan_model
 
     _quiet_flux_errors()
-    plan_id = plan_model(model=req.model, ctx=req.ctx, concurrency=req.concurrency, kv=req.kv, budget_s=req.budget_s,
-                         gpu_mem_budget_gib=req.gpu_mem_budget_gib, allow_storage_streaming=req.allow_storage_streaming,
-                         workload=req.workload, seed=req.seed, replan=args.replan, reprobe=args.reprobe)
+    plan_id = plan_model(**flow_params(req))
     con.print(f"planned in {time.monotonic() - t0:.0f} s; `flux show {plan_id[:12]}` prints it, "
               f"`flux serve {plan_id[:12]}` serves it")
     console().print(plan_id)

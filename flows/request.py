@@ -1,43 +1,106 @@
-"""The plan request: built in one place from the planning flags, for the CLI and the flow alike.
+"""The plan request: every check on the planning flags, in one place, for the CLI and the flow alike.
 
-``flux plan`` and the ``plan-model`` flow (whose Prefect deployment takes plain parameters) both call
-:func:`plan_request`; a flag the request model refuses is one line naming the flag, never a traceback.
+``flux plan`` (whose flags :mod:`flows.request_flags` builds from :class:`PlanRequest`'s fields) and the
+``plan-model`` flow (whose Prefect deployment takes plain parameters) both call :func:`plan_request`; a flag
+the request refuses is one line naming the flag, never a traceback. :func:`check_for_model` holds the one
+check that needs the model's own facts.
 """
 
 from __future__ import annotations
 
+import types
+import typing
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
 from artifacts.config import Settings
 from artifacts.errors import FluxError
+from tasks.errors import ImpossiblePlan
 from tasks.plan_types import PlanRequest
-
-FLAGS = {"ctx": "--ctx", "concurrency": "--concurrency", "kv": "--kv", "budget_s": "--budget-s",
-         "gpu_mem_budget_gib": "--gpu-mem-budget", "workload": "--workload", "seed": "--seed", "model": "model"}
 
 
 class BadPlanFlag(FluxError):
     """A planning flag the request cannot take."""
 
 
-def plan_request(settings: Settings, model: str | Path, *, ctx: int | None = None, concurrency: int = 1,
-                 kv: str = "f16", budget_s: float | None = None, gpu_mem_budget_gib: list[float] | None = None,
-                 allow_storage_streaming: bool = False, workload: str = "agent", seed: int = 0) -> PlanRequest:
-    """The request for ``model`` with these flags (the settings' defaults for what is left out).
+def extra(info: FieldInfo) -> dict[str, Any]:
+    """A request field's ``json_schema_extra`` (how it differs from a plain ``--field-name`` flag)."""
+    return dict(info.json_schema_extra) if isinstance(info.json_schema_extra, dict) else {}
+
+
+def flag_name(name: str, request: type[PlanRequest] = PlanRequest) -> str | None:
+    """The command-line name of request field ``name``: ``--field-name`` unless its ``flag`` says otherwise."""
+    meta = extra(request.model_fields[name])
+    return meta["flag"] if "flag" in meta else "--" + name.replace("_", "-")
+
+
+def scalar(annotation: Any) -> Any:
+    """A field's type without its ``None``: ``X | None`` -> X."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return annotation
+
+
+def _from_text(flag: str, info: FieldInfo, value: object) -> object:
+    """A list field given as the flag's text (``12,24``) as its list; other values as they are."""
+    kind = scalar(info.annotation)
+    if not isinstance(value, str) or typing.get_origin(kind) is not list:
+        return value
+    if not value:
+        return None
+    item = typing.get_args(kind)[0]
+    try:
+        return [item(x) for x in value.split(",")]
+    except ValueError:
+        raise BadPlanFlag(f"{flag} {value!r}: expected {info.description}") from None
+
+
+def plan_request(settings: Settings, model: str | Path, *, request: type[PlanRequest] = PlanRequest,
+                 **given: object) -> PlanRequest:
+    """The request for ``model`` with these flags; a flag left out (None) takes its ``[plan]`` setting, if it
+    names one, else the field's default.
+
+    Args:
+        settings: where the ``[plan]`` defaults come from.
+        model: the .gguf file (resolved to an absolute path).
+        request: the request model (a subclass in tests).
+        **given: field name -> value; a list field may be given as its flag's text (``"12,24"``).
 
     Raises:
         BadPlanFlag: a flag out of range or of an unknown value, named with what it takes.
     """
+    values: dict[str, object] = {name: v for name, v in given.items() if v is not None}
+    for name, info in request.model_fields.items():
+        if name in values:
+            values[name] = _from_text(flag_name(name, request) or name, info, values[name])
+        elif (setting := extra(info).get("setting")) is not None:
+            values[name] = getattr(settings.plan, setting)
+    values["model"] = str(Path(model).expanduser().resolve())
     try:
-        return PlanRequest.model_validate({
-            "model": str(Path(model).expanduser().resolve()), "ctx": ctx, "concurrency": concurrency, "kv": kv,
-            "budget_s": settings.plan.tuning_budget_s if budget_s is None else budget_s,
-            "gpu_mem_budget_gib": gpu_mem_budget_gib, "allow_storage_streaming": allow_storage_streaming,
-            "workload": workload, "finalists": settings.plan.finalists, "repeats": settings.plan.repeats, "seed": seed})
+        return request.model_validate(values)
     except ValidationError as exc:
         err = exc.errors()[0]
         field = str(err["loc"][0]) if err["loc"] else ""
-        raise BadPlanFlag(f"{FLAGS.get(field, field)} {err.get('input')!r}: {err['msg'].lower()}; "
+        flag = flag_name(field, request) if field in request.model_fields else None
+        raise BadPlanFlag(f"{flag or field} {err.get('input')!r}: {err['msg'].lower()}; "
                           f"see `flux plan --help`") from None
+
+
+def check_for_model(req: PlanRequest, n_ctx_train: int | None) -> None:
+    """The checks that need the model's facts (read before anything is measured).
+
+    Raises:
+        ImpossiblePlan: ``--ctx`` beyond the model's trained context.
+    """
+    if req.ctx and n_ctx_train and req.ctx > n_ctx_train:
+        raise ImpossiblePlan(f"--ctx {req.ctx} exceeds the model's trained context {n_ctx_train}",
+                             f"use --ctx {n_ctx_train} or less")
+
+
+def flow_params(req: PlanRequest) -> dict[str, Any]:
+    """The ``plan-model`` flow's parameters for this request: its flags (the flow's deployment takes them plain)."""
+    return {name: getattr(req, name) for name in type(req).model_fields if flag_name(name, type(req)) is not None}

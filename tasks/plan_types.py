@@ -20,20 +20,34 @@ class _Model(BaseModel):
 
 # -- request -----------------------------------------------------------------------------------------
 class PlanRequest(_Model):
-    """What the user asked `flux plan` for (the planning flags)."""
+    """What the user asked `flux plan` for (the planning flags).
 
-    model: str
-    ctx: int | None = Field(None, ge=16, description="tokens per sequence; None = trained context (capped by RAM)")
-    concurrency: int = Field(1, ge=1, le=256)
-    kv: KvType = "f16"
-    budget_s: float = Field(600.0, gt=0)
-    gpu_mem_budget_gib: list[float] | None = None
-    allow_storage_streaming: bool = False
+    Every field is one flag of ``flux plan`` (:mod:`flows.request_flags` builds them): ``--field-name``, typed
+    by the field, its choices from a ``Literal``, its help the field's description. ``json_schema_extra`` says
+    where that differs: ``flag`` (another name; no leading dashes: positional; None: not a flag), ``short``
+    (a short form, ``-d``) and ``setting`` (the ``[plan]`` setting that fills the field when the flag is left
+    out). The fields but the excluded ones (how to run, not what to plan) are hashed into plan ids: keep their
+    names and defaults.
+    """
+
+    model: str = Field(description="a .gguf file (default: a synthesized tiny-moe twin)",
+                       json_schema_extra={"flag": "model"})
+    ctx: int | None = Field(None, ge=16, description="tokens per sequence (default: trained context, capped by RAM)")
+    concurrency: int = Field(1, ge=1, le=256, description="sequences served at once")
+    kv: KvType = Field("f16", description="KV cache type; other than f16 is a separate quality profile")
+    budget_s: float = Field(600.0, gt=0, description="measurement budget (default [plan] tuning_budget_s)",
+                            json_schema_extra={"setting": "tuning_budget_s"})
+    gpu_mem_budget_gib: list[float] | None = Field(None, description="GiB per GPU, e.g. 12 or 12,24",
+                                                   json_schema_extra={"flag": "--gpu-mem-budget"})
+    allow_storage_streaming: bool = Field(
+        False, description="allow placements that read weights beyond RAM from the drive")
     workload: Literal["agent", "chat"] = Field("agent", description=(
-        "the mix the plan is timed on: agent (long prompts, short replies: prefill-heavy) or chat (a short new "
-        "message on a cached history, a long reply: decode-heavy)"))
-    finalists: int = Field(6, ge=1)
-    repeats: int = Field(3, ge=1)
+        "what the plan is timed on: agent (long prompts, short replies; the default) or chat (a short message on "
+        "a cached history, a long reply: decode-heavy)"))
+    replan: bool = Field(False, exclude=True, description="measure again even if a matching plan exists")
+    reprobe: bool = Field(False, exclude=True, description="measure the hardware again")
+    finalists: int = Field(6, ge=1, json_schema_extra={"flag": None, "setting": "finalists"})
+    repeats: int = Field(3, ge=1, json_schema_extra={"flag": None, "setting": "repeats"})
     seed: int = 0
 
     @property
