@@ -37,7 +37,7 @@ from artifacts.errors import ModelFileError
 from artifacts.ids import canonical_json
 from artifacts.synth_blocks import BLOCK_MAKERS
 from artifacts.synth_layout import PlannedTensor, plan_tensors, vocab
-from artifacts.synth_presets import CHATML, PRESETS, QUANTS, Quant, SynthSpec
+from artifacts.synth_presets import CHATML, HYBRID_FIELDS, PRESETS, QUANTS, Quant, SynthSpec
 from artifacts.synth_routing import RouterTransform, skewed_router
 
 # fmt: off
@@ -54,6 +54,7 @@ _FILE_TYPE = {"F16": FT.MOSTLY_F16, "Q8_0": FT.MOSTLY_Q8_0, "Q4_0": FT.MOSTLY_Q4
 ALIGN = 32
 _POOL_BYTES = 64 << 20  # random blocks per (type, std) pool
 _CHUNK_BYTES = 16 << 20  # one write, taken from a random block offset of a pool
+_CONST = {"ones": 1.0, "neg_ones": -1.0}  # constant f32 fills (norm weights; a delta-net's ssm_a)
 
 
 class SynthResult(BaseModel):
@@ -195,10 +196,14 @@ def _router(spec: SynthSpec, seed: int) -> RouterTransform | None:
 
 
 def _spec_record(spec: SynthSpec) -> dict[str, Any]:
-    """The spec as flux.synth.spec records it; a uniform twin's record leaves the routing fields out (as before)."""
+    """The spec as flux.synth.spec records it; a uniform twin's record leaves the routing fields out, and a
+    twin of another architecture than qwen3next the hybrid fields (records, hence bytes, as before)."""
     record = spec.model_dump(mode="json")
     if spec.routing == "uniform":
         for key in ("routing", "routing_top_half"):
+            record.pop(key)
+    if spec.arch != "qwen3next":
+        for key in HYBRID_FIELDS:
             record.pop(key)
     return record
 
@@ -262,13 +267,15 @@ def _metadata(spec: SynthSpec, name: str, quant: Quant, seed: int) -> list[bytes
         "block_count": spec.n_layer, "context_length": spec.n_ctx_train, "embedding_length": spec.n_embd,
         "feed_forward_length": spec.n_ff, "attention.head_count": spec.n_head,
         "attention.head_count_kv": spec.n_head_kv, "attention.key_length": spec.head_dim,
-        "attention.value_length": spec.head_dim, "rope.dimension_count": spec.head_dim,
+        "attention.value_length": spec.head_dim, "rope.dimension_count": spec.n_rot or spec.head_dim,
         "vocab_size": spec.n_vocab,
     }  # fmt: skip
     if spec.n_expert:
         hparams |= {"expert_count": spec.n_expert, "expert_used_count": spec.n_expert_used}
-    if spec.arch == "qwen3moe":
+    if spec.arch in ("qwen3moe", "qwen3next"):
         hparams["expert_feed_forward_length"] = spec.n_ff_exp
+    if spec.arch == "qwen3next":
+        hparams |= _hybrid_hparams(spec)
     kvs = [
         _kv("general.architecture", s, a),
         _kv("general.name", s, f"flux-synth-{name}-{quant}"),
@@ -296,6 +303,19 @@ def _metadata(spec: SynthSpec, name: str, quant: Quant, seed: int) -> list[bytes
         _kv("flux.synth.spec", s, canonical_json(_spec_record(spec))),
     ]
     return kvs
+
+
+def _hybrid_hparams(spec: SynthSpec) -> dict[str, int]:
+    """qwen3next's keys as convert_hf_to_gguf's Qwen3NextModel writes them (all u32)."""
+    return {
+        "expert_shared_feed_forward_length": spec.n_ff_shexp,
+        "ssm.conv_kernel": spec.ssm_d_conv,
+        "ssm.state_size": spec.ssm_d_state,
+        "ssm.group_count": spec.ssm_n_group,
+        "ssm.time_step_rank": spec.ssm_dt_rank,
+        "ssm.inner_size": spec.ssm_d_state * spec.ssm_dt_rank,
+        "full_attention_interval": spec.full_attn_interval,
+    }
 
 
 # ---- tensor data -------------------------------------------------------------------------------------
@@ -332,7 +352,7 @@ def _write_data(
             _stream(f, pools[key], GGML_QUANT_SIZES[t.ggml_type][1], size, rng)
         else:
             shape = t.shape[::-1]
-            data = rng.normal(0.0, t.std, size=shape) if t.fill == "normal" else np.ones(shape)
+            data = rng.normal(0.0, t.std, size=shape) if t.fill == "normal" else np.full(shape, _CONST[t.fill])
             if router is not None:
                 data = router(t.name, data)
             _write_all(f, memoryview(data.astype("<f4").tobytes()))

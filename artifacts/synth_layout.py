@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import itertools
 import string
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
-from artifacts.synth_presets import SPECIALS, Quant, SynthSpec
+from artifacts.synth_presets import SPECIALS, Arch, Quant, SynthSpec
 
 # quant -> (type of the 2-D/3-D weights, type of output.weight). Like llama-quantize's recipe, a 4-bit
 # model keeps output.weight at Q6_K.
@@ -35,7 +36,7 @@ class PlannedTensor(NamedTuple):
     name: str
     shape: tuple[int, ...]
     ggml_type: Q
-    fill: Literal["ones", "normal", "blocks"]
+    fill: Literal["ones", "neg_ones", "normal", "blocks"]
     std: float
 
     @property
@@ -52,46 +53,118 @@ def plan_tensors(spec: SynthSpec, quant: Quant) -> list[PlannedTensor]:
     Q4_0/Q8_0) falls back, like llama-quantize does: Q4_K -> Q4_0, Q6_K -> Q8_0, Q4_0/Q8_0 -> F16.
     """
     wt, ot = _RECIPES[quant]
-    e, v, hd = spec.n_embd, spec.n_vocab, spec.head_dim
-    raw: list[tuple[str, tuple[int, ...], Q | None, float]] = [
-        ("token_embd.weight", (e, v), ot if spec.tied else wt, spec.embd_std),
-        ("output_norm.weight", (e,), None, 0.0),
+    e, v = spec.n_embd, spec.n_vocab
+    plan = [
+        _planned("token_embd.weight", (e, v), ot if spec.tied else wt, spec.embd_std),
+        _planned("output_norm.weight", (e,), None, 0.0),
     ]
     if not spec.tied:
-        raw.append(("output.weight", (e, v), ot, spec.logit_std / float(np.sqrt(e))))
-    w = spec.weight_std
-    down = spec.down_std or w
+        plan.append(_planned("output.weight", (e, v), ot, spec.logit_std / float(np.sqrt(e))))
     for i in range(spec.n_layer):
-        b = f"blk.{i}."
+        plan += _LAYERS[spec.arch](spec, f"blk.{i}.", i, wt)
+    return plan
+
+
+_Raw = tuple[str, tuple[int, ...], Q | None, float]  # name, shape, weight type (None: f32), std (0: ones)
+
+
+def _transformer_layer(spec: SynthSpec, b: str, i: int, wt: Q) -> list[PlannedTensor]:
+    """One llama/qwen3moe block: attention, then a dense FFN or routed experts."""
+    e, hd, w = spec.n_embd, spec.head_dim, spec.weight_std
+    raw: list[_Raw] = [
+        (b + "attn_norm.weight", (e,), None, 0.0),
+        (b + "attn_q.weight", (e, spec.n_head * hd), wt, w),
+        (b + "attn_k.weight", (e, spec.n_head_kv * hd), wt, w),
+        (b + "attn_v.weight", (e, spec.n_head_kv * hd), wt, w),
+        (b + "attn_output.weight", (spec.n_head * hd, e), wt, spec.attn_out_std),
+        (b + "ffn_norm.weight", (e,), None, 0.0),
+    ]
+    if spec.arch == "qwen3moe":
         raw += [
-            (b + "attn_norm.weight", (e,), None, 0.0),
-            (b + "attn_q.weight", (e, spec.n_head * hd), wt, w),
+            (b + "attn_q_norm.weight", (hd,), None, 0.0),
+            (b + "attn_k_norm.weight", (hd,), None, 0.0),
+        ]
+    if spec.n_expert:
+        raw += _routed_experts(spec, b, wt)
+    else:
+        ff, down = spec.n_ff, spec.down_std or w
+        raw += [
+            (b + "ffn_gate.weight", (e, ff), wt, w),
+            (b + "ffn_down.weight", (ff, e), wt, down),
+            (b + "ffn_up.weight", (e, ff), wt, w),
+        ]
+    return [_planned(*r) for r in raw]
+
+
+def _routed_experts(spec: SynthSpec, b: str, wt: Q) -> list[_Raw]:
+    """The router and the stacked routed experts of a MoE block."""
+    e, nx, ff, w = spec.n_embd, spec.n_expert, spec.n_ff_exp, spec.weight_std
+    return [
+        (b + "ffn_gate_inp.weight", (e, nx), None, spec.router_std),
+        (b + "ffn_gate_exps.weight", (e, ff, nx), wt, w),
+        (b + "ffn_down_exps.weight", (ff, e, nx), wt, spec.down_std or w),
+        (b + "ffn_up_exps.weight", (e, ff, nx), wt, w),
+    ]
+
+
+# std of the delta-net's depthwise conv weights: PyTorch's Conv1d init for a 4-tap kernel, U(-0.5, 0.5)
+_CONV_STD = 0.29
+
+
+def _hybrid_layer(spec: SynthSpec, b: str, i: int, wt: Q) -> list[PlannedTensor]:
+    """One qwen3next block as convert_hf_to_gguf writes it: gated delta-net or gated full attention, then
+    routed experts and a sigmoid-gated shared expert."""
+    e, hd, w, sh = spec.n_embd, spec.head_dim, spec.weight_std, spec.n_ff_shexp
+    plan = [
+        _planned(b + "attn_norm.weight", (e,), None, 0.0),
+        _planned(b + "post_attention_norm.weight", (e,), None, 0.0),
+    ]
+    if spec.is_recurrent(i):
+        plan += _delta_net(spec, b, wt)
+    else:
+        attn: list[_Raw] = [
+            (b + "attn_q.weight", (e, 2 * spec.n_head * hd), wt, w),  # the query and its output gate
             (b + "attn_k.weight", (e, spec.n_head_kv * hd), wt, w),
             (b + "attn_v.weight", (e, spec.n_head_kv * hd), wt, w),
             (b + "attn_output.weight", (spec.n_head * hd, e), wt, spec.attn_out_std),
-            (b + "ffn_norm.weight", (e,), None, 0.0),
+            (b + "attn_q_norm.weight", (hd,), None, 0.0),
+            (b + "attn_k_norm.weight", (hd,), None, 0.0),
         ]
-        if spec.arch == "qwen3moe":
-            raw += [
-                (b + "attn_q_norm.weight", (hd,), None, 0.0),
-                (b + "attn_k_norm.weight", (hd,), None, 0.0),
-            ]
-        if spec.n_expert:
-            nx, ff = spec.n_expert, spec.n_ff_exp
-            raw += [
-                (b + "ffn_gate_inp.weight", (e, nx), None, spec.router_std),
-                (b + "ffn_gate_exps.weight", (e, ff, nx), wt, w),
-                (b + "ffn_down_exps.weight", (ff, e, nx), wt, down),
-                (b + "ffn_up_exps.weight", (e, ff, nx), wt, w),
-            ]
-        else:
-            ff = spec.n_ff
-            raw += [
-                (b + "ffn_gate.weight", (e, ff), wt, w),
-                (b + "ffn_down.weight", (ff, e), wt, down),
-                (b + "ffn_up.weight", (e, ff), wt, w),
-            ]
-    return [_planned(name, shape, t, std) for name, shape, t, std in raw]
+        plan += [_planned(*r) for r in attn]
+    ffn = _routed_experts(spec, b, wt) + [
+        (b + "ffn_gate_inp_shexp.weight", (e, 1), None, spec.router_std),  # HF's Linear(hidden, 1), kept 2-D
+        (b + "ffn_gate_shexp.weight", (e, sh), wt, w),
+        (b + "ffn_down_shexp.weight", (sh, e), wt, spec.down_std or w),
+        (b + "ffn_up_shexp.weight", (e, sh), wt, w),
+    ]
+    return plan + [_planned(*r) for r in ffn]
+
+
+def _delta_net(spec: SynthSpec, b: str, wt: Q) -> list[PlannedTensor]:
+    """A gated delta-net's tensors with the converter's fused q/k/v projection (attn_qkv) and gate (attn_gate).
+
+    ssm_a holds -exp(A_log), negative so that the state decays; ssm_dt.bias is 1 as Qwen3-Next initialises it.
+    """
+    e, w, n_v = spec.n_embd, spec.weight_std, spec.ssm_dt_rank
+    key_dim, value_dim = spec.ssm_d_state * spec.ssm_n_group, spec.ssm_d_state * n_v
+    conv_dim = 2 * key_dim + value_dim
+    return [
+        _planned(b + "attn_qkv.weight", (e, conv_dim), wt, w),
+        _planned(b + "attn_gate.weight", (e, value_dim), wt, w),
+        _planned(b + "ssm_conv1d.weight", (spec.ssm_d_conv, conv_dim), None, _CONV_STD),
+        _planned(b + "ssm_dt.bias", (n_v,), None, 0.0),
+        PlannedTensor(b + "ssm_a", (n_v,), Q.F32, "neg_ones", 0.0),
+        _planned(b + "ssm_ba.weight", (e, 2 * n_v), wt, w),
+        _planned(b + "ssm_norm.weight", (spec.ssm_d_state,), None, 0.0),
+        _planned(b + "ssm_out.weight", (value_dim, e), wt, spec.attn_out_std),
+    ]
+
+
+_LAYERS: dict[Arch, Callable[[SynthSpec, str, int, Q], list[PlannedTensor]]] = {
+    "llama": _transformer_layer,
+    "qwen3moe": _transformer_layer,
+    "qwen3next": _hybrid_layer,
+}
 
 
 def _planned(name: str, shape: tuple[int, ...], t: Q | None, std: float) -> PlannedTensor:

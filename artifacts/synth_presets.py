@@ -18,7 +18,7 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Arch = Literal["llama", "qwen3moe"]
+Arch = Literal["llama", "qwen3moe", "qwen3next"]
 Quant = Literal["F16", "Q8_0", "Q4_0", "Q4_K"]
 QUANTS: tuple[Quant, ...] = ("F16", "Q8_0", "Q4_0", "Q4_K")
 
@@ -101,6 +101,10 @@ class SynthSpec(BaseModel):
 
     Shapes follow the model's config.json. For `arch="llama"` with experts (Mixtral), llama.cpp reads the
     expert width from `feed_forward_length`, so `n_ff` must equal `n_ff_exp`.
+
+    `arch="qwen3next"` is a hybrid: every `full_attn_interval`-th layer is gated full attention with a KV
+    cache, the others gated delta-net linear attention with a fixed-size recurrent state (the `ssm_*` fields,
+    named as llama.cpp's hparams), and every layer has a sigmoid-gated shared expert of width `n_ff_shexp`.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -138,6 +142,18 @@ class SynthSpec(BaseModel):
     # the busiest half of each layer's experts gets about routing_top_half of the picks.
     routing: Literal["uniform", "skewed"] = "uniform"
     routing_top_half: float = Field(default=0.9, gt=0.5, lt=1.0)
+    # Hybrid (qwen3next) shapes; 0 everywhere else, and then left out of flux.synth.spec (HYBRID_FIELDS).
+    n_rot: int = Field(default=0, ge=0)  # rotated dims per head (partial rope); 0: head_dim
+    n_ff_shexp: int = Field(default=0, ge=0)  # shared expert width (shared_expert_intermediate_size)
+    full_attn_interval: int = Field(default=0, ge=0)  # layer i has full attention iff (i + 1) % interval == 0
+    ssm_d_conv: int = Field(default=0, ge=0)  # linear_conv_kernel_dim
+    ssm_d_state: int = Field(default=0, ge=0)  # linear_key_head_dim (= linear_value_head_dim)
+    ssm_n_group: int = Field(default=0, ge=0)  # linear_num_key_heads
+    ssm_dt_rank: int = Field(default=0, ge=0)  # linear_num_value_heads
+
+    def is_recurrent(self, layer: int) -> bool:
+        """True when `layer` is a linear-attention (recurrent) layer, as llama.cpp's qwen3next loader decides."""
+        return self.arch == "qwen3next" and (layer + 1) % self.full_attn_interval != 0
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -154,10 +170,33 @@ class SynthSpec(BaseModel):
             raise ValueError("llama MoE reads the expert width from n_ff: set n_ff == n_ff_exp")
         if self.routing != "uniform" and not self.n_expert:
             raise ValueError(f"routing={self.routing} needs experts (n_expert > 0)")
+        hybrid = {k: getattr(self, k) for k in HYBRID_FIELDS}
+        if self.arch != "qwen3next" and any(hybrid.values()):
+            raise ValueError(f"{', '.join(k for k, v in hybrid.items() if v)} apply to arch qwen3next only")
+        if self.arch == "qwen3next":
+            _check_hybrid(self)
         return self
 
 
+# Shape fields of the hybrid (qwen3next) architecture; other twins' flux.synth.spec records leave them out.
+HYBRID_FIELDS = (
+    "n_rot", "n_ff_shexp", "full_attn_interval", "ssm_d_conv", "ssm_d_state", "ssm_n_group", "ssm_dt_rank",
+)
+
+
+def _check_hybrid(spec: SynthSpec) -> None:
+    """Reject qwen3next shapes llama.cpp's loader or graph would refuse."""
+    missing = [k for k in HYBRID_FIELDS if k != "n_rot" and not getattr(spec, k)]
+    if missing or not spec.n_expert:
+        raise ValueError(f"arch qwen3next needs n_expert and {', '.join(HYBRID_FIELDS[1:])} > 0")
+    if spec.ssm_dt_rank % spec.ssm_n_group:
+        raise ValueError(f"ssm_dt_rank {spec.ssm_dt_rank} is not a multiple of ssm_n_group {spec.ssm_n_group}")
+    if spec.n_rot > spec.head_dim or spec.n_rot % 2:
+        raise ValueError(f"n_rot {spec.n_rot} must be even and at most head_dim {spec.head_dim}")
+
+
 _QWEN3: dict[str, Any] = {"arch": "qwen3moe", "rope_base": 1e6, "eps": 1e-6}
+_QWEN3NEXT: dict[str, Any] = {"arch": "qwen3next", "rope_base": 1e7, "eps": 1e-6}
 # Deep twins are conditioned like a trained model: random layers whose updates are large next to the
 # residual stream amplify rounding with depth (a correct flash-attention change: mean KL 1.1e-4 at 8 layers,
 # 4.4e-3 at 48, where real models show < 1e-4) and near-tied expert choices flip, so every GPU placement looks
@@ -197,6 +236,35 @@ PRESETS: dict[str, SynthSpec] = {
         n_ff_exp=768,
         n_vocab=151936,
         n_ctx_train=40960,
+    ),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct config.json (docs/twins.md): hidden_size 2048, num_hidden_layers 48,
+    # full_attention_interval 4, num_attention_heads 16, num_key_value_heads 2, head_dim 256,
+    # partial_rotary_factor 0.25 (n_rot 64, as the converter writes rope.dimension_count), intermediate_size
+    # 5120, num_experts 512, num_experts_per_tok 10, moe_intermediate_size 512, shared_expert_intermediate_size
+    # 512, linear_conv_kernel_dim 4, linear_key_head_dim = linear_value_head_dim 128, linear_num_key_heads 16,
+    # linear_num_value_heads 32, vocab_size 151936, max_position_embeddings 262144, rms_norm_eps 1e-6;
+    # rope_theta 1e7 (issue #22; not seen in a config copy, shapes do not depend on it). Keys and tensors as
+    # llama.cpp's conversion/qwen.py Qwen3NextModel writes them with --no-mtp (the MTP block is left out).
+    "qwen3-next-80b-a3b": conditioned(
+        **_QWEN3NEXT,
+        n_layer=48,
+        n_embd=2048,
+        n_head=16,
+        n_head_kv=2,
+        head_dim=256,
+        n_rot=64,
+        n_ff=5120,
+        n_expert=512,
+        n_expert_used=10,
+        n_ff_exp=512,
+        n_ff_shexp=512,
+        n_vocab=151936,
+        n_ctx_train=262144,
+        full_attn_interval=4,
+        ssm_d_conv=4,
+        ssm_d_state=128,
+        ssm_n_group=16,
+        ssm_dt_rank=32,
     ),
     # Llama-3.1-8B
     "llama3-8b": conditioned(
@@ -286,5 +354,28 @@ PRESETS: dict[str, SynthSpec] = {
         n_ff_exp=128,
         n_vocab=512,
         n_ctx_train=4096,
+    ),
+    # A qwen3next-shaped CI twin: layers 0-2 recurrent (gated delta-net), layer 3 full attention; value heads
+    # twice the key heads and a quarter of each head rotated, as in Qwen3-Next-80B-A3B.
+    "tiny-qwen3next": SynthSpec(
+        **_QWEN3NEXT,
+        n_layer=4,
+        n_embd=256,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=64,
+        n_rot=16,
+        n_ff=512,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=128,
+        n_ff_shexp=128,
+        n_vocab=512,
+        n_ctx_train=4096,
+        full_attn_interval=4,
+        ssm_d_conv=4,
+        ssm_d_state=32,
+        ssm_n_group=4,
+        ssm_dt_rank=8,
     ),
 }
