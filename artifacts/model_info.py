@@ -90,6 +90,11 @@ class ModelInfo(BaseModel):
     layers: list[LayerInfo]
     kv_bytes_per_token: dict[str, int]
     content_hash: str | None = None
+    # Hybrid models (qwen3next: gated delta-net layers beside every full_attention_interval-th attention
+    # layer): the layers that hold a KV cache, and the fixed-size recurrent state of the others per sequence
+    # (f32, whatever the context: llama.cpp's conv and SSM states). None / 0: every layer has a KV cache.
+    n_kv_layers: int | None = None
+    recurrent_state_bytes: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -158,9 +163,28 @@ def _head_dim(md: dict[str, Any], arch: str, which: str) -> int:
     return _int(md, f"{arch}.attention.{which}", default)
 
 
+def _kv_layers(md: dict[str, Any], arch: str, n_layer: int) -> int:
+    """Layers with a KV cache: every layer, or in a hybrid every ``full_attention_interval``-th one (llama.cpp:
+    layer i is recurrent unless (i + 1) % interval == 0)."""
+    interval = _int(md, f"{arch}.full_attention_interval")
+    return sum(1 for i in range(n_layer) if (i + 1) % interval == 0) if interval > 0 else n_layer
+
+
+def _recurrent_state(md: dict[str, Any], arch: str, n_layer: int) -> int:
+    """f32 bytes of one sequence's recurrent state over the layers without a KV cache: the convolution's last
+    (d_conv - 1) inputs of its channels (d_inner + 2 x groups x d_state) and the d_state x d_inner SSM state."""
+    d_conv, d_state = _int(md, f"{arch}.ssm.conv_kernel"), _int(md, f"{arch}.ssm.state_size")
+    d_inner, groups = _int(md, f"{arch}.ssm.inner_size"), _int(md, f"{arch}.ssm.group_count")
+    if not (d_conv and d_state and d_inner):
+        return 0
+    per_layer = max(0, d_conv - 1) * (d_inner + 2 * groups * d_state) + d_state * d_inner
+    return 4 * per_layer * (n_layer - _kv_layers(md, arch, n_layer))
+
+
 def _kv_per_token(md: dict[str, Any], arch: str, n_layer: int) -> dict[str, int]:
     n_kv = _int(md, f"{arch}.attention.head_count_kv", _int(md, f"{arch}.attention.head_count"))
-    elements = n_layer * n_kv * (_head_dim(md, arch, "key_length") + _head_dim(md, arch, "value_length"))
+    elements = _kv_layers(md, arch, n_layer) * n_kv * (
+        _head_dim(md, arch, "key_length") + _head_dim(md, arch, "value_length"))
     return {t: int(round(elements * b)) for t, b in KV_TYPES.items()}
 
 
@@ -211,6 +235,7 @@ def model_info(path: Path, supported: frozenset[str] | None = None) -> ModelInfo
         n_expert=_int(md, f"{arch}.expert_count"), n_expert_used=_int(md, f"{arch}.expert_used_count"),
         bytes_by_role=by_role, quant_types=quant, layers=layers,
         kv_bytes_per_token=_kv_per_token(md, arch, n_layer),
+        n_kv_layers=_kv_layers(md, arch, n_layer), recurrent_state_bytes=_recurrent_state(md, arch, n_layer),
     )
 
 

@@ -119,5 +119,9 @@ def _print_human(info: ModelInfo) -> None:
         con.print("per layer (layer 0): " + ", ".join(f"{k} {_gb(v)}" for k, v in layer0.bytes_by_role.items()))
     kv = info.kv_bytes_per_token
     con.print("KV bytes per token: " + ", ".join(f"{t} {kv[t]:,}" for t in ("f16", "q8_0", "q4_0", "f32")))
+    if info.n_kv_layers is not None and info.n_kv_layers < info.n_layer:
+        con.print(f"KV cache on {info.n_kv_layers} of {info.n_layer} layers (full attention); the other "
+                  f"{info.n_layer - info.n_kv_layers} are recurrent: {_gb(info.recurrent_state_bytes)} of state per "
+                  "sequence, whatever the context")
     if info.content_hash:
         con.print(f"content hash {info.content_hash}")

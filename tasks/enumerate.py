@@ -119,8 +119,9 @@ def kv_at(info: ModelInfo, n_ctx: int, n_seq: int = 1, kv_type: str = "f16") -> 
 
 
 def kv_layer_bytes(info: ModelInfo, kv_type: str, n_ctx: int, n_seq: int) -> float:
-    """KV cache bytes of one layer holding ``n_ctx`` tokens for each of ``n_seq`` sequences."""
-    return info.kv_bytes_per_token[kv_type] * n_ctx * n_seq / max(1, info.n_layer)
+    """KV cache bytes of one layer holding ``n_ctx`` tokens for each of ``n_seq`` sequences (a hybrid model's
+    fixed recurrent state included, spread over the layers like its KV cache)."""
+    return (info.kv_bytes_per_token[kv_type] * n_ctx + info.recurrent_state_bytes) * n_seq / max(1, info.n_layer)
 
 
 def kv_placement(p: Placement, params: EngineParams, gpus: list[str]) -> list[str]:

@@ -88,7 +88,7 @@ def smallest_moe_budget(info: ModelInfo, n_ctx: int, n_seq: int, kv_type: str, h
     from tasks.costmodel import head_bytes
     from tasks.expert_hot import block_bytes
 
-    kv = info.kv_bytes_per_token.get(kv_type, 0) * n_ctx * n_seq
+    kv = (info.kv_bytes_per_token.get(kv_type, 0) * n_ctx + info.recurrent_state_bytes) * n_seq
     return int((block_bytes(info) + head_bytes(info) + kv) / max(1, n_gpus) + compute_bytes(info, 512, n_ctx, True)
                + correction(hw, device, offloads=True))
 

@@ -155,7 +155,23 @@ def test_flux_inspect_reads_the_twin(flux: Any, tmp_path: Path) -> None:
     assert human.returncode == 0 and "qwen3next (supported)" in human.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="model_info counts a KV cache on every layer; only every 4th has one (#22)")
 def test_kv_bytes_count_only_the_full_attention_layers(tiny: Path) -> None:
     # one full-attention layer of four: 2 kv heads x (64 + 64) x 2 bytes at f16
-    assert model_info(tiny).kv_bytes_per_token["f16"] == 2 * 128 * 2
+    info = model_info(tiny)
+    assert info.kv_bytes_per_token["f16"] == 2 * 128 * 2
+    assert info.n_kv_layers == 1
+
+
+def test_the_recurrent_state_is_what_llama_cpp_allocates(tiny: Path) -> None:
+    """llama.cpp printed `RS buffer 0.11 MiB` for the tiny twin's 3 delta-net layers (one sequence): per layer
+    (d_conv - 1) x (d_inner + 2 x groups x d_state) + d_state x d_inner f32 values = 3 x 512 + 32 x 256."""
+    info = model_info(tiny)
+    assert info.recurrent_state_bytes == 3 * 4 * (3 * 512 + 32 * 256)
+    assert round(info.recurrent_state_bytes / 2**20, 2) == 0.11
+
+
+def test_inspect_says_which_layers_hold_a_kv_cache(tiny: Path, flux: Any) -> None:
+    res = flux("inspect", str(tiny), timeout=120)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "KV cache on 1 of 4 layers (full attention)" in out and "recurrent" in out
