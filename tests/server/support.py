@@ -44,6 +44,7 @@ def serve_env(root: Path, toml: str = SERVE_TOML) -> ServeEnv:
     config = root / "flux.toml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(toml)
+    (root / "home").mkdir(exist_ok=True)  # Prefect keeps its database under $HOME/.prefect: a flow needs it
     env.update({"HOME": str(root / "home"), "XDG_DATA_HOME": str(root / "data"),
                 "XDG_CACHE_HOME": str(root / "cache"), "XDG_CONFIG_HOME": str(root / "config"),
                 "FLUX_CONFIG": str(config), "PYTHONPATH": str(REPO), "FLUX_LOG": "warning"})
