@@ -30,6 +30,7 @@ from artifacts.model_info import ModelInfo
 from artifacts.store import Store
 from engine_bridge.backend import backend_info
 from engine_bridge.errors import EngineError
+from engine_bridge.expert_split import SPLIT_ARCHITECTURES
 from engine_bridge.routing_trace import routing_table
 from flows import workload as wl
 from flows.progress import StageClock
@@ -184,8 +185,9 @@ def _clocked(ctx: PlanContext, name: str, compute: Callable[[], Any]) -> Any:
 
 
 def _traces_routing(ctx: PlanContext, hw: HardwareReport) -> bool:
-    """A routing trace shapes the plan of a MoE model on a machine with a GPU (per-expert placement)."""
-    return ctx.info.is_moe and bool(gpu_devices(hw))
+    """A routing trace shapes the plan of a MoE model on a machine with a GPU (per-expert placement), for the
+    architectures whose expert path the split supports."""
+    return ctx.info.is_moe and bool(gpu_devices(hw)) and ctx.info.architecture in SPLIT_ARCHITECTURES
 
 
 def _route_key(ctx: PlanContext) -> dict[str, Any]:
@@ -197,6 +199,10 @@ def _route_key(ctx: PlanContext) -> dict[str, Any]:
 def route_stage(ctx: PlanContext, hw: HardwareReport) -> RoutingProfile | None:
     """How the model's routers pick experts on the workload (MoE models on a GPU machine; else nothing)."""
     if not _traces_routing(ctx, hw):
+        if ctx.info.is_moe and gpu_devices(hw):
+            get_run_logger().info(
+                "route: no per-expert placement for %s (the expert split supports %s): planning from whole expert "
+                "tensors", ctx.info.architecture, ", ".join(sorted(SPLIT_ARCHITECTURES)))
         return None
     return _clocked(ctx, "route", lambda: traced_routing(ctx, hw, get_run_logger()))
 

@@ -45,3 +45,14 @@ def test_a_trace_whose_worker_dies_plans_without_per_expert_placement(
         got = stages.traced_routing(ctx, h200_report(), logging.getLogger("test"))
     assert got is None
     assert "the routing trace failed" in caplog.text and "planning without per-expert placement" in caplog.text
+
+
+def test_an_architecture_the_split_does_not_support_is_not_traced(tmp_path_factory: pytest.TempPathFactory,
+                                                                  tiny_moe: Path) -> None:
+    """A qwen3next model (shared expert beside the routed ones: the split patch does not build its path) gets
+    no routing trace, so no per-expert candidate that the patched llama.cpp would refuse at load."""
+    ctx = _ctx(tmp_path_factory, tiny_moe)
+    assert stages._traces_routing(ctx, h200_report())
+    other = stages.PlanContext(**{**vars(ctx), "info": ctx.info.model_copy(update={"architecture": "qwen3next"})})
+    assert not stages._traces_routing(other, h200_report())
+    assert not stages._traces_routing(ctx, h200_report(n_gpus=0)), "no GPU: no per-expert placement"
