@@ -46,7 +46,8 @@ def resolve_context(info: ModelInfo, hw: HardwareReport, req: PlanRequest, reser
     """Tokens per sequence: the request, else the trained context capped by what RAM can hold."""
     kv_tok = info.kv_bytes_per_token[req.kv] * req.concurrency
     trained = info.n_ctx_train or 4096
-    room = host_budget(hw, reserve_percent) - info.weight_bytes - compute_bytes(info, 512, 4096, True)
+    room = (host_budget(hw, reserve_percent) - info.weight_bytes - compute_bytes(info, 512, 4096, True)
+            - info.recurrent_state_bytes * req.concurrency)  # a hybrid's fixed state, whatever the context
     if req.ctx is not None:
         if req.ctx > trained:
             raise ImpossiblePlan(f"--ctx {req.ctx} exceeds the model's trained context {trained}",
