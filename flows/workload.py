@@ -85,13 +85,13 @@ def measurement_lengths(fin: Finalists, n_ctx: int, req: PlanRequest, budget_s: 
                         rates: tuple[float, float] = (LOAD_GBS * 1e9, LOAD_GBS * 1e9)) -> tuple[list[int], int]:
     """The workload's prompts whose MIN_ROUNDS rounds of the KEEP_FINALISTS best (:func:`diverse_order`) fit the
     budget (with VISIT_ERROR to spare): the deepest that fits first (at least MIN_DEPTH where the context and
-    the budget as predicted hold it, else the shortest), then shorter ones while they fit, in the ladder's order; :func:`fitting_finalists` then keeps as many
-    finalists as those prompts leave room for.
+    the budget as predicted hold it, else the shortest), then shorter ones while they fit, in the ladder's
+    order; :func:`fitting_finalists` then keeps as many finalists as those prompts leave room for.
 
     Deepest first because the mix's time is mostly its long prompts, and a deep KV cache is where KV placement and
     the per-token cost of attention show: run 8 on the H200 measured only a 64-token prompt at an 8 GiB budget and
-    chose a KV-on-host plan that decoded 44 tok/s there and 25 tok/s at a 512-token depth; prompts sized for all
-    six finalists left only that 64-token prompt again at 10 GiB, where two of them fit a 1024-token one."""
+    chose a KV-on-host plan that decoded 44 tok/s there and 25 tok/s at a 512-token depth; sized for all six
+    finalists, the prompts shrank to that 64-token one again at 10 GiB (run 9a)."""
     budget = req.budget_s if budget_s is None else budget_s
     ladder, n_gen = nominal_lengths(n_ctx, req)
     racers = _first(diverse_order(fin), min(KEEP_FINALISTS, len(fin.finalists)))

@@ -222,9 +222,8 @@ def predict(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: Workload
     cpu_read, gpu_read = decode_reads(info, cand, work.mean_prompt_tokens)
     kv_cpu = kv_reads(info, cand, work.mean_prompt_tokens)[0]
     decode_ms = (cpu_read - kv_cpu) / (cpu_bandwidth(hw, p.n_threads) * eff) * 1e3
-    if gpu_read:
-        if not p.no_host:
-            decode_ms *= PLAIN_LAYOUT_SLOWDOWN
+    if gpu_read and not p.no_host:
+        decode_ms *= PLAIN_LAYOUT_SLOWDOWN
     decode_ms += host_attention_ms(info, hw, cand, kv_cpu, eff)
     if gpu_read:
         syncs = _transitions(cand.placement) + 2 * _host_attention_layers(cand)
