@@ -37,7 +37,7 @@ from artifacts.errors import ModelFileError
 from artifacts.ids import canonical_json
 from artifacts.synth_blocks import BLOCK_MAKERS
 from artifacts.synth_layout import PlannedTensor, plan_tensors, vocab
-from artifacts.synth_presets import CHATML, HYBRID_FIELDS, PRESETS, QUANTS, Quant, SynthSpec
+from artifacts.synth_presets import ARCH_FIELDS, CHATML, HYBRID_ARCHES, PRESETS, QUANTS, Quant, SynthSpec
 from artifacts.synth_routing import RouterTransform, skewed_router
 
 # fmt: off
@@ -196,14 +196,14 @@ def _router(spec: SynthSpec, seed: int) -> RouterTransform | None:
 
 
 def _spec_record(spec: SynthSpec) -> dict[str, Any]:
-    """The spec as flux.synth.spec records it; a uniform twin's record leaves the routing fields out, and a
-    twin of another architecture than qwen3next the hybrid fields (records, hence bytes, as before)."""
+    """The spec as flux.synth.spec records it; a uniform twin's record leaves the routing fields out, and every
+    twin the fields of other architectures (ARCH_FIELDS: records, hence bytes, as before those fields)."""
     record = spec.model_dump(mode="json")
     if spec.routing == "uniform":
         for key in ("routing", "routing_top_half"):
             record.pop(key)
-    if spec.arch != "qwen3next":
-        for key in HYBRID_FIELDS:
+    for key, arches in ARCH_FIELDS.items():
+        if spec.arch not in arches:
             record.pop(key)
     return record
 
@@ -270,11 +270,13 @@ def _metadata(spec: SynthSpec, name: str, quant: Quant, seed: int) -> list[bytes
         "attention.value_length": spec.head_dim, "rope.dimension_count": spec.n_rot or spec.head_dim,
         "vocab_size": spec.n_vocab,
     }  # fmt: skip
+    if not spec.n_ff:  # the config has no intermediate_size: the converter writes no feed_forward_length
+        del hparams["feed_forward_length"]
     if spec.n_expert:
         hparams |= {"expert_count": spec.n_expert, "expert_used_count": spec.n_expert_used}
-    if spec.arch in ("qwen3moe", "qwen3next"):
+    if spec.arch in ("qwen3moe", *HYBRID_ARCHES):
         hparams["expert_feed_forward_length"] = spec.n_ff_exp
-    if spec.arch == "qwen3next":
+    if spec.arch in HYBRID_ARCHES:
         hparams |= _hybrid_hparams(spec)
     kvs = [
         _kv("general.architecture", s, a),
@@ -284,6 +286,7 @@ def _metadata(spec: SynthSpec, name: str, quant: Quant, seed: int) -> list[bytes
         *(_kv(f"{a}.{key}", u32, value) for key, value in hparams.items()),
         _kv(f"{a}.rope.freq_base", f32, spec.rope_base),
         _kv(f"{a}.attention.layer_norm_rms_epsilon", f32, spec.eps),
+        *_layer_arrays(spec),
     ]
     tokens, types, merges = vocab(spec.n_vocab)
     bos, eos = spec.n_vocab - 3, spec.n_vocab - 1  # <|endoftext|>, <|im_end|>
@@ -305,8 +308,20 @@ def _metadata(spec: SynthSpec, name: str, quant: Quant, seed: int) -> list[bytes
     return kvs
 
 
+def _layer_arrays(spec: SynthSpec) -> list[bytes]:
+    """qwen35moe's array keys, as Qwen3_5MoeTextModel writes them from a config with layer_types and
+    rope_parameters.mrope_section: which layers are recurrent (bool per layer) and the rope sections (int32)."""
+    if spec.arch != "qwen35moe":
+        return []
+    recurrent = [spec.is_recurrent(i) for i in range(spec.n_layer)]
+    return [
+        _kv_array(f"{spec.arch}.attention.recurrent_layers", VT.BOOL, recurrent),
+        _kv_array(f"{spec.arch}.rope.dimension_sections", VT.INT32, list(spec.rope_sections)),
+    ]
+
+
 def _hybrid_hparams(spec: SynthSpec) -> dict[str, int]:
-    """qwen3next's keys as convert_hf_to_gguf's Qwen3NextModel writes them (all u32)."""
+    """qwen3next's and qwen35moe's keys as convert_hf_to_gguf's Qwen3NextModel writes them (all u32)."""
     return {
         "expert_shared_feed_forward_length": spec.n_ff_shexp,
         "ssm.conv_kernel": spec.ssm_d_conv,

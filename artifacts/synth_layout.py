@@ -112,8 +112,8 @@ _CONV_STD = 0.29
 
 
 def _hybrid_layer(spec: SynthSpec, b: str, i: int, wt: Q) -> list[PlannedTensor]:
-    """One qwen3next block as convert_hf_to_gguf writes it: gated delta-net or gated full attention, then
-    routed experts and a sigmoid-gated shared expert."""
+    """One qwen3next / qwen35moe block as convert_hf_to_gguf writes it: gated delta-net or gated full
+    attention, then routed experts and a sigmoid-gated shared expert."""
     e, hd, w, sh = spec.n_embd, spec.head_dim, spec.weight_std, spec.n_ff_shexp
     plan = [
         _planned(b + "attn_norm.weight", (e,), None, 0.0),
@@ -154,16 +154,25 @@ def _delta_net(spec: SynthSpec, b: str, wt: Q) -> list[PlannedTensor]:
         _planned(b + "ssm_conv1d.weight", (spec.ssm_d_conv, conv_dim), None, _CONV_STD),
         _planned(b + "ssm_dt.bias", (n_v,), None, 0.0),
         PlannedTensor(b + "ssm_a", (n_v,), Q.F32, "neg_ones", 0.0),
-        _planned(b + "ssm_ba.weight", (e, 2 * n_v), wt, w),
+        *(_planned(b + name, (e, width), wt, w) for name, width in _DECAY_PROJECTIONS[spec.arch](n_v)),
         _planned(b + "ssm_norm.weight", (spec.ssm_d_state,), None, 0.0),
         _planned(b + "ssm_out.weight", (value_dim, e), wt, spec.attn_out_std),
     ]
+
+
+# The delta-net's per-head beta (write strength) and alpha (decay) projections, by architecture: Qwen3-Next
+# checkpoints fuse them (in_proj_ba -> ssm_ba), Qwen3.5/3.6 keep in_proj_a / in_proj_b apart.
+_DECAY_PROJECTIONS: dict[Arch, Callable[[int], list[tuple[str, int]]]] = {
+    "qwen3next": lambda n_v: [("ssm_ba.weight", 2 * n_v)],
+    "qwen35moe": lambda n_v: [("ssm_alpha.weight", n_v), ("ssm_beta.weight", n_v)],
+}
 
 
 _LAYERS: dict[Arch, Callable[[SynthSpec, str, int, Q], list[PlannedTensor]]] = {
     "llama": _transformer_layer,
     "qwen3moe": _transformer_layer,
     "qwen3next": _hybrid_layer,
+    "qwen35moe": _hybrid_layer,
 }
 
 

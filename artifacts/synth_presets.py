@@ -18,7 +18,7 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Arch = Literal["llama", "qwen3moe", "qwen3next"]
+Arch = Literal["llama", "qwen3moe", "qwen3next", "qwen35moe"]
 Quant = Literal["F16", "Q8_0", "Q4_0", "Q4_K"]
 QUANTS: tuple[Quant, ...] = ("F16", "Q8_0", "Q4_0", "Q4_K")
 
@@ -105,6 +105,9 @@ class SynthSpec(BaseModel):
     `arch="qwen3next"` is a hybrid: every `full_attn_interval`-th layer is gated full attention with a KV
     cache, the others gated delta-net linear attention with a fixed-size recurrent state (the `ssm_*` fields,
     named as llama.cpp's hparams), and every layer has a sigmoid-gated shared expert of width `n_ff_shexp`.
+    `arch="qwen35moe"` (Qwen3.5/3.6 MoE) is the same hybrid with separate delta-net alpha/beta projections and
+    interleaved multi-section rope (`rope_sections`); its config has no dense FFN, so `n_ff` is 0 and
+    `feed_forward_length` is left out, as the converter leaves it out.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -115,7 +118,7 @@ class SynthSpec(BaseModel):
     n_head: int = Field(ge=1)
     n_head_kv: int = Field(ge=1)
     head_dim: int = Field(ge=1)
-    n_ff: int = Field(ge=1)
+    n_ff: int = Field(ge=0)  # 0: no dense FFN width in the config (qwen35moe), the key is not written
     n_expert: int = Field(default=0, ge=0)
     n_expert_used: int = Field(default=0, ge=0)
     n_ff_exp: int = Field(default=0, ge=0)
@@ -142,7 +145,7 @@ class SynthSpec(BaseModel):
     # the busiest half of each layer's experts gets about routing_top_half of the picks.
     routing: Literal["uniform", "skewed"] = "uniform"
     routing_top_half: float = Field(default=0.9, gt=0.5, lt=1.0)
-    # Hybrid (qwen3next) shapes; 0 everywhere else, and then left out of flux.synth.spec (HYBRID_FIELDS).
+    # Hybrid (qwen3next, qwen35moe) shapes; 0 everywhere else, and then left out of flux.synth.spec.
     n_rot: int = Field(default=0, ge=0)  # rotated dims per head (partial rope); 0: head_dim
     n_ff_shexp: int = Field(default=0, ge=0)  # shared expert width (shared_expert_intermediate_size)
     full_attn_interval: int = Field(default=0, ge=0)  # layer i has full attention iff (i + 1) % interval == 0
@@ -150,10 +153,12 @@ class SynthSpec(BaseModel):
     ssm_d_state: int = Field(default=0, ge=0)  # linear_key_head_dim (= linear_value_head_dim)
     ssm_n_group: int = Field(default=0, ge=0)  # linear_num_key_heads
     ssm_dt_rank: int = Field(default=0, ge=0)  # linear_num_value_heads
+    # qwen35moe: rope_parameters.mrope_section padded to 4, as rope.dimension_sections (IMROPE); () elsewhere
+    rope_sections: tuple[int, ...] = ()
 
     def is_recurrent(self, layer: int) -> bool:
-        """True when `layer` is a linear-attention (recurrent) layer, as llama.cpp's qwen3next loader decides."""
-        return self.arch == "qwen3next" and (layer + 1) % self.full_attn_interval != 0
+        """True when `layer` is a linear-attention (recurrent) layer, as llama.cpp's hybrid loaders decide."""
+        return self.arch in HYBRID_ARCHES and (layer + 1) % self.full_attn_interval != 0
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -170,33 +175,47 @@ class SynthSpec(BaseModel):
             raise ValueError("llama MoE reads the expert width from n_ff: set n_ff == n_ff_exp")
         if self.routing != "uniform" and not self.n_expert:
             raise ValueError(f"routing={self.routing} needs experts (n_expert > 0)")
-        hybrid = {k: getattr(self, k) for k in HYBRID_FIELDS}
-        if self.arch != "qwen3next" and any(hybrid.values()):
-            raise ValueError(f"{', '.join(k for k, v in hybrid.items() if v)} apply to arch qwen3next only")
-        if self.arch == "qwen3next":
+        if not self.n_ff and self.arch != "qwen35moe":
+            raise ValueError(f"arch {self.arch} needs n_ff >= 1")
+        misplaced = [k for k, arches in ARCH_FIELDS.items() if getattr(self, k) and self.arch not in arches]
+        if misplaced:
+            arches = sorted({a for k in misplaced for a in ARCH_FIELDS[k]})
+            raise ValueError(f"{', '.join(misplaced)} apply to arch {' or '.join(arches)} only")
+        if self.arch in HYBRID_ARCHES:
             _check_hybrid(self)
         return self
 
 
-# Shape fields of the hybrid (qwen3next) architecture; other twins' flux.synth.spec records leave them out.
+# The hybrid (gated delta-net + gated attention) architectures and their shape fields.
+HYBRID_ARCHES: tuple[Arch, ...] = ("qwen3next", "qwen35moe")
 HYBRID_FIELDS = (
     "n_rot", "n_ff_shexp", "full_attn_interval", "ssm_d_conv", "ssm_d_state", "ssm_n_group", "ssm_dt_rank",
 )
+# Field -> the architectures it applies to. Elsewhere it stays at its empty default and flux.synth.spec leaves
+# it out, so twins made before the field existed keep their records, hence their bytes and hashes.
+ARCH_FIELDS: dict[str, tuple[Arch, ...]] = {
+    **dict.fromkeys(HYBRID_FIELDS, HYBRID_ARCHES),
+    "rope_sections": ("qwen35moe",),
+}
 
 
 def _check_hybrid(spec: SynthSpec) -> None:
-    """Reject qwen3next shapes llama.cpp's loader or graph would refuse."""
+    """Reject hybrid (qwen3next, qwen35moe) shapes llama.cpp's loader or graph would refuse."""
     missing = [k for k in HYBRID_FIELDS if k != "n_rot" and not getattr(spec, k)]
     if missing or not spec.n_expert:
-        raise ValueError(f"arch qwen3next needs n_expert and {', '.join(HYBRID_FIELDS[1:])} > 0")
+        raise ValueError(f"arch {spec.arch} needs n_expert and {', '.join(HYBRID_FIELDS[1:])} > 0")
     if spec.ssm_dt_rank % spec.ssm_n_group:
         raise ValueError(f"ssm_dt_rank {spec.ssm_dt_rank} is not a multiple of ssm_n_group {spec.ssm_n_group}")
     if spec.n_rot > spec.head_dim or spec.n_rot % 2:
         raise ValueError(f"n_rot {spec.n_rot} must be even and at most head_dim {spec.head_dim}")
+    # qwen35moe's loader requires rope.dimension_sections; its sections split the rotated pairs (HF: 11+11+10 = 64/2)
+    if spec.arch == "qwen35moe" and (len(spec.rope_sections) != 4 or 2 * sum(spec.rope_sections) != spec.n_rot):
+        raise ValueError(f"arch qwen35moe needs 4 rope_sections summing to n_rot / 2, got {spec.rope_sections}")
 
 
 _QWEN3: dict[str, Any] = {"arch": "qwen3moe", "rope_base": 1e6, "eps": 1e-6}
 _QWEN3NEXT: dict[str, Any] = {"arch": "qwen3next", "rope_base": 1e7, "eps": 1e-6}
+_QWEN35MOE: dict[str, Any] = {"arch": "qwen35moe", "rope_base": 1e7, "eps": 1e-6, "n_ff": 0}
 # Deep twins are conditioned like a trained model: random layers whose updates are large next to the
 # residual stream amplify rounding with depth (a correct flash-attention change: mean KL 1.1e-4 at 8 layers,
 # 4.4e-3 at 48, where real models show < 1e-4) and near-tied expert choices flip, so every GPU placement looks
@@ -265,6 +284,36 @@ PRESETS: dict[str, SynthSpec] = {
         ssm_d_state=128,
         ssm_n_group=16,
         ssm_dt_rank=32,
+    ),
+    # Qwen/Qwen3.6-35B-A3B config.json, text_config (docs/twins.md): hidden_size 2048, num_hidden_layers 40,
+    # layer_types 3 x linear_attention + full_attention (full_attention_interval 4), num_attention_heads 16,
+    # num_key_value_heads 2, head_dim 256, partial_rotary_factor 0.25 (n_rot 64), rope_parameters rope_theta 1e7
+    # and mrope_section [11, 11, 10] (interleaved), num_experts 256, num_experts_per_tok 8, moe_intermediate_size
+    # 512, shared_expert_intermediate_size 512, no intermediate_size, linear_conv_kernel_dim 4,
+    # linear_key_head_dim = linear_value_head_dim 128, linear_num_key_heads 16, linear_num_value_heads 32,
+    # vocab_size 248320, max_position_embeddings 262144, rms_norm_eps 1e-6, tie_word_embeddings false. Keys and
+    # tensors as llama.cpp's conversion/qwen.py Qwen3_5MoeTextModel writes them with --no-mtp (its one MTP layer,
+    # mtp_num_hidden_layers 1, is left out).
+    "qwen3.6-35b-a3b": conditioned(
+        **_QWEN35MOE,
+        n_layer=40,
+        n_embd=2048,
+        n_head=16,
+        n_head_kv=2,
+        head_dim=256,
+        n_rot=64,
+        n_expert=256,
+        n_expert_used=8,
+        n_ff_exp=512,
+        n_ff_shexp=512,
+        n_vocab=248320,
+        n_ctx_train=262144,
+        full_attn_interval=4,
+        ssm_d_conv=4,
+        ssm_d_state=128,
+        ssm_n_group=16,
+        ssm_dt_rank=32,
+        rope_sections=(11, 11, 10, 0),
     ),
     # Llama-3.1-8B
     "llama3-8b": conditioned(
@@ -377,5 +426,28 @@ PRESETS: dict[str, SynthSpec] = {
         ssm_d_state=32,
         ssm_n_group=4,
         ssm_dt_rank=8,
+    ),
+    # A qwen35moe-shaped CI twin: tiny-qwen3next's shapes with Qwen3.5's separate alpha/beta projections and
+    # interleaved rope sections in Qwen3.6-35B-A3B's proportions (11:11:10 of the rotated pairs -> 3:3:2 of 8).
+    "tiny-qwen35moe": SynthSpec(
+        **_QWEN35MOE,
+        n_layer=4,
+        n_embd=256,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=64,
+        n_rot=16,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=128,
+        n_ff_shexp=128,
+        n_vocab=512,
+        n_ctx_train=4096,
+        full_attn_interval=4,
+        ssm_d_conv=4,
+        ssm_d_state=32,
+        ssm_n_group=4,
+        ssm_dt_rank=8,
+        rope_sections=(3, 3, 2, 0),
     ),
 }
