@@ -272,6 +272,9 @@ def _metadata(spec: SynthSpec, name: str, quant: Quant, seed: int) -> list[bytes
     }  # fmt: skip
     if not spec.n_ff:  # the config has no intermediate_size: the converter writes no feed_forward_length
         del hparams["feed_forward_length"]
+    if spec.arch == "minicpm":  # MiniCPMModel writes no head_dim keys (its config has none): n_embd / n_head
+        for key in ("attention.key_length", "attention.value_length", "rope.dimension_count"):
+            del hparams[key]
     if spec.n_expert:
         hparams |= {"expert_count": spec.n_expert, "expert_used_count": spec.n_expert_used}
     if spec.arch in ("qwen3moe", *HYBRID_ARCHES):
@@ -287,6 +290,7 @@ def _metadata(spec: SynthSpec, name: str, quant: Quant, seed: int) -> list[bytes
         _kv(f"{a}.rope.freq_base", f32, spec.rope_base),
         _kv(f"{a}.attention.layer_norm_rms_epsilon", f32, spec.eps),
         *_layer_arrays(spec),
+        *_mup_scales(spec),
     ]
     tokens, types, merges = vocab(spec.n_vocab)
     bos, eos = spec.n_vocab - 3, spec.n_vocab - 1  # <|endoftext|>, <|im_end|>
@@ -318,6 +322,22 @@ def _layer_arrays(spec: SynthSpec) -> list[bytes]:
         _kv_array(f"{spec.arch}.attention.recurrent_layers", VT.BOOL, recurrent),
         _kv_array(f"{spec.arch}.rope.dimension_sections", VT.INT32, list(spec.rope_sections)),
     ]
+
+
+def _mup_scales(spec: SynthSpec) -> list[bytes]:
+    """minicpm's keys as conversion/minicpm.py's MiniCPMModel writes them: its muP scales (f32) and, with
+    LongRoPE, the rope scaling type."""
+    if spec.arch != "minicpm":
+        return []
+    a, f32 = spec.arch, VT.FLOAT32
+    kvs = [
+        _kv(f"{a}.embedding_scale", f32, spec.scale_emb),
+        _kv(f"{a}.residual_scale", f32, spec.scale_depth / spec.n_layer**0.5),
+        _kv(f"{a}.logit_scale", f32, spec.n_embd / spec.dim_model_base),
+    ]
+    if spec.longrope:
+        kvs.append(_kv(f"{a}.rope.scaling.type", VT.STRING, "longrope"))
+    return kvs
 
 
 def _hybrid_hparams(spec: SynthSpec) -> dict[str, int]:

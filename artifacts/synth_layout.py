@@ -60,6 +60,8 @@ def plan_tensors(spec: SynthSpec, quant: Quant) -> list[PlannedTensor]:
     ]
     if not spec.tied:
         plan.append(_planned("output.weight", (e, v), ot, spec.logit_std / float(np.sqrt(e))))
+    if spec.longrope:  # the converter's generate_extra_tensors: one factor per rotated pair (1: plain rope)
+        plan += [_planned(f"rope_factors_{k}.weight", (spec.head_dim // 2,), None, 0.0) for k in ("long", "short")]
     for i in range(spec.n_layer):
         plan += _LAYERS[spec.arch](spec, f"blk.{i}.", i, wt)
     return plan
@@ -69,7 +71,7 @@ _Raw = tuple[str, tuple[int, ...], Q | None, float]  # name, shape, weight type 
 
 
 def _transformer_layer(spec: SynthSpec, b: str, i: int, wt: Q) -> list[PlannedTensor]:
-    """One llama/qwen3moe block: attention, then a dense FFN or routed experts."""
+    """One llama/qwen3moe/minicpm block: attention, then a dense FFN or routed experts."""
     e, hd, w = spec.n_embd, spec.head_dim, spec.weight_std
     raw: list[_Raw] = [
         (b + "attn_norm.weight", (e,), None, 0.0),
@@ -173,6 +175,7 @@ _LAYERS: dict[Arch, Callable[[SynthSpec, str, int, Q], list[PlannedTensor]]] = {
     "qwen3moe": _transformer_layer,
     "qwen3next": _hybrid_layer,
     "qwen35moe": _hybrid_layer,
+    "minicpm": _transformer_layer,
 }
 
 

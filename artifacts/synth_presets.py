@@ -18,7 +18,7 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Arch = Literal["llama", "qwen3moe", "qwen3next", "qwen35moe"]
+Arch = Literal["llama", "qwen3moe", "qwen3next", "qwen35moe", "minicpm"]
 Quant = Literal["F16", "Q8_0", "Q4_0", "Q4_K"]
 QUANTS: tuple[Quant, ...] = ("F16", "Q8_0", "Q4_0", "Q4_K")
 
@@ -108,6 +108,10 @@ class SynthSpec(BaseModel):
     `arch="qwen35moe"` (Qwen3.5/3.6 MoE) is the same hybrid with separate delta-net alpha/beta projections and
     interleaved multi-section rope (`rope_sections`); its config has no dense FFN, so `n_ff` is 0 and
     `feed_forward_length` is left out, as the converter leaves it out.
+
+    `arch="minicpm"` is a dense llama-like transformer with MiniCPM's muP scales (`scale_emb`, `scale_depth`,
+    `dim_model_base`, written as llama.cpp's embedding, residual and logit scales) and, with `longrope`, the
+    LongRoPE factor tensors.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -155,6 +159,12 @@ class SynthSpec(BaseModel):
     ssm_dt_rank: int = Field(default=0, ge=0)  # linear_num_value_heads
     # qwen35moe: rope_parameters.mrope_section padded to 4, as rope.dimension_sections (IMROPE); () elsewhere
     rope_sections: tuple[int, ...] = ()
+    # minicpm (muP): the embedding is multiplied by scale_emb, each layer's attention and FFN output by
+    # scale_depth / sqrt(n_layer), the logits divided by n_embd / dim_model_base; 0 elsewhere.
+    scale_emb: float = Field(default=0.0, ge=0)
+    scale_depth: float = Field(default=0.0, ge=0)
+    dim_model_base: int = Field(default=0, ge=0)
+    longrope: bool = False  # rope_scaling.rope_type longrope: rope_factors_long/short tensors, n_rot / 2 each
 
     def is_recurrent(self, layer: int) -> bool:
         """True when `layer` is a linear-attention (recurrent) layer, as llama.cpp's hybrid loaders decide."""
@@ -183,6 +193,10 @@ class SynthSpec(BaseModel):
             raise ValueError(f"{', '.join(misplaced)} apply to arch {' or '.join(arches)} only")
         if self.arch in HYBRID_ARCHES:
             _check_hybrid(self)
+        if self.arch == "minicpm" and not (self.scale_emb and self.scale_depth and self.dim_model_base):
+            raise ValueError("arch minicpm needs scale_emb, scale_depth and dim_model_base > 0")
+        if self.arch == "minicpm" and self.n_expert:
+            raise ValueError("arch minicpm twins are dense: set n_expert 0")
         return self
 
 
@@ -196,6 +210,7 @@ HYBRID_FIELDS = (
 ARCH_FIELDS: dict[str, tuple[Arch, ...]] = {
     **dict.fromkeys(HYBRID_FIELDS, HYBRID_ARCHES),
     "rope_sections": ("qwen35moe",),
+    **dict.fromkeys(("scale_emb", "scale_depth", "dim_model_base", "longrope"), ("minicpm",)),
 }
 
 
@@ -216,6 +231,10 @@ def _check_hybrid(spec: SynthSpec) -> None:
 _QWEN3: dict[str, Any] = {"arch": "qwen3moe", "rope_base": 1e6, "eps": 1e-6}
 _QWEN3NEXT: dict[str, Any] = {"arch": "qwen3next", "rope_base": 1e7, "eps": 1e-6}
 _QWEN35MOE: dict[str, Any] = {"arch": "qwen35moe", "rope_base": 1e7, "eps": 1e-6, "n_ff": 0}
+_MINICPM4: dict[str, Any] = {
+    "arch": "minicpm", "rope_base": 1e4, "eps": 1e-6, "scale_emb": 12.0, "scale_depth": 1.4, "dim_model_base": 256,
+    "longrope": True,
+}
 # Deep twins are conditioned like a trained model: random layers whose updates are large next to the
 # residual stream amplify rounding with depth (a correct flash-attention change: mean KL 1.1e-4 at 8 layers,
 # 4.4e-3 at 48, where real models show < 1e-4) and near-tied expert choices flip, so every GPU placement looks
@@ -228,17 +247,31 @@ DEEP_ATTN_OUT = 2e-3
 
 
 def conditioned(**spec: Any) -> SynthSpec:
-    """A spec whose down projections and attention output are scaled for its depth (above DEEP_LAYERS)."""
+    """A spec whose down projections and attention output are scaled for its depth (above DEEP_LAYERS), and
+    whose weights undo a minicpm's muP scales, so that its residual stream and logits behave like the others'."""
     base = SynthSpec(**spec)
-    if base.n_layer <= DEEP_LAYERS:
-        return base
-    per_layer = RESIDUAL_DRIFT / base.n_layer**0.5  # rms each layer's FFN adds to the residual stream
-    # a SwiGLU output row has rms ~ 0.5 x sqrt(width) x std; routed experts are averaged over the k used
-    if base.n_expert:
-        down = per_layer * base.n_expert_used**0.5 / (0.5 * base.n_ff_exp**0.5)
-    else:
-        down = per_layer / (0.5 * base.n_ff**0.5)
-    return base.model_copy(update={"down_std": float(f"{down:.3g}"), "attn_out_std": DEEP_ATTN_OUT})
+    if base.n_layer > DEEP_LAYERS:
+        per_layer = RESIDUAL_DRIFT / base.n_layer**0.5  # rms each layer's FFN adds to the residual stream
+        # a SwiGLU output row has rms ~ 0.5 x sqrt(width) x std; routed experts are averaged over the k used
+        if base.n_expert:
+            down = per_layer * base.n_expert_used**0.5 / (0.5 * base.n_ff_exp**0.5)
+        else:
+            down = per_layer / (0.5 * base.n_ff**0.5)
+        base = base.model_copy(update={"down_std": float(f"{down:.3g}"), "attn_out_std": DEEP_ATTN_OUT})
+    return _undo_mup(base) if base.arch == "minicpm" else base
+
+
+def _undo_mup(spec: SynthSpec) -> SynthSpec:
+    """Scale a minicpm twin's weights by the inverse of llama.cpp's muP scales: the embedding by 1 / scale_emb,
+    the layers' output projections by sqrt(n_layer) / scale_depth, the output layer by n_embd / dim_model_base.
+    The graph multiplies them back, so the twin's activations are those of an unscaled twin."""
+    residual = spec.scale_depth / spec.n_layer**0.5
+    return spec.model_copy(update={
+        "embd_std": float(f"{spec.embd_std / spec.scale_emb:.3g}"),
+        "down_std": float(f"{(spec.down_std or spec.weight_std) / residual:.3g}"),
+        "attn_out_std": float(f"{spec.attn_out_std / residual:.3g}"),
+        "logit_std": spec.logit_std * spec.n_embd / spec.dim_model_base,
+    })
 
 PRESETS: dict[str, SynthSpec] = {
     # Qwen/Qwen3-30B-A3B config.json
@@ -314,6 +347,23 @@ PRESETS: dict[str, SynthSpec] = {
         ssm_n_group=16,
         ssm_dt_rank=32,
         rope_sections=(11, 11, 10, 0),
+    ),
+    # openbmb/MiniCPM4-8B config.json (docs/twins.md): MiniCPMForCausalLM (llama.cpp arch minicpm), hidden_size
+    # 4096, num_hidden_layers 32, num_attention_heads 32, num_key_value_heads 2 (head dim 128), intermediate_size
+    # 16384, max_position_embeddings 32768, rms_norm_eps 1e-6, rope_scaling longrope (64 long / short factors),
+    # vocab_size 73448; muP scale_emb 12, scale_depth 1.4, dim_model_base 256, rope_theta 1e4 (MiniCPM's
+    # values, as in the MiniCPM4 configs read: docs/twins.md). Keys and tensors as conversion/minicpm.py's
+    # MiniCPMModel writes them.
+    "minicpm4-8b": conditioned(
+        **_MINICPM4,
+        n_layer=32,
+        n_embd=4096,
+        n_head=32,
+        n_head_kv=2,
+        head_dim=128,
+        n_ff=16384,
+        n_vocab=73448,
+        n_ctx_train=32768,
     ),
     # Llama-3.1-8B
     "llama3-8b": conditioned(
@@ -426,6 +476,19 @@ PRESETS: dict[str, SynthSpec] = {
         ssm_d_state=32,
         ssm_n_group=4,
         ssm_dt_rank=8,
+    ),
+    # A minicpm-shaped CI twin: MiniCPM4-8B's muP scales and LongRoPE at 4 layers, one kv head per 4 query heads;
+    # dim_model_base 16 keeps MiniCPM4-8B's logit scale n_embd / dim_model_base = 16.
+    "tiny-minicpm": conditioned(
+        **(_MINICPM4 | {"dim_model_base": 16}),
+        n_layer=4,
+        n_embd=256,
+        n_head=4,
+        n_head_kv=1,
+        head_dim=64,
+        n_ff=512,
+        n_vocab=512,
+        n_ctx_train=4096,
     ),
     # A qwen35moe-shaped CI twin: tiny-qwen3next's shapes with Qwen3.5's separate alpha/beta projections and
     # interleaved rope sections in Qwen3.6-35B-A3B's proportions (11:11:10 of the rotated pairs -> 3:3:2 of 8).
