@@ -14,7 +14,7 @@ import pytest
 from support import ServeEnv, serve_env, start_server, stop_server
 
 REPO = Path(__file__).resolve().parents[2]
-FAMILIES = ["tiny-qwen3next"]
+FAMILIES = ["tiny-qwen3next", "tiny-qwen35moe", "tiny-minicpm"]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}]
 
