@@ -295,7 +295,7 @@ PRESETS: dict[str, SynthSpec] = {
     # 5120, num_experts 512, num_experts_per_tok 10, moe_intermediate_size 512, shared_expert_intermediate_size
     # 512, linear_conv_kernel_dim 4, linear_key_head_dim = linear_value_head_dim 128, linear_num_key_heads 16,
     # linear_num_value_heads 32, vocab_size 151936, max_position_embeddings 262144, rms_norm_eps 1e-6;
-    # rope_theta 1e7 (issue #22; not seen in a config copy, shapes do not depend on it). Keys and tensors as
+    # rope_theta 1e7 (not seen in a config copy; shapes do not depend on it). Keys and tensors as
     # llama.cpp's conversion/qwen.py Qwen3NextModel writes them with --no-mtp (the MTP block is left out).
     "qwen3-next-80b-a3b": conditioned(
         **_QWEN3NEXT,
