@@ -21,6 +21,8 @@ Nothing here plans, times or races on its own: it drives the ``flux`` commands a
     python3 scripts/bench_gpu.py --out DIR --model-dir DIR --pairs qwen3-30b-a3b/skewed:8,qwen3-30b-a3b:12@8192 \\
         [--plan-budget-s 300] [--rounds 3] [--run NAME]
     python3 scripts/bench_gpu.py --import --out DIR      # put DIR's record into the store (table bench_gpu)
+    python3 scripts/bench_gpu.py --import --out DIR --record docs/benchmarks/h200/record.parquet   # and append
+        # its rows to the docs' record (a row already there, same run and plan, is not added twice)
 """
 
 from __future__ import annotations
@@ -207,9 +209,21 @@ def mask_invalid(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
-    """Append rows to a Parquet file (the columns' union)."""
-    old = pq.read_table(path).to_pylist() if path.exists() else []
-    pq.write_table(pa.Table.from_pylist(old + rows), path)
+    """Append rows to a Parquet file (the columns' union: Arrow would take the first row's keys alone)."""
+    every = [*(pq.read_table(path).to_pylist() if path.exists() else []), *rows]
+    keys = list(dict.fromkeys(k for r in every for k in r))
+    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in every]), path)
+
+
+def append_record(out: Path, record: Path) -> int:
+    """Append ``out``'s rows to ``record`` (the docs' record, rows from every run) unless a row of the same run
+    and plan is there already; returns how many were added."""
+    have = {(r.get("run"), r.get("plan_id")) for r in pq.read_table(record).to_pylist()} if record.exists() else set()
+    new = [r for r in pq.read_table(out / RESULTS).to_pylist() if (r.get("run"), r.get("plan_id")) not in have]
+    if new:
+        write_rows(new, record)
+    log(f"appended {len(new)} row(s) to {record}")
+    return len(new)
 
 
 def store_results(out: Path) -> None:
@@ -235,10 +249,13 @@ def main() -> int:
     ap.add_argument("--run", default=time.strftime("run-%Y%m%d-%H%M"))
     ap.add_argument("--synth", default="", help="extra flux synth flags, e.g. '--routing skewed'")
     ap.add_argument("--import", dest="import_only", action="store_true")
+    ap.add_argument("--record", type=Path, default=None, help="with --import: also append the rows to this Parquet file")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.import_only:
         store_results(args.out)
+        if args.record:
+            append_record(args.out, args.record)
         return 0
     args.model_dir.mkdir(parents=True, exist_ok=True)
     for text in args.pairs.split(","):
