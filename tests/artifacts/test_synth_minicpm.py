@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from gguf import GGUFReader
+from twin_checks import field, greedy_twice, kinds_by_layer, load_log
 
 from artifacts.model_info import model_info
 from artifacts.synth import PRESETS, QUANTS, Quant, plan_tensors, planned_bytes, synthesize
@@ -20,23 +19,7 @@ TINY = "tiny-minicpm"
 FULL = "minicpm4-8b"
 EVERY_LAYER = {"attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
                "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"}
-_LOAD = """
-import sys, llama_cpp
-llama_cpp.Llama(sys.argv[1], n_ctx=256, n_threads=2, verbose=True, seed=0)
-"""
 
-
-def _field(reader: GGUFReader, key: str) -> Any:
-    return reader.fields[key].contents()
-
-
-def _kinds_by_layer(names: list[str]) -> dict[int, set[str]]:
-    kinds: dict[int, set[str]] = {}
-    for name in names:
-        m = re.match(r"blk\.(\d+)\.(.+)", name)
-        if m:
-            kinds.setdefault(int(m.group(1)), set()).add(m.group(2))
-    return kinds
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +36,7 @@ def test_tiny_twin_lists_the_converters_tensors(tmp_path: Path, quant: Quant) ->
     assert [(t.name, tuple(int(d) for d in t.shape), t.tensor_type) for t in reader.tensors] == [
         (p.name, p.shape, p.ggml_type) for p in plan
     ]
-    kinds = _kinds_by_layer([t.name for t in reader.tensors])
+    kinds = kinds_by_layer([t.name for t in reader.tensors])
     assert sorted(kinds) == [0, 1, 2, 3] and all(k == EVERY_LAYER for k in kinds.values())
     top = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors if not t.name.startswith("blk.")}
     # LongRoPE: one factor per rotated pair of a 64-wide head, written once (every layer's loader shares it)
@@ -64,31 +47,31 @@ def test_tiny_twin_lists_the_converters_tensors(tmp_path: Path, quant: Quant) ->
 def test_tiny_twin_header_keys(tiny: Path) -> None:
     reader = GGUFReader(tiny)
     a = "minicpm"
-    assert _field(reader, "general.architecture") == a
+    assert field(reader, "general.architecture") == a
     expected = {"block_count": 4, "embedding_length": 256, "feed_forward_length": 512, "attention.head_count": 4,
                 "attention.head_count_kv": 1, "context_length": 4096}
-    assert {k: _field(reader, f"{a}.{k}") for k in expected} == expected
+    assert {k: field(reader, f"{a}.{k}") for k in expected} == expected
     # the converter's muP keys: scale_emb, scale_depth / sqrt(n_layer), hidden_size / dim_model_base
-    assert _field(reader, f"{a}.embedding_scale") == pytest.approx(12.0)
-    assert _field(reader, f"{a}.residual_scale") == pytest.approx(1.4 / 2)
-    assert _field(reader, f"{a}.logit_scale") == pytest.approx(256 / 16)
-    assert _field(reader, f"{a}.rope.scaling.type") == "longrope"
+    assert field(reader, f"{a}.embedding_scale") == pytest.approx(12.0)
+    assert field(reader, f"{a}.residual_scale") == pytest.approx(1.4 / 2)
+    assert field(reader, f"{a}.logit_scale") == pytest.approx(256 / 16)
+    assert field(reader, f"{a}.rope.scaling.type") == "longrope"
     for absent in ("attention.key_length", "attention.value_length", "rope.dimension_count"):
         assert f"{a}.{absent}" not in reader.fields  # no head_dim in the config: llama.cpp uses n_embd / n_head
-    record = json.loads(_field(reader, "flux.synth.spec"))
+    record = json.loads(field(reader, "flux.synth.spec"))
     assert SynthSpec.model_validate(record) == PRESETS[TINY]
 
 
 def test_other_twins_record_no_minicpm_fields(tmp_path: Path) -> None:
     for preset in ("tiny-dense", "tiny-qwen35moe"):
-        record = json.loads(_field(GGUFReader(synthesize(preset, tmp_path / f"{preset}.gguf").path), "flux.synth.spec"))
+        record = json.loads(field(GGUFReader(synthesize(preset, tmp_path / f"{preset}.gguf").path), "flux.synth.spec"))
         assert not {"scale_emb", "scale_depth", "dim_model_base", "longrope"} & set(record)
 
 
 def test_full_preset_has_minicpm4_8b_shapes() -> None:
     spec = PRESETS[FULL]
     plan = {t.name: t.shape for t in plan_tensors(spec, "Q4_0")}
-    assert sorted(_kinds_by_layer(list(plan))) == list(range(32))
+    assert sorted(kinds_by_layer(list(plan))) == list(range(32))
     assert plan["blk.0.attn_q.weight"] == (4096, 4096)
     assert plan["blk.0.attn_k.weight"] == plan["blk.0.attn_v.weight"] == (4096, 2 * 128)
     assert plan["blk.0.ffn_up.weight"] == (4096, 16384) and plan["blk.0.ffn_down.weight"] == (16384, 4096)
@@ -119,26 +102,14 @@ def test_minicpm_fields_are_checked() -> None:
 
 
 def test_llama_cpp_loads_and_generates_deterministically(tiny: Path) -> None:
-    llama_cpp = pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
-    llm = llama_cpp.Llama(str(tiny), n_ctx=256, n_threads=2, verbose=False, seed=0)
-    assert llm.metadata["general.architecture"] == "minicpm"
-    runs = []
-    for _ in range(2):
-        out = llm("The quick brown fox", max_tokens=6, temperature=0.0)
-        assert isinstance(out, dict)  # not a stream
-        runs.append(out["choices"][0]["text"])
-        llm.reset()
-    assert out["usage"]["completion_tokens"] >= 1
+    runs = greedy_twice(tiny, "minicpm")
     assert runs[0] == runs[1]
 
 
 def test_model_info_matches_what_llama_cpp_allocates(tiny: Path) -> None:
     """llama.cpp printed `KV buffer size = 0.25 MiB` (256 cells x 4 layers x 1 kv head x (64 + 64) x 2 bytes),
     `rope scaling = longrope` and the muP scales for the tiny twin; model_info must give the same KV figure."""
-    pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
-    res = subprocess.run([sys.executable, "-c", _LOAD, str(tiny)], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    log = res.stderr
+    log = load_log(tiny)
     assert re.search(r"rope scaling\s+= longrope", log) and re.search(r"f_embedding_scale\s+= 12\.0", log)
     assert re.search(r"f_residual_scale\s+= 0\.70", log) and re.search(r"f_logit_scale\s+= 1\.6e\+01", log)
     kv = re.search(r"CPU KV buffer size =\s+([\d.]+) MiB", log)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from gguf import GGUFReader
+from twin_checks import BUFFER, field, greedy_twice, kinds_by_layer, load_log
 
 from artifacts.model_info import model_info
 from artifacts.synth import PRESETS, QUANTS, Quant, plan_tensors, planned_bytes, synthesize
@@ -27,25 +26,7 @@ FULL_ATTENTION = {"attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_outpu
 EVERY_LAYER = {"attn_norm.weight", "post_attention_norm.weight", "ffn_gate_inp.weight", "ffn_gate_exps.weight",
                "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight",
                "ffn_up_shexp.weight", "ffn_down_shexp.weight"}
-# What llama.cpp prints about the memory it allocates (MiB, two decimals)
-_BUFFER = re.compile(r"CPU (KV|RS) buffer size =\s+([\d.]+) MiB")
-_LOAD = """
-import sys, llama_cpp
-llama_cpp.Llama(sys.argv[1], n_ctx=256, n_threads=2, verbose=True, seed=0)
-"""
 
-
-def _field(reader: GGUFReader, key: str) -> Any:
-    return reader.fields[key].contents()
-
-
-def _kinds_by_layer(names: list[str]) -> dict[int, set[str]]:
-    kinds: dict[int, set[str]] = {}
-    for name in names:
-        m = re.match(r"blk\.(\d+)\.(.+)", name)
-        if m:
-            kinds.setdefault(int(m.group(1)), set()).add(m.group(2))
-    return kinds
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +43,7 @@ def test_tiny_twin_lists_recurrent_and_attention_layers(tmp_path: Path, quant: Q
     assert [(t.name, tuple(int(d) for d in t.shape), t.tensor_type) for t in reader.tensors] == [
         (p.name, p.shape, p.ggml_type) for p in plan
     ]
-    kinds = _kinds_by_layer([t.name for t in reader.tensors])
+    kinds = kinds_by_layer([t.name for t in reader.tensors])
     assert sorted(kinds) == [0, 1, 2, 3]
     for layer in (0, 1, 2):  # full_attention_interval 4: layers 0-2 are gated delta-nets
         assert kinds[layer] == EVERY_LAYER | RECURRENT
@@ -89,7 +70,7 @@ def test_tiny_twin_shapes_are_the_loaders() -> None:
 def test_tiny_twin_header_keys(tiny: Path) -> None:
     reader = GGUFReader(tiny)
     a = "qwen35moe"
-    assert _field(reader, "general.architecture") == a
+    assert field(reader, "general.architecture") == a
     expected = {
         "block_count": 4, "embedding_length": 256, "attention.head_count": 4, "attention.head_count_kv": 2,
         "attention.key_length": 64, "attention.value_length": 64, "rope.dimension_count": 16,
@@ -97,25 +78,25 @@ def test_tiny_twin_header_keys(tiny: Path) -> None:
         "expert_shared_feed_forward_length": 128, "ssm.conv_kernel": 4, "ssm.state_size": 32,
         "ssm.group_count": 4, "ssm.time_step_rank": 8, "ssm.inner_size": 256, "full_attention_interval": 4,
     }  # fmt: skip
-    assert {k: _field(reader, f"{a}.{k}") for k in expected} == expected
-    assert _field(reader, f"{a}.attention.recurrent_layers") == [True, True, True, False]
-    assert _field(reader, f"{a}.rope.dimension_sections") == [3, 3, 2, 0]
+    assert {k: field(reader, f"{a}.{k}") for k in expected} == expected
+    assert field(reader, f"{a}.attention.recurrent_layers") == [True, True, True, False]
+    assert field(reader, f"{a}.rope.dimension_sections") == [3, 3, 2, 0]
     assert f"{a}.feed_forward_length" not in reader.fields  # the config has no intermediate_size
-    assert _field(reader, f"{a}.rope.freq_base") == pytest.approx(1e7)
-    record = json.loads(_field(reader, "flux.synth.spec"))
+    assert field(reader, f"{a}.rope.freq_base") == pytest.approx(1e7)
+    record = json.loads(field(reader, "flux.synth.spec"))
     assert SynthSpec.model_validate(record) == PRESETS[TINY]
 
 
 def test_other_twins_record_no_qwen35moe_fields(tmp_path: Path) -> None:
     for preset in ("tiny-moe", "tiny-qwen3next"):
         reader = GGUFReader(synthesize(preset, tmp_path / f"{preset}.gguf").path)
-        assert "rope_sections" not in json.loads(_field(reader, "flux.synth.spec"))
+        assert "rope_sections" not in json.loads(field(reader, "flux.synth.spec"))
 
 
 def test_full_preset_has_qwen3_6_35b_a3b_shapes() -> None:
     spec = PRESETS[FULL]
     plan = {t.name: t.shape for t in plan_tensors(spec, "Q4_0")}
-    kinds = _kinds_by_layer(list(plan))
+    kinds = kinds_by_layer(list(plan))
     assert sorted(kinds) == list(range(40))  # no MTP block
     assert [i for i in range(40) if "ssm_a" not in kinds[i]] == list(range(3, 40, 4))  # 10 attention layers
     assert plan["blk.0.attn_qkv.weight"] == (2048, 2 * 16 * 128 + 32 * 128)
@@ -164,28 +145,17 @@ def test_a_skewed_twin_differs_only_in_its_routers(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])
 def test_llama_cpp_loads_and_generates_deterministically(tmp_path: Path, routing: str) -> None:
-    llama_cpp = pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
     path = synthesize(TINY, tmp_path / "m.gguf", overrides={"routing": routing}).path
-    llm = llama_cpp.Llama(str(path), n_ctx=256, n_threads=2, verbose=False, seed=0)
-    assert llm.metadata["general.architecture"] == "qwen35moe"
-    runs = []
-    for _ in range(2):
-        out = llm("The quick brown fox", max_tokens=6, temperature=0.0)
-        assert isinstance(out, dict)  # not a stream
-        runs.append(out["choices"][0]["text"])
-        llm.reset()  # the recurrent state restarts, as the KV cache does
-    assert out["usage"]["completion_tokens"] >= 1
+    runs = greedy_twice(path, "qwen35moe")
     assert runs[0] == runs[1]
 
 
 def test_model_info_matches_the_buffers_llama_cpp_allocates(tiny: Path) -> None:
     """llama.cpp printed `KV buffer size = 0.12 MiB` (256 cells x 1 attention layer) and `RS buffer size =
     0.11 MiB` (3 delta-net layers, one sequence) for the tiny twin; model_info must say the same."""
-    pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
-    res = subprocess.run([sys.executable, "-c", _LOAD, str(tiny)], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    printed = {kind: float(mib) for kind, mib in _BUFFER.findall(res.stderr)}
-    assert re.search(r"llama_kv_cache: size = .*\(\s*256 cells,\s+1 layers", res.stderr)  # one attention layer
+    log = load_log(tiny)
+    printed = {kind: float(mib) for kind, mib in BUFFER.findall(log)}
+    assert re.search(r"llama_kv_cache: size = .*\(\s*256 cells,\s+1 layers", log)  # one attention layer
     info = model_info(tiny)
     assert info.n_kv_layers == 1
     assert printed["KV"] == round(info.kv_bytes_per_token["f16"] * 256 / 2**20, 2) == 0.12

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 from gguf import GGUFReader
+from twin_checks import field, greedy_twice, kinds_by_layer
 
 from artifacts.model_info import model_info
 from artifacts.synth import PRESETS, QUANTS, Quant, plan_tensors, planned_bytes, synthesize
@@ -23,18 +23,6 @@ EVERY_LAYER = {"attn_norm.weight", "post_attention_norm.weight", "ffn_gate_inp.w
                "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight",
                "ffn_up_shexp.weight", "ffn_down_shexp.weight"}
 
-
-def _field(reader: GGUFReader, key: str) -> Any:
-    return reader.fields[key].contents()
-
-
-def _kinds_by_layer(names: list[str]) -> dict[int, set[str]]:
-    kinds: dict[int, set[str]] = {}
-    for name in names:
-        m = re.match(r"blk\.(\d+)\.(.+)", name)
-        if m:
-            kinds.setdefault(int(m.group(1)), set()).add(m.group(2))
-    return kinds
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +39,7 @@ def test_tiny_twin_lists_recurrent_and_attention_layers(tmp_path: Path, quant: Q
     assert [(t.name, tuple(int(d) for d in t.shape), t.tensor_type) for t in reader.tensors] == [
         (p.name, p.shape, p.ggml_type) for p in plan
     ]
-    kinds = _kinds_by_layer([t.name for t in reader.tensors])
+    kinds = kinds_by_layer([t.name for t in reader.tensors])
     assert sorted(kinds) == [0, 1, 2, 3]
     for layer in (0, 1, 2):  # full_attention_interval 4: layers 0-2 are gated delta-nets
         assert kinds[layer] == EVERY_LAYER | RECURRENT
@@ -80,7 +68,7 @@ def test_tiny_twin_metadata_is_the_converters() -> None:
 def test_tiny_twin_header_keys(tiny: Path) -> None:
     reader = GGUFReader(tiny)
     a = "qwen3next"
-    assert _field(reader, "general.architecture") == a
+    assert field(reader, "general.architecture") == a
     expected = {
         "block_count": 4, "embedding_length": 256, "attention.head_count": 4, "attention.head_count_kv": 2,
         "attention.key_length": 64, "attention.value_length": 64, "rope.dimension_count": 16,
@@ -88,22 +76,22 @@ def test_tiny_twin_header_keys(tiny: Path) -> None:
         "expert_shared_feed_forward_length": 128, "ssm.conv_kernel": 4, "ssm.state_size": 32,
         "ssm.group_count": 4, "ssm.time_step_rank": 8, "ssm.inner_size": 256, "full_attention_interval": 4,
     }  # fmt: skip
-    assert {k: _field(reader, f"{a}.{k}") for k in expected} == expected
-    assert _field(reader, f"{a}.rope.freq_base") == pytest.approx(1e7)
-    record = json.loads(_field(reader, "flux.synth.spec"))
+    assert {k: field(reader, f"{a}.{k}") for k in expected} == expected
+    assert field(reader, f"{a}.rope.freq_base") == pytest.approx(1e7)
+    record = json.loads(field(reader, "flux.synth.spec"))
     assert SynthSpec.model_validate(record) == PRESETS[TINY]
 
 
 def test_other_twins_record_no_hybrid_fields(tmp_path: Path) -> None:
     # their flux.synth.spec, so their bytes and hashes, are what they were before qwen3next
-    record = json.loads(_field(GGUFReader(synthesize("tiny-moe", tmp_path / "m.gguf").path), "flux.synth.spec"))
+    record = json.loads(field(GGUFReader(synthesize("tiny-moe", tmp_path / "m.gguf").path), "flux.synth.spec"))
     assert not set(HYBRID_FIELDS) & set(record)
 
 
 def test_full_preset_has_qwen3_next_80b_a3b_shapes() -> None:
     spec = PRESETS["qwen3-next-80b-a3b"]
     plan = {t.name: t.shape for t in plan_tensors(spec, "Q4_0")}
-    kinds = _kinds_by_layer(list(plan))
+    kinds = kinds_by_layer(list(plan))
     assert [i for i in range(48) if "ssm_a" not in kinds[i]] == list(range(3, 48, 4))  # 12 attention layers
     assert plan["blk.0.attn_qkv.weight"] == (2048, 2 * 16 * 128 + 32 * 128)
     assert plan["blk.0.ssm_conv1d.weight"] == (4, 8192)
@@ -128,16 +116,7 @@ def test_hybrid_fields_are_checked() -> None:
 
 
 def test_llama_cpp_loads_and_generates_deterministically(tiny: Path) -> None:
-    llama_cpp = pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
-    llm = llama_cpp.Llama(str(tiny), n_ctx=256, n_threads=2, verbose=False, seed=0)
-    assert llm.metadata["general.architecture"] == "qwen3next"
-    runs = []
-    for _ in range(2):
-        out = llm("The quick brown fox", max_tokens=6, temperature=0.0)
-        assert isinstance(out, dict)  # not a stream
-        runs.append(out["choices"][0]["text"])
-        llm.reset()  # the recurrent state restarts, as the KV cache does
-    assert out["usage"]["completion_tokens"] >= 1
+    runs = greedy_twice(tiny, "qwen3next")
     assert runs[0] == runs[1]
 
 
