@@ -56,3 +56,17 @@ def load_log(path: Path) -> str:
     res = subprocess.run([sys.executable, "-c", _LOAD, str(path)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     return res.stderr
+
+
+def written_tiny_twin(preset: str, out: Path, quant: Any) -> GGUFReader:
+    """Write ``preset`` as a CI twin (< 10 MB) and check its file has exactly the planned tensors, sizes and
+    types, in order; its reader."""
+    from artifacts.synth import PRESETS, plan_tensors, planned_bytes, synthesize
+
+    result = synthesize(preset, out, quant=quant, seed=5)
+    assert result.file_bytes == out.stat().st_size == planned_bytes(preset, quant) < 10_000_000
+    reader = GGUFReader(result.path)
+    assert [(t.name, tuple(int(d) for d in t.shape), t.tensor_type) for t in reader.tensors] == [
+        (p.name, p.shape, p.ggml_type) for p in plan_tensors(PRESETS[preset], quant)
+    ]
+    return reader
