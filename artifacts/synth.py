@@ -36,8 +36,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from artifacts.errors import ModelFileError
 from artifacts.ids import canonical_json
 from artifacts.synth_blocks import BLOCK_MAKERS
+from artifacts.synth_catalog import PRESETS
 from artifacts.synth_layout import PlannedTensor, plan_tensors, vocab
-from artifacts.synth_presets import ARCH_FIELDS, CHATML, HYBRID_ARCHES, PRESETS, QUANTS, Quant, SynthSpec
+from artifacts.synth_presets import ARCH_FIELDS, CHATML, HYBRID_ARCHES, QUANTS, Quant, SynthSpec
 from artifacts.synth_routing import RouterTransform, skewed_router
 
 # fmt: off
