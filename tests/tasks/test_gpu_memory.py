@@ -132,7 +132,9 @@ def test_no_recorded_finalist_broke_its_budget() -> None:
     budget (the plans before this change lost 3 of 6 at each budget), and each prediction was under it too."""
     budgets = {"memory-qwen3-30b-a3b-skewed-8": 8, "memory-qwen3-30b-a3b-skewed-12": 12,
                "memory-qwen3-30b-a3b-skewed-16": 16, "memory-qwen3-30b-a3b-skewed-8-run8": 8,
-               "memory-qwen3-30b-a3b-skewed-10-run9a": 10, "memory-qwen3-30b-a3b-skewed-10-run9b": 10}
+               "memory-qwen3-30b-a3b-skewed-10-run9a": 10, "memory-qwen3-30b-a3b-skewed-10-run9b": 10,
+               "memory-qwen3-30b-a3b-skewed-12-run10": 12, "memory-qwen3-30b-a3b-skewed-16-run10": 16,
+               "memory-qwen3-30b-a3b-uniform-10-run10": 10}
     checked = 0
     for tag, c, hw, measured in _recorded():
         if tag in budgets:
