@@ -19,6 +19,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,20 +140,37 @@ def reference_continuations(model: Path, params: EngineParams, prompts: list[lis
 def floor_results(model: Path, variants: Sequence[tuple[str, EngineParams]], seqs: Seqs, ref: list[np.ndarray],
                   log_path: Path, timeout_s: float, cache: Cache | None,
                   progress: Progress = log.info) -> list[FloorResult]:
-    """The reference against itself with other correct kernels (from the cache when there)."""
+    """The reference against itself with other correct kernels (from the cache when there).
+
+    A variant that holds every layer on a GPU runs beside the ones that compute on the host (two lanes, each
+    in order): it needs the CPU for little but its load, and on a big model it would otherwise wait out a
+    CPU pass of tens of seconds. Two variants that compute on the host never run at once."""
     if cache is not None and cache.floor().exists():
         return [FloorResult.model_validate(x) for x in json.loads(cache.floor().read_text())]
-    out = []
-    with tempfile.TemporaryDirectory(prefix="flux-floor-") as d:
-        for name, params in variants:
+    found: dict[int, FloorResult] = {}
+
+    def lane(items: list[tuple[int, str, EngineParams]], d: Path) -> None:
+        for i, name, params in items:
             try:
-                stats = compare_all(ref, _scored(model, params, seqs, Path(d), "floor", log_path, timeout_s))
+                stats = compare_all(ref, _scored(model, params, seqs, d, f"floor{i}", log_path, timeout_s))
             except EngineError as exc:  # a variant that cannot run here (no room on the GPU) samples nothing
                 progress(f"validate: noise floor {name}: not measured ({exc})")
                 continue
-            out.append(FloorResult(name=name, stats=stats))
+            found[i] = FloorResult(name=name, stats=stats)
             progress(f"validate: noise floor {name}: mean KL {stats.mean_kl:.2e}, p90 {stats.p90_kl:.2e}, "
                      f"top-1 {stats.top1:.3f}")
+
+    items = [(i, name, params) for i, (name, params) in enumerate(variants)]
+    on_gpu = [it for it in items if it[2].n_gpu_layers < 0]
+    on_host = [it for it in items if it[2].n_gpu_layers >= 0]
+    with tempfile.TemporaryDirectory(prefix="flux-floor-") as d:
+        if on_gpu and on_host:
+            with ThreadPoolExecutor(max_workers=2, thread_name_prefix="flux-floor") as pool:
+                for f in [pool.submit(lane, on_gpu, Path(d)), pool.submit(lane, on_host, Path(d))]:
+                    f.result()
+        else:
+            lane(items, Path(d))
+    out = [found[i] for i in sorted(found)]
     if cache is not None:
         cache.directory.mkdir(parents=True, exist_ok=True)
         cache.floor().write_text(json.dumps([f.model_dump() for f in out]))

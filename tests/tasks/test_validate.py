@@ -77,3 +77,23 @@ def test_a_shorter_context_must_be_clearly_faster_to_rank_first() -> None:
     assert [s.candidate_id for s in rank_measured(close, fins)] == ["full", "short"]
     clear = [summary("full", 1.00), summary("short", 0.90)]
     assert [s.candidate_id for s in rank_measured(clear, fins)] == ["short", "full"]
+
+
+def test_a_whole_gpu_floor_variant_runs_beside_the_host_ones(tiny_moe: Path, tmp_path: Path) -> None:
+    """The floor's lanes: a variant holding every layer on a GPU (here the CPU build computes it on the host,
+    which is the same code path on the Python side) runs beside the host variants, the results keep the
+    variants' order and equal the sequential ones, and a variant that cannot run is left out in its lane."""
+    from tasks.validate import floor_results, reference_continuations
+
+    seqs, _ = validation_prompts(tiny_moe, 256, 8, 0, tmp_path / "w.log")
+    seqs_, ref = reference_continuations(tiny_moe, reference_params(256, 1), seqs[:2], 8, tmp_path / "w.log", 120,
+                                         None)
+    fa = reference_params(256, 1).model_copy(update={"flash_attn": True})
+    gpu = fa.model_copy(update={"n_gpu_layers": -1, "n_ubatch": 32, "n_batch": 32})
+    variants = [("gpu", gpu), ("fa", fa), ("broken", BROKEN), ("plain", reference_params(256, 1))]
+    notes: list[str] = []
+    both = floor_results(tiny_moe, variants, seqs_, ref, tmp_path / "w.log", 120, None, notes.append)
+    assert [f.name for f in both] == ["gpu", "fa", "plain"]
+    assert any("broken: not measured" in n for n in notes)
+    alone = floor_results(tiny_moe, [("fa", fa)], seqs_, ref, tmp_path / "w.log", 120, None, notes.append)
+    assert both[1].stats == alone[0].stats and both[2].stats.mean_kl == 0.0 and both[0].stats.n > 0
