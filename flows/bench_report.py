@@ -23,13 +23,10 @@ from artifacts.errors import NotFound
 from artifacts.logs import console
 from artifacts.store import Store
 from flows.cmd_plan import load_plan
-from tasks.bench.common import (
-    SUMMARY_KIND,
-    VERDICT_SUITES,
-    BenchError,
-    BenchRun,
-    overall,
-)
+from tasks.bench.errors import BenchError
+from tasks.bench.record import SUMMARY_KIND, BenchRun, overall
+from tasks.bench.record import summary_table as summary_rows
+from tasks.bench.registry import suites as declared_suites
 from tasks.plan_types import Plan
 
 log = logging.getLogger(__name__)
@@ -119,9 +116,7 @@ def print_rows(rows: Sequence[dict[str, Any]], raw: pa.Table | None, title: str)
 
 def print_run(run: BenchRun) -> None:
     """Print a finished run (as stored)."""
-    from tasks.bench.common import summary_table as rows_of
-
-    rows = rows_of(run).to_pylist()
+    rows = summary_rows(run).to_pylist()
     title = f"flux bench {run.suite}: plan {run.ctx.plan.id[:12]} — {run.verdict.upper()}"
     print_rows(rows, run.raw, title)
 
@@ -296,7 +291,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 def matrix(store: Store) -> tuple[list[str], list[tuple[Plan, dict[str, str]]]]:
     """(suite columns, [(plan, {suite: latest verdict})]) over every saved plan."""
     rows = summaries(store)
-    suites = list(VERDICT_SUITES) + sorted({str(r["suite"]) for r in rows} - set(VERDICT_SUITES))
+    known = list(declared_suites())
+    suites = known + sorted({str(r["suite"]) for r in rows} - set(known))
     latest: dict[tuple[str, str], str] = {}
     for r in rows:  # oldest first: the last run of a (plan, suite) wins
         latest[(str(r["plan_id"]), str(r["suite"]))] = str(r["run_id"])

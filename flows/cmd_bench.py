@@ -19,7 +19,8 @@ from pydantic.fields import FieldInfo
 
 from artifacts.errors import FluxError
 from artifacts.logs import console
-from tasks.bench.common import open_bench, save_run
+from tasks.bench.context import open_bench
+from tasks.bench.record import save_run
 from tasks.bench.registry import Suite, csv, suites
 
 

@@ -61,8 +61,9 @@ from engine_bridge.backend import llama_server_path  # noqa: E402
 from engine_bridge.llama_server import HOST, LlamaServer, free_port  # noqa: E402
 from engine_bridge.params import KV_TYPE_IDS, EngineParams  # noqa: E402
 from tasks.bench.arrivals import timing  # noqa: E402
-from tasks.bench.common import load_avg, paired_ratio  # noqa: E402
+from tasks.bench.host import load_avg  # noqa: E402
 from tasks.bench.http import FluxServe, exchange, finish_reason  # noqa: E402
+from tasks.bench.stats import paired_ratio  # noqa: E402
 from tasks.corpus import load_prompts  # noqa: E402
 from tasks.plan_types import (  # noqa: E402
     Plan,

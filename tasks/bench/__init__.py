@@ -2,7 +2,9 @@
 
 Every suite module declares itself once, as ``SUITE`` (:class:`tasks.bench.registry.Suite`: name, help,
 options model, run function, which options are flags); ``flux bench`` builds its subcommands and their flags
-from those declarations (:func:`tasks.bench.registry.suites`). Shared parts: ``common`` (the plan under test,
-statistics, engines, storage), ``http`` (``flux serve`` as a client sees it), ``served`` (the served GPU race
-of ``run --via serve``), and the helpers of the soak, arrivals and conformance suites.
+from those declarations (:func:`tasks.bench.registry.suites`). Shared parts, by role: ``context`` (the plan
+under test), ``stats`` (paired ratios and their intervals), ``host`` (the machine's load while timing),
+``record`` (runs, and how they land in the store), ``engines`` (engines a race restarts every round, the
+baselines' parameters), ``errors``, ``http`` (``flux serve`` as a client sees it), ``served`` (the served GPU
+race of ``run --via serve``), and the helpers of the soak, arrivals and conformance suites.
 """

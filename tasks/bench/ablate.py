@@ -20,16 +20,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine_bridge.params import EngineParams, TensorOverride
-from tasks.bench.common import (
-    BenchContext,
-    BenchRun,
-    EngineSpec,
-    Progress,
-    SummaryRow,
-    llama_cpp_python_defaults,
-    load_avg,
-    plan_engine,
-)
+from tasks.bench.context import BenchContext, Progress
+from tasks.bench.engines import EngineSpec, llama_cpp_python_defaults, plan_engine
+from tasks.bench.host import load_avg
+from tasks.bench.record import BenchRun, SummaryRow
 from tasks.bench.registry import Suite
 from tasks.bench.rows import ratio_row, tokenize_prompts
 from tasks.bench.run import (

@@ -38,15 +38,12 @@ from engine_bridge.errors import EngineError
 from engine_bridge.llama_server import HOST, LlamaServer
 from tasks.bench.arrivals_stats import summary_row
 from tasks.bench.arrivals_workload import Workload, chat_messages, chat_turns
-from tasks.bench.common import (
-    BenchContext,
-    BenchError,
-    BenchRun,
-    Progress,
-    fit_server_args,
-    load_avg,
-)
+from tasks.bench.context import BenchContext, Progress
+from tasks.bench.engines import fit_server_args
+from tasks.bench.errors import BenchError
+from tasks.bench.host import load_avg
 from tasks.bench.http import Exchange, FluxServe, client_limits, error_body, exchange, json_object
+from tasks.bench.record import BenchRun
 from tasks.bench.registry import Suite
 from tasks.corpus import load_conversations, sized_prompts
 

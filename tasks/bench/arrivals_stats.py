@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from tasks.bench.common import RatioCI, SummaryRow, paired_ratio
+from tasks.bench.record import SummaryRow
+from tasks.bench.stats import RatioCI, paired_ratio
 
 PCTS = (50, 95, 99)
 

@@ -29,8 +29,10 @@ from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.llama_server import LlamaServer
-from tasks.bench.common import BenchContext, BenchRun, Progress, SummaryRow, load_avg
 from tasks.bench.conformance_rules import Finding, explain
+from tasks.bench.context import BenchContext, Progress
+from tasks.bench.host import load_avg
+from tasks.bench.record import BenchRun, SummaryRow
 from tasks.bench.registry import Suite
 from tasks.corpus import load_conversations, load_prompts, sized_prompts
 

@@ -24,7 +24,7 @@ import httpx
 
 from artifacts.config import Settings
 from engine_bridge.llama_server import free_port
-from tasks.bench.common import BenchError
+from tasks.bench.errors import BenchError
 
 if TYPE_CHECKING:
 

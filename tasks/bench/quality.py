@@ -29,7 +29,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient, tokenizer
 from engine_bridge.params import EngineParams
-from tasks.bench.common import BenchContext, BenchRun, Progress, SummaryRow, Verdict, load_avg
+from tasks.bench.context import BenchContext, Progress
+from tasks.bench.host import load_avg
+from tasks.bench.record import BenchRun, SummaryRow, Verdict
 from tasks.bench.registry import Suite
 from tasks.corpus import conversation_text, load_conversations, sized_prompts
 from tasks.corpus_wikitext import wikitext2

@@ -3,7 +3,8 @@
 A suite's flags are its options model's fields, named ``--field-name`` unless ``rename`` says otherwise, typed
 and documented by the model (a bool that defaults to true becomes ``--no-field-name``; a ``Literal`` becomes a
 choice; tuples and lists take comma-separated values). Adding a suite is adding a module with ``SUITE`` in this
-package: nothing else changes.
+package (and its name in :data:`ORDER`, where ``flux bench --help`` and ``flux bench matrix`` list it; a
+suite left out comes after those, by name).
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tasks.bench.common import BenchContext, BenchRun, Progress
+from tasks.bench.context import BenchContext, Progress
+from tasks.bench.record import BenchRun
 
+# The one order of the suites: ``flux bench --help``, its subcommands and the matrix's columns.
+ORDER: tuple[str, ...] = ("run", "quality", "conformance", "soak", "arrivals", "ablate")
 RunFn = Callable[[BenchContext, Any, Progress | None], BenchRun]
 
 
@@ -48,7 +52,7 @@ class Suite:
 
 
 def suites() -> dict[str, Suite]:
-    """Every suite this package declares, by name, in module order."""
+    """Every suite this package declares, by name, in :data:`ORDER` (then by name)."""
     import tasks.bench as package
 
     out: dict[str, Suite] = {}
@@ -56,8 +60,7 @@ def suites() -> dict[str, Suite]:
         suite = getattr(importlib.import_module(f"tasks.bench.{info.name}"), "SUITE", None)
         if isinstance(suite, Suite):
             out[suite.name] = suite
-    order = ("run", "quality", "conformance", "soak", "arrivals", "ablate")
-    return dict(sorted(out.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0])))
+    return dict(sorted(out.items(), key=lambda kv: (ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER), kv[0])))
 
 
 def csv(text: str) -> tuple[str, ...]:

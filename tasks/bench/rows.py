@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine_bridge.client import tokenizer
-from tasks.bench.common import BenchContext, RatioCI, SummaryRow
+from tasks.bench.context import BenchContext
+from tasks.bench.record import SummaryRow
+from tasks.bench.stats import RatioCI
 from tasks.corpus import sized_prompts
 
 

@@ -9,7 +9,7 @@ is on one side of 1; otherwise the two are the same within noise. A run during w
 average exceeded its CPU count is ``info`` (inconclusive), whatever the ratios say.
 
 Timings come from inside llama.cpp on both sides (the worker's perf counters, llama-server's ``timings``)
-and are normalized to one definition (:class:`tasks.bench.common.TrialTiming`): prefill = prompt tokens
+and are normalized to one definition (:class:`tasks.bench.engines.TrialTiming`): prefill = prompt tokens
 over the time to process them, decode = decode steps over their time. Each trial row records its source.
 
 Baselines (a registry, :data:`BASELINES`): ``llama-server`` with its automatic fit (only ``-c``/``-np``),
@@ -30,24 +30,20 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from artifacts.model_info import model_info
 from engine_bridge.errors import EngineError
-from tasks.bench.common import (
-    BenchContext,
-    BenchError,
-    BenchRun,
+from tasks.bench.context import BenchContext, Progress
+from tasks.bench.engines import (
     EngineSpec,
-    Progress,
-    RatioCI,
-    SummaryRow,
-    busy_warning,
     fit_server_args,
     llama_cpp_python_defaults,
-    load_avg,
     make_engine,
-    paired_ratio,
     plan_engine,
 )
+from tasks.bench.errors import BenchError
+from tasks.bench.host import busy_warning, load_avg
+from tasks.bench.record import BenchRun, SummaryRow
 from tasks.bench.registry import Suite, csv
 from tasks.bench.rows import ratio_row, tokenize_prompts
+from tasks.bench.stats import RatioCI, paired_ratio
 
 log = logging.getLogger(__name__)
 TRIAL_SCHEMA = pa.schema([

@@ -32,7 +32,8 @@ import pyarrow as pa
 
 from artifacts.model_info import ModelInfo, model_info
 from engine_bridge.gpumem import GpuMemoryMeter
-from tasks.bench.common import BenchContext, BenchError, Progress
+from tasks.bench.context import BenchContext, Progress
+from tasks.bench.errors import BenchError
 from tasks.bench.rows import ratio_row, tokenize_prompts
 from tasks.bench.served_contenders import (
     DEFAULT_TURNS,
@@ -180,7 +181,8 @@ def _prompts(ctx: BenchContext, turns: Sequence[Turn], n: int, seed: int) -> dic
 def _row(name: str, c: Contender, table: pa.Table, turns: Sequence[Turn], opts: Any,
          extra: dict[str, Any]) -> Any:
     """Plan vs one contender: paired ratios per turn (same round), a verdict on the first turn's speeds."""
-    from tasks.bench.common import SummaryRow, paired_ratio
+    from tasks.bench.record import SummaryRow
+    from tasks.bench.stats import paired_ratio
 
     def pair(turn: int, metric: str) -> tuple[list[float], list[float]]:
         by: dict[str, dict[int, float]] = {"plan": {}, name: {}}
@@ -215,7 +217,7 @@ def _row(name: str, c: Contender, table: pa.Table, turns: Sequence[Turn], opts: 
 
 def bench_served(ctx: BenchContext, opts: Any, progress: Progress | None = None) -> Any:
     """The served race (module docstring); one summary row per baseline."""
-    from tasks.bench.common import BenchRun, SummaryRow
+    from tasks.bench.record import BenchRun, SummaryRow
 
     say = progress or log.info
     asked = tuple(Turn(name=f"p{p}-g{g}", prompt=p, gen=g) for p, g in opts.turns) if opts.turns else DEFAULT_TURNS

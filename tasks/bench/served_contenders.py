@@ -20,7 +20,9 @@ from pydantic import BaseModel, ConfigDict
 from artifacts.model_info import ModelInfo
 from engine_bridge.gpumem import GpuMemoryMeter, GpuReading
 from engine_bridge.llama_server import LlamaServer
-from tasks.bench.common import BenchContext, BenchError, Progress, TrialTiming
+from tasks.bench.context import BenchContext, Progress
+from tasks.bench.engines import TrialTiming
+from tasks.bench.errors import BenchError
 from tasks.bench.http import FluxServe, client_limits
 
 log = logging.getLogger(__name__)

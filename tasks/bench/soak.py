@@ -36,7 +36,9 @@ import httpx
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.bench.common import BenchContext, BenchError, BenchRun, Progress, SummaryRow, load_avg
+from tasks.bench.context import BenchContext, Progress
+from tasks.bench.errors import BenchError
+from tasks.bench.host import load_avg
 from tasks.bench.http import (  # noqa: F401 - some are re-exported for tests
     OUTCOMES,
     Exchange,
@@ -50,6 +52,7 @@ from tasks.bench.http import (  # noqa: F401 - some are re-exported for tests
     json_object,
     serve_toml,
 )
+from tasks.bench.record import BenchRun, SummaryRow
 from tasks.bench.registry import Suite
 from tasks.bench.soak_outcomes import Fault, classify, fault_row
 from tasks.corpus import load_prompts

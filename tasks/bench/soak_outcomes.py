@@ -11,8 +11,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tasks.bench.common import SummaryRow
 from tasks.bench.http import Exchange, Outcome, error_body, finish_reason, json_object
+from tasks.bench.record import SummaryRow
 
 
 def _ids_problem(events: list[tuple[int | None, str]], start: int) -> str | None:

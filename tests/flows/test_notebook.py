@@ -45,7 +45,8 @@ def test_notebook_runs_on_an_empty_store(tmp_path: Path, tmp_path_factory: pytes
 
 def test_notebook_reads_plans_and_bench_results(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
                                                 monkeypatch: pytest.MonkeyPatch, tiny_moe: Path) -> None:
-    from tasks.bench.common import open_bench, save_run
+    from tasks.bench.context import open_bench
+    from tasks.bench.record import save_run
     from tasks.bench.run import RunOptions, bench_run
 
     st, env = bench_settings(tmp_path, session_cache(tmp_path_factory))

@@ -11,7 +11,9 @@ from bench_support import bench_settings, make_plan, session_cache
 
 from engine_bridge.params import EngineParams, TensorOverride
 from tasks.bench.ablate import EXPERTS_ON_CPU, VARIANTS, AblateOptions, bench_ablate, variants
-from tasks.bench.common import llama_cpp_python_defaults, open_bench, save_run
+from tasks.bench.context import open_bench
+from tasks.bench.engines import llama_cpp_python_defaults
+from tasks.bench.record import save_run
 from tasks.plan_types import Candidate, Placement
 
 

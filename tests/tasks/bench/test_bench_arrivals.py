@@ -20,7 +20,8 @@ from tasks.bench.arrivals import (
     chat_turns,
 )
 from tasks.bench.arrivals_stats import engine_stats
-from tasks.bench.common import BenchContext, open_bench, save_run
+from tasks.bench.context import BenchContext, open_bench
+from tasks.bench.record import save_run
 
 RATES = (0.5, 1.0, 2.0)
 REQUESTS = 5

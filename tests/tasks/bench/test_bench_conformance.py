@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 from bench_support import bench_settings, make_plan, session_cache
 
-from tasks.bench.common import open_bench, save_run
 from tasks.bench.conformance import (
     CHECKS,
     NEAR_TIE,
@@ -19,6 +18,8 @@ from tasks.bench.conformance import (
     near_tie,
 )
 from tasks.bench.conformance_rules import EXPLAINED, Finding, explain
+from tasks.bench.context import open_bench
+from tasks.bench.record import save_run
 
 OPTS = ConformanceOptions(n_gen=8, prompts=(32,), conversations=2, corpus_chars=300)
 

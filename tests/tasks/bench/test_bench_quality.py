@@ -11,8 +11,9 @@ import pytest
 from bench_support import bench_settings, make_plan, session_cache
 
 from engine_bridge.params import EngineParams
-from tasks.bench.common import open_bench, save_run
+from tasks.bench.context import open_bench
 from tasks.bench.quality import QualityOptions, bench_quality
+from tasks.bench.record import save_run
 
 OPTS = QualityOptions(n_tokens=6, held_out=(48,), conversations=2, ppl_windows=2, ppl_tokens=48)
 

@@ -11,7 +11,9 @@ from bench_support import bench_settings, make_plan, session_cache
 
 from engine_bridge.llama_server import LlamaServer, LlamaServerError
 from engine_bridge.params import EngineParams
-from tasks.bench.common import BenchContext, EngineSpec, open_bench, save_run
+from tasks.bench.context import BenchContext, open_bench
+from tasks.bench.engines import EngineSpec
+from tasks.bench.record import save_run
 from tasks.bench.run import RunOptions, bench_run, race
 
 ROUNDS = 2

@@ -11,7 +11,9 @@ from bench_support import bench_settings, make_plan, session_cache
 
 from artifacts.config import Settings, load_settings
 from engine_bridge.params import EngineParams
-from tasks.bench.common import BenchContext, BenchError, open_bench, save_run
+from tasks.bench.context import BenchContext, open_bench
+from tasks.bench.errors import BenchError
+from tasks.bench.record import save_run
 from tasks.bench.soak import BEHAVIORS, Exchange, SoakOptions, bench_soak, classify, plan_waves, serve_toml
 
 # A dense twin ~10x slower than tiny-moe (as tests/server's): a 400-token reply lasts seconds, long enough

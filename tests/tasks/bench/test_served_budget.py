@@ -11,7 +11,7 @@ from bench_support import bench_settings, make_plan, session_cache
 
 from engine_bridge.gpumem import GpuMemoryMeter, GpuReading
 from engine_bridge.testing import GIB, FakeNvml
-from tasks.bench.common import BenchContext, open_bench
+from tasks.bench.context import BenchContext, open_bench
 from tasks.bench.served_contenders import FIT_SLACK, MIN_BUDGET_SHARE, budget_flag, fit_args, fit_contender
 
 MIB = 2**20
