@@ -2,10 +2,11 @@
 
 The backend build id covers llama.cpp (pin, patches, built libraries); this covers Flux's own planner and
 worker: the planning stages and the cost model (``tasks/`` minus the bench suites), the worker and its
-protocol (``engine_bridge/``), the flow's composition and workload sizing (``flows/`` planning modules) and
-the model reader (``artifacts/`` GGUF and model-info modules). Every stage key and every plan key include
-it, so an upgraded Flux whose enumerate, cost model or worker changed computes new stage results and new
-plans instead of reusing stale ones, ``--replan`` or not. Files that only show or serve plans (the CLI's
+protocol (``engine_bridge/``), the flow's composition and workload sizing (``flows/`` planning modules), the
+model reader (``artifacts/`` GGUF and model-info modules) and the records the stages pass on and their keys
+(``artifacts/records/``). Every stage key and every plan key include it, so an upgraded Flux whose enumerate,
+cost model or worker changed computes new stage results and new plans instead of reusing stale ones,
+``--replan`` or not. Files that only show or serve plans (the CLI's
 printing, the server, the bench suites) are not part of it: changing them keeps every plan valid.
 """
 
@@ -22,7 +23,7 @@ PLANNER_SOURCES: tuple[tuple[str, str], ...] = (
     ("engine_bridge", "**/*.py"),
     ("flows", "plan_model.py"), ("flows", "stages.py"), ("flows", "workload.py"), ("flows", "request.py"),
     ("artifacts", "gguf_header.py"), ("artifacts", "model_info.py"), ("artifacts", "ids.py"),
-    ("artifacts", "code_id.py"),
+    ("artifacts", "code_id.py"), ("artifacts", "records/**/*.py"),
 )
 EXCLUDE = ("tasks/bench/",)
 

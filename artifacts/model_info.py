@@ -107,6 +107,11 @@ class ModelInfo(BaseModel):
         return sum(self.bytes_by_role.values())
 
 
+def expert_bytes(info: ModelInfo) -> list[int]:
+    """Bytes of one routed expert (gate + up + down) of each layer."""
+    return [layer.expert_bytes // max(1, info.n_expert) for layer in info.layers]
+
+
 def tensor_role(name: str) -> Role:
     """Return the role of a tensor, from llama.cpp's tensor naming conventions."""
     for pattern, role in _ROLE_RULES:

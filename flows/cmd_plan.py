@@ -14,10 +14,10 @@ from rich.table import Table
 from artifacts.config import Settings
 from artifacts.errors import FluxError
 from artifacts.logs import console
+from artifacts.records.plan import Plan
 from artifacts.store import Store
 from flows.request import check_for_model, flow_params
 from flows.request_flags import add_plan_flags, request_from_args
-from tasks.plan_types import Plan
 
 DEFAULT_MODEL = "tiny-moe"
 

@@ -18,8 +18,8 @@ from pydantic.fields import FieldInfo
 
 from artifacts.config import Settings
 from artifacts.errors import FluxError
+from artifacts.records.plan import PlanRequest
 from tasks.errors import ImpossiblePlan
-from tasks.plan_types import PlanRequest
 
 
 class BadPlanFlag(FluxError):

@@ -1,4 +1,4 @@
-"""``flux plan``'s flags, built from :class:`tasks.plan_types.PlanRequest`'s fields.
+"""``flux plan``'s flags, built from :class:`artifacts.records.plan.PlanRequest`'s fields.
 
 A field is a flag: ``--field-name`` (or its ``flag``; ``short`` adds a short form such as ``-d``), typed by the
 field, its choices from a ``Literal``, its help the field's description; a bool that defaults to True is
@@ -17,8 +17,8 @@ from typing import Any, Literal
 from pydantic.fields import FieldInfo
 
 from artifacts.config import Settings
+from artifacts.records.plan import PlanRequest
 from flows.request import extra, flag_name, plan_request, scalar
-from tasks.plan_types import PlanRequest
 
 
 def flag_fields(request: type[PlanRequest] = PlanRequest) -> dict[str, str]:

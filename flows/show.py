@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from artifacts.logs import console
-from tasks.plan_types import Plan
+from artifacts.records.plan import Plan
 
 GIB = 2**30
 

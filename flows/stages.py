@@ -27,6 +27,13 @@ from artifacts.config import Settings
 from artifacts.filehash import model_hash
 from artifacts.ids import content_id
 from artifacts.model_info import ModelInfo
+from artifacts.records.evidence import MeasureResults, MeasureSummary, ValidationReport
+from artifacts.records.hardware import HardwareReport, MachineFacts
+from artifacts.records.keys import plan_key, probe_key
+from artifacts.records.machine import machine_facts
+from artifacts.records.plan import PlanRequest
+from artifacts.records.routing import RoutingProfile
+from artifacts.records.search import Candidate, Finalists, PlacementSpace
 from artifacts.store import Store
 from engine_bridge.backend import backend_info
 from engine_bridge.errors import EngineError
@@ -39,23 +46,11 @@ from tasks.costmodel import Workload, all_gpu_decode, roofline_decode
 from tasks.enumerate import enumerate_placements, gpu_devices, gpu_limits
 from tasks.gpu_memory import predicted_gpu_bytes
 from tasks.measure import Scoring, measure
-from tasks.persist import find_plan, persist, plan_key, plan_notes
-from tasks.plan_types import (
-    Candidate,
-    Finalists,
-    HardwareReport,
-    MachineFacts,
-    MeasureResults,
-    MeasureSummary,
-    PlacementSpace,
-    PlanRequest,
-    ValidationReport,
-)
-from tasks.probe import machine_facts, probe, probe_key
+from tasks.persist import find_plan, persist, plan_notes
+from tasks.probe import probe
 from tasks.prune import prune
 from tasks.quality_gate import Gate
 from tasks.reference import ReferenceOutputs, floor_variants, reference
-from tasks.route import RoutingProfile
 from tasks.validate import rank_measured, validate
 
 M = TypeVar("M", bound=BaseModel)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from artifacts.records.hardware import HardwareReport
+from artifacts.records.plan import PlanRequest
+from artifacts.records.search import Candidate, Finalists, Prediction
 from engine_bridge.client import tokenizer
 from tasks.corpus import conversation_text, load_conversations, sized_prompts
 from tasks.costmodel import Workload
 from tasks.errors import ImpossiblePlan
-from tasks.plan_types import Candidate, Finalists, HardwareReport, PlanRequest, Prediction
 
 # A coding agent's prompts, up to the depth its conversations reach (16-32k tokens): the deepest also times
 # decode with a deep KV cache, which is where KV placement shows.

@@ -35,12 +35,13 @@ sys.path.insert(0, str(REPO))
 
 from artifacts.config import load_settings  # noqa: E402
 from artifacts.gguf_header import read_header  # noqa: E402
+from artifacts.records.evidence import FloorResult, QualityStats  # noqa: E402
 from artifacts.synth import synthesize  # noqa: E402
 from engine_bridge import ops  # noqa: E402
 from engine_bridge.client import WorkerClient  # noqa: E402
 from engine_bridge.params import EngineParams  # noqa: E402
 from flows.workload import validation_prompts  # noqa: E402
-from tasks.quality_gate import FloorResult, Gate, QualityStats, compare_all  # noqa: E402
+from tasks.quality_gate import Gate, compare_all  # noqa: E402
 
 
 def twin(cache: Path, preset: str, sets: dict[str, str], quant: str, tag: str = "") -> Path:
@@ -100,8 +101,9 @@ def reference(model: Path, params: EngineParams, prompts: list[list[int]], n_tok
 
 def plan_finalists(st: Any, prefix: str) -> list[Any]:
     """The finalists a saved plan was chosen from (the stored prune result that holds its candidate)."""
+    from artifacts.records.plan import Plan
+    from artifacts.records.search import Finalists
     from artifacts.store import Store
-    from tasks.plan_types import Finalists, Plan
 
     store = Store(st.data_dir)
     plan = Plan.model_validate(store.get_json("plan", store.find("plan", prefix)))

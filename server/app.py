@@ -13,12 +13,12 @@ from litestar.datastructures import State
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from artifacts.config import Settings
+from artifacts.records.plan import Plan
 from server import access
 from server.errors import EXCEPTION_HANDLERS
 from server.openapi import openapi_config
 from server.routes import routers
 from server.service import FluxService
-from tasks.plan_types import Plan
 
 log = logging.getLogger(__name__)
 

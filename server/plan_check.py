@@ -18,10 +18,11 @@ from artifacts.errors import FluxError, ModelFileError
 from artifacts.filehash import model_hash
 from artifacts.ids import content_id
 from artifacts.model_info import shard_paths
+from artifacts.records.keys import facts_fingerprint
+from artifacts.records.machine import machine_facts
+from artifacts.records.plan import Plan
 from artifacts.store import Store
 from engine_bridge.backend import backend_info
-from tasks.plan_types import Plan
-from tasks.probe import facts_fingerprint, machine_facts
 
 log = logging.getLogger(__name__)
 PLAN_KIND = "plan"
@@ -142,7 +143,7 @@ def device_free(device: str, settings: Settings) -> int | None:
 
         return int(psutil.virtual_memory().available)
     if device.startswith("CUDA") and device[4:].isdigit():
-        from tasks.probe_gpu import nvml_inventory
+        from engine_bridge.gpu_inventory import nvml_inventory
 
         gpus = nvml_inventory().gpus
         k = int(device[4:])
@@ -161,8 +162,8 @@ def fit_to_memory(settings: Settings, store: Store, plan: Plan, model: Path) -> 
     if split is None:
         return plan
     from artifacts.model_info import model_info
+    from artifacts.records.fit import fit_split
     from engine_bridge.routing_trace import check_routing_table
-    from tasks.shortfall import fit_split
 
     info = model_info(model)
     free = {d: f for d in sorted({h.device for h in split.layers}) if (f := device_free(d, settings)) is not None}

@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 
 from artifacts.config import Settings
+from artifacts.records.plan import Plan
 from engine_bridge.errors import EngineError
 from server.chat import ChatTemplate, TemplateInfo
 from server.errors import (
@@ -41,7 +42,6 @@ from server.stats import Counters, memory_by_use
 from server.supervisor import Admission, EngineInfo, LoadSpec, WorkerSupervisor
 from server.tools.formats import detect_format
 from server.tools.plan import ReplyPlan, ReplyPlanner
-from tasks.plan_types import Plan
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from artifacts.model_info import KV_TYPES, ModelInfo
-from tasks.plan_types import Candidate, HardwareReport, Placement, Prediction
+from artifacts.records.hardware import HardwareReport
+from artifacts.records.search import Candidate, Placement, Prediction
 
 EXPERT_PARTS = ("gate", "up", "down")
 GPU_HBM_GBS = 3000.0  # used only until a GPU kernel timing calibrates it (H200: 4.8 TB/s nominal)

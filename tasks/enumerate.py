@@ -19,13 +19,15 @@ import numpy as np
 from numpy.typing import NDArray
 
 from artifacts.model_info import ModelInfo
+from artifacts.records.hardware import HardwareReport
+from artifacts.records.plan import PlanRequest
+from artifacts.records.search import Candidate, Placement, PlacementSpace
 from engine_bridge.params import EngineParams, ExpertSplit, LoadMode, TensorOverride
 from tasks import expert_select, layer_split
 from tasks.costmodel import EXPERT_PARTS, all_on, head_bytes, layer_bytes
 from tasks.errors import ImpossiblePlan
 from tasks.expert_hot import hot_placement, split_bytes
 from tasks.gpu_memory import DEFAULT_MARGIN, budget_problem, compute_bytes, correction, offloads_host_weights
-from tasks.plan_types import Candidate, HardwareReport, Placement, PlacementSpace, PlanRequest
 
 log = logging.getLogger(__name__)
 GIB = 2**30

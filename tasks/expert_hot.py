@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from artifacts.model_info import ModelInfo
+from artifacts.model_info import ModelInfo, expert_bytes
+from artifacts.records.search import Placement
 from engine_bridge.params import ExpertSplit
 from tasks.costmodel import EXPERT_PARTS, head_bytes
-from tasks.plan_types import Placement
 
 
 @dataclass(frozen=True)
@@ -29,12 +29,6 @@ class HotPlacement:
     split: ExpertSplit
     hot_share: tuple[float, ...]
     hot_bytes: int
-
-
-def expert_bytes(info: ModelInfo) -> list[int]:
-    """Bytes of one routed expert (gate + up + down) of each layer."""
-    return [sum(layer.bytes_by_role.get(f"experts_{p}", 0) for p in EXPERT_PARTS) // max(1, info.n_expert)
-            for layer in info.layers]
 
 
 def block_bytes(info: ModelInfo) -> int:

@@ -22,9 +22,9 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from artifacts.model_info import ModelInfo
+from artifacts.records.search import Placement
 from tasks import layer_split
 from tasks.costmodel import EXPERT_PARTS, head_bytes
-from tasks.plan_types import Placement
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ a calibration (no GPU, an older probe) the fixed :data:`DEFAULT_MARGIN` stands i
 from __future__ import annotations
 
 from artifacts.model_info import ModelInfo
+from artifacts.records.hardware import GpuMemoryFit, HardwareReport
+from artifacts.records.search import Candidate
 from engine_bridge.params import EngineParams, TensorOverride
-from tasks.plan_types import Candidate, GpuMemoryFit, HardwareReport
 
 GIB = 2**30
 DEFAULT_MARGIN = GIB  # the old fixed margin: H200 finalists measured 0.3-0.9 GiB above the uncorrected model

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tasks.plan_types import Placement
+from artifacts.records.search import Placement
 
 # Each boundary sits half a position below the first position of the next GPU's run, so float rounding
 # of the fractions never moves a layer across it.

@@ -19,11 +19,12 @@ from typing import Any
 
 import pyarrow as pa
 
+from artifacts.records.evidence import MeasureSummary
+from artifacts.records.search import Candidate
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.gpumem import GpuMemoryMeter, over_budget
-from tasks.plan_types import Candidate, MeasureSummary
 from tasks.validate import score_loaded
 
 log = logging.getLogger(__name__)

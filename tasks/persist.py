@@ -16,41 +16,16 @@ from typing import Any
 import pyarrow as pa
 
 from artifacts.ids import content_id
+from artifacts.records.evidence import MeasureResults, MeasureSummary, ValidationReport
+from artifacts.records.hardware import HardwareReport
+from artifacts.records.plan import Plan, PlanRequest
+from artifacts.records.routing import RoutingProfile
+from artifacts.records.search import Candidate, Finalists, PlacementSpace
 from artifacts.store import Store
-from tasks.plan_types import (
-    Candidate,
-    Finalists,
-    HardwareReport,
-    MeasureResults,
-    MeasureSummary,
-    PlacementSpace,
-    Plan,
-    PlanRequest,
-    ValidationReport,
-)
-from tasks.route import RoutingProfile
 
 log = logging.getLogger(__name__)
 PLAN_KIND = "plan"
 TRIALS_KIND = "trials"
-
-
-def plan_key(model_hash: str, hw: HardwareReport, backend_build: str, req: PlanRequest,
-             settings_view: dict[str, Any], routing: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """The facts a plan is valid for (its identity minus the time it was made).
-
-    ``routing``: the id of the routing trace that chose a per-expert placement's experts; another workload
-    routes differently and is another plan. ``code``: the planner's code id
-    (:func:`artifacts.code_id.code_id`): a planner that changed makes new plans.
-    """
-    flags = req.model_dump(exclude={"model"})
-    if flags["workload"] == "agent":  # the default before there was a choice: plans saved then still match
-        del flags["workload"]
-    key = {"model_hash": model_hash, "hardware": hw.fingerprint, "backend_build": backend_build,
-           "driver": hw.driver, "flags": flags, "settings": settings_view}
-    if code is not None:
-        key["planner_code"] = code
-    return {**key, "routing": routing} if routing is not None else key
 
 
 def find_plan(store: Store, key: dict[str, Any]) -> dict[str, Any] | None:

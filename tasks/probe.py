@@ -1,33 +1,36 @@
 """Probe: measure the machine a plan is made for, and the model's own kernels on each of its devices.
 
-``probe(...) -> HardwareReport``. Host figures come from :mod:`tasks.probe_host`, GPU facts from
-:mod:`tasks.probe_gpu`; ggml devices and kernel timings come from engine workers (only the worker links
-llama.cpp). The fingerprint covers the stable facts only, so a plan keyed by it survives a reboot
-but not a RAM, GPU or driver change.
+``probe(...) -> HardwareReport``. The machine's facts come from :mod:`artifacts.records.machine`, host
+figures from :mod:`tasks.probe_host`, copy bandwidth from :mod:`tasks.probe_gpu`; ggml devices and kernel
+timings come from engine workers (only the worker links llama.cpp). The fingerprint
+(:func:`artifacts.records.keys.hardware_fingerprint`) covers the stable facts only, so a plan keyed by it
+survives a reboot but not a RAM, GPU or driver change.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from artifacts.config import Settings
-from artifacts.ids import content_id
 from artifacts.model_info import ModelInfo, model_info
+from artifacts.records.hardware import GpuInfo, GpuMemoryFit, HardwareReport, KernelTiming
+from artifacts.records.keys import facts_fingerprint
+from artifacts.records.machine import machine_facts
 from engine_bridge import ops
 from engine_bridge.client import HIDE_GPUS, WorkerClient
 from engine_bridge.errors import EngineError
+from engine_bridge.gpu_inventory import nvml_inventory
 from engine_bridge.gpumem import GpuMemoryMeter
 from engine_bridge.params import EngineParams
 from tasks import gpu_memory
 from tasks.enumerate import modelled_load
-from tasks.plan_types import CpuInfo, GpuInfo, GpuMemoryFit, HardwareReport, KernelTiming, MachineFacts
-from tasks.probe_gpu import cuda_runtime_name, host_to_device_bandwidth, nvml_inventory
-from tasks.probe_host import cpu_info, ram_read_bandwidth, storage_read_speed, usable_cpus
+from tasks.probe_gpu import host_to_device_bandwidth
+from tasks.probe_host import ram_read_bandwidth, storage_read_speed, usable_cpus
 
 log = logging.getLogger(__name__)
 
@@ -43,57 +46,6 @@ PROMPT_TEXT = (
     "left and the cargo they carried, and the clerk wrote every figure into a ledger that nobody would "
     "read until the inquiry, three winters later, asked why the lighthouse had been dark that night."
 )
-
-
-def hardware_fingerprint(cpu: CpuInfo, ram_total: int, gpus: Sequence[GpuInfo], driver: str | None) -> str:
-    """Content id of the machine's stable facts (no free memory, no measured speed).
-
-    Args:
-        cpu: the CPU (its model and logical core count).
-        ram_total: RAM bytes (rounded to GiB, so a kernel reserving a little more does not change it).
-        gpus: the GPUs (name, total memory, compute capability).
-        driver: the NVIDIA driver version, or None.
-    """
-    return content_id({
-        "cpu_model": cpu.model, "logical_cores": cpu.logical_cores, "ram_gib": round(ram_total / GIB),
-        "gpus": [{"name": g.name, "memory_total": g.memory_total, "compute_capability": g.compute_capability}
-                 for g in gpus],
-        "driver": driver,
-    })
-
-
-def machine_facts() -> MachineFacts:
-    """This machine's identity, cheaply: host, CPU, RAM, GPUs (NVML, no CUDA context), driver, CUDA."""
-    import platform
-
-    nvml = nvml_inventory()
-    mid = Path("/etc/machine-id")
-    return MachineFacts(node=platform.node(), machine_id=mid.read_text().strip() if mid.exists() else "",
-                        cpu=cpu_info(), ram_total=int(psutil.virtual_memory().total), gpus=nvml.gpus,
-                        driver=nvml.driver, cuda_driver=nvml.cuda_driver,
-                        cuda_runtime=cuda_runtime_name() if nvml.gpus else None)
-
-
-def facts_fingerprint(facts: MachineFacts) -> str:
-    """The hardware fingerprint of ``facts`` (see :func:`hardware_fingerprint`)."""
-    return hardware_fingerprint(facts.cpu, facts.ram_total, facts.gpus, facts.driver)
-
-
-def probe_key(facts: MachineFacts, model_hash: str, backend_build: str, code: str | None = None) -> dict[str, Any]:
-    """Key of the probe report: everything a measurement of this machine depends on, read before measuring.
-
-    Host (name, machine id, CPU, RAM), every GPU (name, UUID, memory, compute capability), the driver,
-    the CUDA driver and runtime versions, the model and the backend build: a swapped GPU, a new driver or
-    another build is a new probe, so ``flux plan --replan`` never reuses a stale one; so is another planner
-    (``code``, :func:`artifacts.code_id.code_id`), whose probe may measure differently.
-    """
-    key: dict[str, Any] = {"code": code} if code is not None else {}
-    return key | {"stage": "probe", "model": model_hash, "backend": backend_build, "host": {
-        "node": facts.node, "machine_id": facts.machine_id, "cpu": facts.cpu.model,
-        "cpus": facts.cpu.logical_cores, "ram_gib": round(facts.ram_total / GIB),
-        "gpus": [{"name": g.name, "uuid": g.uuid, "memory_total": g.memory_total,
-                  "compute_capability": g.compute_capability} for g in facts.gpus],
-        "driver": facts.driver, "cuda_driver": facts.cuda_driver, "cuda_runtime": facts.cuda_runtime}}
 
 
 def _with_copy_bandwidth(gpus: list[GpuInfo], bus_ids: list[str]) -> list[GpuInfo]:

@@ -1,4 +1,5 @@
-"""Host measurements of the probe stage: CPU identity and ISA, RAM read bandwidth, storage read speed.
+"""Host measurements of the probe stage: RAM read bandwidth, storage read speed (the CPU's identity and ISA are
+machine facts: :mod:`artifacts.records.machine`).
 
 Everything here is measured or read from the kernel on the machine at hand; nothing is looked up
 from a table of known parts.
@@ -11,7 +12,6 @@ import logging
 import math
 import mmap
 import os
-import platform
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,23 +19,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-import psutil
-
-from tasks.plan_types import CpuInfo
 
 log = logging.getLogger(__name__)
 
 MIB = 2**20
 GIB = 2**30
-CPUINFO = Path("/proc/cpuinfo")
 CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
-# ISA extensions llama.cpp's CPU kernels dispatch on, in report order (x86 names, then arm64 names).
-ISA_OF_INTEREST: tuple[str, ...] = (
-    "sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-    "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16", "amx_fp16",
-    "neon", "asimdhp", "asimddp", "i8mm", "bf16", "sve", "sve2", "sme",
-)
-_ISA_ALIASES = {"asimd": "neon"}  # arm64 kernels call NEON "asimd" in /proc/cpuinfo
 SMALL_FILE_BYTES = 64 * MIB
 
 
@@ -54,68 +43,6 @@ class StorageRead(NamedTuple):
     gbs: float
     method: str
     bytes_read: int
-
-
-# -- CPU -----------------------------------------------------------------------------------------------
-def read_cpuinfo(path: Path = CPUINFO) -> list[dict[str, str]]:
-    """Return /proc/cpuinfo as one dict per block (processor); empty where the file does not exist."""
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return []
-    blocks: list[dict[str, str]] = []
-    for chunk in text.split("\n\n"):
-        fields = {}
-        for line in chunk.splitlines():
-            key, sep, value = line.partition(":")
-            if sep:
-                fields[key.strip().lower()] = value.strip()
-        if fields:
-            blocks.append(fields)
-    return blocks
-
-
-def _cpu_model(blocks: list[dict[str, str]]) -> str:
-    """The CPU's marketing name; arm64 kernels often give only implementer and part numbers."""
-    for key in ("model name", "hardware", "cpu model"):
-        for b in blocks:
-            if b.get(key):
-                return b[key]
-    arm = next((b for b in blocks if "cpu implementer" in b), None)
-    if arm is not None:
-        return f"{platform.machine()} (implementer {arm['cpu implementer']}, part {arm.get('cpu part', '?')})"
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def _physical_cores(blocks: list[dict[str, str]], logical: int) -> int:
-    """Physical cores: psutil, else distinct (physical id, core id) pairs, else the logical count."""
-    n = psutil.cpu_count(logical=False)
-    if n:
-        return int(n)
-    pairs = {(b.get("physical id", "0"), b["core id"]) for b in blocks if "core id" in b}
-    return len(pairs) or logical
-
-
-def _isa(blocks: list[dict[str, str]]) -> list[str]:
-    """The extensions of interest this CPU reports (x86 'flags', arm64 'features')."""
-    raw = next((b.get("flags") or b.get("features") for b in blocks if b.get("flags") or b.get("features")), "")
-    have = {_ISA_ALIASES.get(f, f) for f in (raw or "").split()}
-    return [f for f in ISA_OF_INTEREST if f in have]
-
-
-def cpu_info(cpuinfo_path: Path = CPUINFO) -> CpuInfo:
-    """Identify the host CPU.
-
-    Args:
-        cpuinfo_path: the kernel's CPU description (a test may point at a saved copy).
-
-    Returns:
-        Model name, physical and logical core counts and the ISA extensions of interest.
-    """
-    blocks = read_cpuinfo(cpuinfo_path)
-    logical = psutil.cpu_count(logical=True) or os.cpu_count() or max(len(blocks), 1)
-    return CpuInfo(model=_cpu_model(blocks), physical_cores=_physical_cores(blocks, logical),
-                   logical_cores=logical, isa=_isa(blocks))
 
 
 def usable_cpus() -> int:

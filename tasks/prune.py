@@ -23,8 +23,9 @@ from __future__ import annotations
 import logging
 
 from artifacts.model_info import ModelInfo
+from artifacts.records.hardware import HardwareReport
+from artifacts.records.search import Candidate, Finalists, PlacementSpace
 from tasks.costmodel import Workload, predict
-from tasks.plan_types import Candidate, Finalists, HardwareReport, PlacementSpace
 
 log = logging.getLogger(__name__)
 PLAUSIBLE = 3.0  # diversity picks only candidates predicted within this factor of the best workload time

@@ -19,24 +19,7 @@ from __future__ import annotations
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-
-class QualityStats(BaseModel):
-    """How one configuration's next-token distributions compare with the reference's, position by position."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    mean_kl: float
-    p90_kl: float
-    max_kl: float
-    top1: float
-    n: int
-
-
-class FloorResult(BaseModel):
-    """One correct variant of the reference, compared with it: a sample of the noise floor."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    name: str
-    stats: QualityStats
+from artifacts.records.evidence import FloorResult, QualityStats
 
 
 class Gate(BaseModel):

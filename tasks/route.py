@@ -1,8 +1,8 @@
 """Route: how often the model's routers pick each expert on the planning workload (MoE models on a GPU machine).
 
-``trace(...) -> RoutingProfile``. A worker prefills the workload's prompts (cut to :data:`TRACE_TOKENS` in all)
-and decodes a few tokens after each, and llama.cpp's own router choices are counted per layer
-(:mod:`engine_bridge.routing_trace`). The counts decide which experts a per-expert placement keeps on the GPU;
+``trace(...)`` counts the picks, ``profile(...) -> RoutingProfile`` (a record: :mod:`artifacts.records.routing`).
+A worker prefills the workload's prompts (cut to :data:`TRACE_TOKENS` in all) and decodes a few tokens after
+each, and llama.cpp's own router choices are counted per layer (:mod:`engine_bridge.routing_trace`). The counts decide which experts a per-expert placement keeps on the GPU;
 the trace is stored as a table, and its id is part of every plan key it shaped: another workload (another
 routing profile) is another plan.
 """
@@ -11,42 +11,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-from numpy.typing import NDArray
 from pydantic import BaseModel, ConfigDict, Field
 
+from artifacts.records.routing import RoutingProfile
 from engine_bridge import ops
 from engine_bridge.client import HIDE_GPUS, WorkerClient
 from engine_bridge.ops import RoutingCounts, RoutingRequest
 from engine_bridge.params import EngineParams
-from engine_bridge.routing_trace import top_share
 
 TRACE_TOKENS = 2048  # prompt tokens traced in all: 2048 x 8 picks per layer is ~128 per expert of 128 (on the
 # H200 host's CPU, 4096 tokens took 78 s, a first plan's largest fixed cost after the reference)
 TRACE_GEN = 8
-
-
-class RoutingProfile(BaseModel):
-    """A stored routing trace: its id in the store and the counts [n_layer][n_expert]."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    trace_id: str
-    n_tokens: int
-    n_expert_used: int
-    counts: tuple[tuple[int, ...], ...]
-
-    def array(self) -> NDArray[np.int64]:
-        """The counts as an int64 array [n_layer, n_expert]."""
-        return np.asarray(self.counts, dtype=np.int64)
-
-    def shares(self) -> NDArray[np.float64]:
-        """Each expert's share of its layer's picks [n_layer, n_expert] (rows sum to 1)."""
-        a = self.array().astype(np.float64)
-        return a / np.maximum(a.sum(axis=1, keepdims=True), 1.0)
-
-    def coverage(self, fraction: float) -> float:
-        """Median over layers of the share of picks that go to each layer's busiest ``fraction`` of experts."""
-        return float(np.median(top_share(self.array(), fraction)))
 
 
 def trace_prompts(prompts: list[list[int]], budget: int = TRACE_TOKENS) -> list[list[int]]:

@@ -11,20 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from artifacts.config import Settings
+from artifacts.records.evidence import MeasureSummary, ValidationResult
+from artifacts.records.hardware import CpuInfo, GpuInfo, HardwareReport, KernelTiming
+from artifacts.records.plan import Plan, PlanRequest
+from artifacts.records.search import Candidate, Placement, Prediction
 from engine_bridge.params import EngineParams
-from tasks.plan_types import (
-    Candidate,
-    CpuInfo,
-    GpuInfo,
-    HardwareReport,
-    KernelTiming,
-    MeasureSummary,
-    Placement,
-    Plan,
-    PlanRequest,
-    Prediction,
-    ValidationResult,
-)
 
 H200_MEMORY = 143_771 * 2**20
 
@@ -61,9 +52,10 @@ def stored_plan(settings: Settings, model: Path, params: EngineParams, *, finali
 
     from artifacts.filehash import model_hash
     from artifacts.ids import content_id
+    from artifacts.records.keys import facts_fingerprint
+    from artifacts.records.machine import machine_facts
     from artifacts.store import Store
     from engine_bridge.backend import backend_info
-    from tasks.probe import facts_fingerprint, machine_facts
 
     facts = machine_facts()
     fingerprint = facts_fingerprint(facts)

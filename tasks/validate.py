@@ -25,12 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
+from artifacts.records.evidence import FloorResult, MeasureSummary, ValidationReport, ValidationResult
+from artifacts.records.search import Candidate
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.params import EngineParams
-from tasks.plan_types import Candidate, MeasureSummary, ValidationReport, ValidationResult
-from tasks.quality_gate import FloorResult, Gate, compare_all
+from tasks.quality_gate import Gate, compare_all
 
 log = logging.getLogger(__name__)
 Seqs = list[tuple[list[int], list[int]]]

@@ -12,10 +12,8 @@ from typing import Any
 import pytest
 
 from artifacts.config import Settings, load_settings
+from artifacts.records.plan import Plan
 from engine_bridge.params import EngineParams
-from tasks.plan_types import (
-    Plan,
-)
 from tasks.testing import stored_plan
 
 # Short settings: the suites' own defaults are for real models.

@@ -10,9 +10,8 @@ import pytest
 
 from artifacts.code_id import ROOT, code_id, planner_code_id, planner_files
 from artifacts.ids import content_id
-from tasks.persist import plan_key
-from tasks.plan_types import PlanRequest
-from tasks.probe import probe_key
+from artifacts.records.keys import plan_key, probe_key
+from artifacts.records.plan import PlanRequest
 from tasks.testing import h200_report
 
 
@@ -52,7 +51,7 @@ def test_a_new_planner_file_counts(copy: Path) -> None:
 
 
 def test_the_plan_key_and_the_probe_key_carry_the_code(copy: Path) -> None:
-    from tasks.probe import machine_facts
+    from artifacts.records.machine import machine_facts
 
     hw, req, facts = h200_report(1), PlanRequest(model="m"), machine_facts()
     old = planner_code_id(copy)

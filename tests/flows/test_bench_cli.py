@@ -10,8 +10,8 @@ import pytest
 from bench_support import bench_settings, make_plan, session_cache
 
 from artifacts.config import Settings
+from artifacts.records.plan import Plan
 from artifacts.store import Store
-from tasks.plan_types import Plan
 
 REPO = Path(__file__).resolve().parents[2]
 # Runs `flux` with flows.cmd_bench registered even before flows/cli.py lists it.

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from artifacts.records.plan import Plan, PlanRequest
 from artifacts.store import Store
-from tasks.plan_types import Plan, PlanRequest
 
 REPO = Path(__file__).resolve().parents[2]
 BUDGET = 25
@@ -138,7 +138,7 @@ def test_chat_workload_is_its_own_plan_timed_on_long_replies(planned: dict[str, 
 
 def test_agent_plans_keep_the_key_they_had_before_workloads(tiny_moe: Path) -> None:
     # plans saved before --workload existed were keyed without it: the default must still find them
-    from tasks.persist import plan_key
+    from artifacts.records.keys import plan_key
     from tasks.testing import h200_report
 
     hw = h200_report(0)

@@ -11,11 +11,11 @@ import pytest
 from pydantic import Field
 
 from artifacts.config import Settings, load_settings
+from artifacts.records.plan import PlanRequest
 from flows.cli import OneLineParser, build_parser
 from flows.request import BadPlanFlag, check_for_model, flow_params, plan_request
 from flows.request_flags import add_plan_flags, flag_fields, request_from_args
 from tasks.errors import ImpossiblePlan
-from tasks.plan_types import PlanRequest
 
 # every flag `flux plan --help` listed when its flags were written by hand: none may go missing or be renamed
 FLAGS = ["--ctx", "--concurrency", "--kv", "--budget-s", "--gpu-mem-budget", "--allow-storage-streaming",

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
+from artifacts.records.search import Candidate, Finalists, Placement, Prediction
 from engine_bridge.params import EngineParams
 from flows import workload as wl
 from flows.progress import StageClock
-from tasks.plan_types import Candidate, Finalists, Placement, Prediction
 
 
 def test_every_stage_after_the_probe_counts_inside_the_budget() -> None:
@@ -45,7 +45,7 @@ def test_finalists_are_cut_to_what_two_rounds_fit() -> None:
 
 
 def test_the_probes_load_times_price_a_visit() -> None:
-    from tasks.plan_types import KernelTiming
+    from artifacts.records.hardware import KernelTiming
     from tasks.testing import h200_report
 
     hw = h200_report(1)
@@ -89,7 +89,7 @@ def test_a_tight_budget_races_different_families_before_variants_of_one() -> Non
 
 
 def test_a_tight_budget_measures_the_deepest_prompt_that_fits_not_the_shortest() -> None:
-    from tasks.plan_types import PlanRequest
+    from artifacts.records.plan import PlanRequest
 
     fin = _fin(2, 10**9)                     # ~2.5 s a visit before its prompts; 1000 / 100 tok/s
     req = PlanRequest(model="m.gguf", budget_s=60)
@@ -107,7 +107,7 @@ def test_a_tight_budget_measures_the_deepest_prompt_that_fits_not_the_shortest()
 
 
 def test_prompt_depth_is_sized_for_the_two_best_finalists_then_the_rest_fill_what_is_left() -> None:
-    from tasks.plan_types import PlanRequest
+    from artifacts.records.plan import PlanRequest
 
     fin = _fin(6, 10**9)
     req = PlanRequest(model="m.gguf", budget_s=60)
@@ -120,8 +120,8 @@ def test_prompt_depth_is_sized_for_the_two_best_finalists_then_the_rest_fill_wha
 
 
 def test_the_cost_models_error_compares_the_measured_round_not_the_whole_mix() -> None:
+    from artifacts.records.evidence import MeasureSummary
     from tasks.persist import prediction_error
-    from tasks.plan_types import MeasureSummary
 
     fin = _fin(2, 10**9)  # predicted 1000 prefill / 100 decode tok/s; prune's score for the mix: 1.0 s
     measured = [MeasureSummary(candidate_id="c0", prefill_tps=900.0, decode_tps=90.0, workload_s=0.4, n_trials=2),

@@ -8,9 +8,9 @@ from pathlib import Path
 from rich.console import Console
 
 from artifacts.config import load_settings
+from artifacts.records.evidence import MeasureSummary
 from engine_bridge.params import EngineParams
 from flows.show import print_plan
-from tasks.plan_types import MeasureSummary
 from tasks.testing import stored_plan
 
 

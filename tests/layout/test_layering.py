@@ -1,6 +1,8 @@
 """The layering the architecture promises, checked on the source (imports parsed, nothing run).
 
 - flows/ composes; no module of tasks/, artifacts/, engine_bridge/ or server/ imports flows;
+- the server reads plans, it never plans: server/ imports nothing from tasks/ (the records both share are
+  artifacts.records'); artifacts/ and engine_bridge/, which both import, import neither tasks/ nor server/;
 - only the worker-side package engine_bridge.worker imports llama_cpp (the worker process links llama.cpp),
   only artifacts imports duckdb;
 - the worker-side package ``engine_bridge.worker`` is spawned, never imported, by any other package;
@@ -72,6 +74,15 @@ MODS = modules()
 def test_only_flows_composes(mod: str) -> None:
     bad = sorted(i for i in imports(mod, MODS[mod], False) if i == "flows" or i.startswith("flows."))
     assert not bad, f"{mod} imports {bad}: flows composes the packages, never the other way"
+
+
+@pytest.mark.parametrize(("pkg", "banned"), [("server", ("tasks",)), ("artifacts", ("tasks", "server")),
+                                             ("engine_bridge", ("tasks", "server"))])
+def test_the_server_and_the_shared_packages_import_no_planning_stage(pkg: str, banned: tuple[str, ...]) -> None:
+    bad = {m: sorted(i for i in imports(m, MODS[m], False) if i.split(".")[0] in banned)
+           for m in MODS if m.split(".")[0] == pkg}
+    bad = {m: found for m, found in bad.items() if found}
+    assert not bad, f"{pkg} imports {banned}: {bad}; what they share belongs in artifacts.records"
 
 
 @pytest.mark.parametrize(("lib", "owner"), [("llama_cpp", "engine_bridge.worker"), ("duckdb", "artifacts")])

@@ -11,7 +11,7 @@ import openai
 import pytest
 from support import ServeEnv, Server, start_server, stop_server
 
-from tasks.plan_types import Plan
+from artifacts.records.plan import Plan
 
 KEY = "sk-flux-test"
 HELLO = [{"role": "user", "content": "Hello"}]

@@ -10,8 +10,8 @@ import pytest
 from litestar.testing import TestClient
 from support import ServeEnv, serve_env
 
+from artifacts.records.plan import Plan
 from server.app import create_app
-from tasks.plan_types import Plan
 
 TOML = """
 [serve]

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from support import SERVE_TOML, Server, serve_env, start_server, stop_server
 
-from tasks.plan_types import Plan
+from artifacts.records.plan import Plan
 
 HELLO = [{"role": "user", "content": "Hello"}]
 LIMITS_TOML = SERVE_TOML + "header_timeout_s = 2.0\nbody_timeout_s = 3.0\nmax_connections = 6\n"

@@ -13,8 +13,8 @@ import pytest
 from support import REPO, ServeEnv
 
 import server.__main__ as entry
+from artifacts.records.plan import Plan
 from artifacts.store import Store
-from tasks.plan_types import Plan
 
 MakePlan = Callable[..., Plan]
 

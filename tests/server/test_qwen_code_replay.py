@@ -20,12 +20,12 @@ import httpx
 import pytest
 from support import ServeEnv, Server, start_server, stop_server
 
+from artifacts.records.plan import Plan
 from engine_bridge.gbnf import schema_grammar
 from server.chat import ChatTemplate
 from server.schemas import ChatRequest, parse_body
 from server.tools.formats import Hermes
 from server.tools.plan import ANY_OBJECT, ReplyPlanner
-from tasks.plan_types import Plan
 
 jsonschema = pytest.importorskip("jsonschema")
 FIXTURE = Path(__file__).parent / "data" / "qwen_code_0.24.4_requests.jsonl"

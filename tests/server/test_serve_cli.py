@@ -16,7 +16,7 @@ import httpx
 import pytest
 from support import REPO, ServeEnv, serve_env, start_server, stop_server
 
-from tasks.plan_types import Plan
+from artifacts.records.plan import Plan
 
 MakePlan = Callable[..., Plan]
 

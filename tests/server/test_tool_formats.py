@@ -13,9 +13,9 @@ import openai
 import pytest
 from support import ServeEnv, Server, start_server, stop_server, with_chat_template
 
+from artifacts.records.plan import Plan
 from server.chat import FALLBACK_TEMPLATE, ChatTemplate, TemplateCaps
 from server.tools.formats import Function, Hermes, Llama3
-from tasks.plan_types import Plan
 
 jsonschema = pytest.importorskip("jsonschema")
 ARGS = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],

@@ -15,7 +15,7 @@ import openai
 import pytest
 from support import Server
 
-from tasks.plan_types import Plan
+from artifacts.records.plan import Plan
 
 jsonschema = pytest.importorskip("jsonschema")
 

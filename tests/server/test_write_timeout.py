@@ -12,7 +12,7 @@ import httpx
 import pytest
 from support import SERVE_TOML, Server, serve_env, start_server, stop_server
 
-from tasks.plan_types import Plan
+from artifacts.records.plan import Plan
 
 
 @pytest.fixture(scope="module")

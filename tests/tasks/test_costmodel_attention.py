@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from artifacts.model_info import ModelInfo, model_info
+from artifacts.records.hardware import HardwareReport
+from artifacts.records.search import Candidate, Placement
 from engine_bridge.params import EngineParams
 from tasks.costmodel import Workload, all_on, host_attention_ms, predict
-from tasks.plan_types import Candidate, HardwareReport, Placement
 from tasks.testing import h200_report
 
 # qwen3-30b-a3b's attention: 32 query heads over 4 KV heads of 128 (f16 K and V: 2 KiB per token and layer)

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from artifacts.model_info import ModelInfo, model_info
+from artifacts.model_info import ModelInfo, expert_bytes, model_info
+from artifacts.records.keys import plan_key
+from artifacts.records.plan import PlanRequest
 from tasks.costmodel import predict
 from tasks.enumerate import enumerate_placements, gpu_overhead, kv_at
-from tasks.expert_hot import block_bytes, expert_bytes, hot_placement, split_bytes
-from tasks.persist import plan_key
-from tasks.plan_types import PlanRequest
+from tasks.expert_hot import block_bytes, hot_placement, split_bytes
 from tasks.prune import prune
 from tasks.testing import h200_report
 from tests.tasks.test_placement import WORK, scaled
@@ -99,7 +99,7 @@ def test_skewed_routing_prices_the_split_above_whole_tensors_and_both_are_finali
 
 
 def test_another_routing_trace_is_another_plan() -> None:
-    from tasks.plan_types import PlanRequest
+    from artifacts.records.plan import PlanRequest
 
     hw, req = h200_report(1), PlanRequest(model="m")
     base = plan_key("model", hw, "build", req, {})
@@ -108,8 +108,8 @@ def test_another_routing_trace_is_another_plan() -> None:
 
 
 def test_the_plan_says_how_per_expert_placement_fared_against_whole_tensors(moe: ModelInfo) -> None:
+    from artifacts.records.evidence import MeasureSummary
     from tasks.persist import expert_split_notes
-    from tasks.plan_types import MeasureSummary
 
     space = _space(moe, skewed(moe), 0.3)
     hot = next(c for c in space.candidates if c.family == "experts-hot")

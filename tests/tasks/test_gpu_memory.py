@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from artifacts.model_info import ModelInfo, model_info
+from artifacts.records.hardware import GpuMemoryFit
+from artifacts.records.plan import PlanRequest
 from tasks.enumerate import compute_bytes, enumerate_placements, gpu_overhead, kv_at, modelled_load
 from tasks.errors import ImpossiblePlan
 from tasks.gpu_memory import (
@@ -20,7 +22,6 @@ from tasks.gpu_memory import (
     predicted_gpu_bytes,
     smallest_moe_budget,
 )
-from tasks.plan_types import GpuMemoryFit, PlanRequest
 from tasks.testing import h200_report
 
 GIB, MIB = 2**30, 2**20
@@ -100,7 +101,8 @@ RECORDED = sorted((Path(__file__).parent / "data" / "h200_memory").glob("memory-
 def _recorded() -> list[tuple[str, object, object, int]]:
     import json
 
-    from tasks.plan_types import Candidate, HardwareReport
+    from artifacts.records.hardware import HardwareReport
+    from artifacts.records.search import Candidate
 
     out = []
     for path in RECORDED:

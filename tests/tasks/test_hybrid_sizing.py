@@ -8,8 +8,8 @@ from pathlib import Path
 
 from artifacts import synth
 from artifacts.model_info import ModelInfo, model_info
+from artifacts.records.plan import PlanRequest
 from tasks.enumerate import kv_at, resolve_context
-from tasks.plan_types import PlanRequest
 from tasks.testing import h200_report
 
 GIB = 2**30

@@ -9,10 +9,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from artifacts.model_info import ModelInfo, model_info
+from artifacts.records.plan import PlanRequest
+from artifacts.records.search import Placement
 from tasks import expert_select, layer_split
 from tasks.costmodel import EXPERT_PARTS
 from tasks.enumerate import enumerate_placements, gpu_overhead, kv_at
-from tasks.plan_types import Placement, PlanRequest
 from tasks.testing import h200_report
 
 GPUS = ["CUDA0", "CUDA1", "CUDA2", "CUDA3"]

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from artifacts.records.search import Candidate, Placement
 from engine_bridge.gpumem import GpuMemoryMeter, GpuReading, over_budget
 from engine_bridge.params import EngineParams
 from tasks.measure import TRIAL_SCHEMA, measure
-from tasks.plan_types import Candidate, Placement
 
 GIB = 2**30
 

@@ -10,11 +10,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from artifacts.model_info import ModelInfo, model_info, read_tensors
+from artifacts.records.plan import PlanRequest
+from artifacts.records.search import Candidate, Placement
 from tasks import expert_select, layer_split
 from tasks.costmodel import Workload, all_on, head_bytes, layer_bytes, predict
 from tasks.enumerate import _overrides, enumerate_placements, gpu_overhead, kv_at
 from tasks.errors import ImpossiblePlan
-from tasks.plan_types import Candidate, Placement, PlanRequest
 from tasks.testing import h200_report
 
 WORK = Workload(prefill_tokens=2048, decode_tokens=128, mean_prompt_tokens=512)

@@ -13,31 +13,13 @@ from hypothesis import strategies as st
 from artifacts.config import Settings, load_settings
 from artifacts.ids import content_id
 from artifacts.model_info import model_info
-from tasks.plan_types import CpuInfo, GpuInfo, HardwareReport, MachineFacts
-from tasks.probe import (
-    PREFILL_BATCH,
-    facts_fingerprint,
-    hardware_fingerprint,
-    machine_facts,
-    probe,
-    probe_key,
-)
-from tasks.probe_gpu import (
-    host_to_device_bandwidth,
-    load_cudart,
-    measure_all,
-    normalize_bus_id,
-    nvml_inventory,
-)
-from tasks.probe_host import (
-    GIB,
-    MIB,
-    cpu_info,
-    ram_buffer_bytes,
-    ram_read_bandwidth,
-    read_cpuinfo,
-    storage_read_speed,
-)
+from artifacts.records.hardware import CpuInfo, GpuInfo, HardwareReport, MachineFacts
+from artifacts.records.keys import facts_fingerprint, hardware_fingerprint, probe_key
+from artifacts.records.machine import cpu_info, machine_facts, read_cpuinfo
+from engine_bridge.gpu_inventory import nvml_inventory
+from tasks.probe import PREFILL_BATCH, probe
+from tasks.probe_gpu import host_to_device_bandwidth, load_cudart, measure_all, normalize_bus_id
+from tasks.probe_host import GIB, MIB, ram_buffer_bytes, ram_read_bandwidth, storage_read_speed
 
 pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
 

@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tasks.quality_gate import FloorResult, Gate, QualityStats, compare_all
+from artifacts.records.evidence import FloorResult, QualityStats
+from tasks.quality_gate import Gate, compare_all
 
 DATA = Path(__file__).parent / "data" / "gate_logprobs_tiny_moe_24.npz"
 

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from artifacts.records.evidence import MeasureSummary
+from artifacts.records.search import Candidate, Placement
 from engine_bridge.errors import EngineError
 from engine_bridge.params import EngineParams, TensorOverride
 from flows.workload import validation_prompts
-from tasks.plan_types import Candidate, MeasureSummary, Placement
 from tasks.quality_gate import Gate
 from tasks.validate import Cache, rank_measured, reference_params, validate
 

@@ -1,4 +1,4 @@
-"""Serve-time shortfall: a device with less free memory than the plan measured drops cached experts.
+"""A plan on the memory free now: a device with less free memory than the plan measured drops cached experts.
 
 A per-expert plan keeps copies of its most-picked experts on a GPU (``EngineParams.expert_split``) while their
 whole tensors stay on the host, so dropping copies is always safe: the dropped experts' picks run on the host,
@@ -15,25 +15,13 @@ import numpy as np
 from numpy.typing import NDArray
 from pydantic import BaseModel, ConfigDict
 
-from artifacts.errors import FluxError
-from artifacts.model_info import ModelInfo
+from artifacts.model_info import ModelInfo, expert_bytes
+from artifacts.records.errors import SplitShortfall
+from artifacts.records.plan import Plan
 from engine_bridge.params import EngineParams, ExpertSplit
-from tasks.expert_hot import expert_bytes
-from tasks.plan_types import Plan
 
 log = logging.getLogger(__name__)
 GIB = 2**30
-
-
-class SplitShortfall(FluxError):
-    """A device has less free memory than the plan needs, and its cached experts cannot make up the difference."""
-
-    def __init__(self, plan: Plan, device: str, free: int, need: int, cached: int) -> None:
-        self.device, self.free, self.need, self.cached = device, free, need, cached
-        what = (f"dropping all its cached experts frees only {cached / GIB:.2f} GiB" if cached
-                else "the plan caches no experts there to drop")
-        super().__init__(f"{device} has {free / GIB:.2f} GiB free; plan {plan.id[:12]} needs {need / GIB:.2f} GiB there "
-                         f"and {what}: free the memory, or run `flux plan {plan.model_path} --replan`")
 
 
 class Dropped(BaseModel):

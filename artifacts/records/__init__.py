@@ -1,0 +1,11 @@
+"""Records: what outlives a planning run, shared by the planner (``tasks/``, ``flows/``) and the server.
+
+- the stored models, one module per role: :mod:`.hardware` (the probe report and the machine facts it is keyed
+  by), :mod:`.search` (placements, candidates, finalists), :mod:`.evidence` (measurements and validation),
+  :mod:`.plan` (the request and the immutable plan), :mod:`.routing` (a routing profile);
+- :mod:`.keys`: the ids and keys records are found by (hardware fingerprint, probe key, plan key, plan id);
+- :mod:`.machine`: this machine's facts, read cheaply (no CUDA context), for keys and the serve-time check;
+- :mod:`.fit`: what a plan holds on a device, and the expert copies dropped to fit the memory free now.
+
+Nothing here imports ``tasks``, ``flows`` or ``server``: they all import it.
+"""

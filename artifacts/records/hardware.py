@@ -1,0 +1,95 @@
+"""The probe report and the machine facts it is keyed by (``tasks.probe`` measures them; the server reads the
+facts to check a plan against this machine)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from artifacts.records.base import Record
+
+
+class CpuInfo(Record):
+    """The host CPU."""
+
+    model: str
+    physical_cores: int
+    logical_cores: int
+    isa: list[str]
+
+
+class GpuInfo(Record):
+    """One NVIDIA GPU as NVML reports it (plus measured host-to-device bandwidth when probed)."""
+
+    index: int
+    name: str
+    memory_total: int
+    memory_free: int
+    pcie_gen: int | None = None
+    pcie_width: int | None = None
+    compute_capability: str | None = None
+    h2d_pinned_gbs: float | None = None
+    h2d_pageable_gbs: float | None = None
+    uuid: str | None = None
+
+
+class MachineFacts(Record):
+    """What identifies this machine, read cheaply before anything is measured (no CUDA context).
+
+    The probe report is keyed by all of it; a plan's hardware fingerprint by its stable part.
+    """
+
+    node: str
+    machine_id: str
+    cpu: CpuInfo
+    ram_total: int
+    gpus: list[GpuInfo]
+    driver: str | None
+    cuda_driver: str | None = Field(None, description="CUDA version the driver supports (NVML)")
+    cuda_runtime: str | None = Field(None, description="the libcudart a CUDA build loads (file name)")
+
+
+class KernelTiming(Record):
+    """The model's own kernels timed on one device (whole-model runs divided per layer)."""
+
+    device: str
+    n_threads: int
+    decode_ms_per_token: float
+    prefill_ms_per_token: float
+    prefill_batch: int
+    decode_ms_per_layer: float
+    prefill_ms_per_layer: float
+    flash_attn: bool = False
+    load_ms: float | None = Field(None, description="the timed load of the whole model on this device")
+    gpu_bytes: int | None = Field(None, description="GPU memory the timed worker held (NVML), for the memory model")
+    gpu_bytes_predicted: int | None = Field(None, description="the memory model's bytes for the same load, uncorrected")
+
+
+class GpuMemoryFit(Record):
+    """What one GPU holds beyond the memory model's weights, KV cache and compute buffer (tasks.gpu_memory),
+    learned from the probe's loads: for every placement, and in addition when host weights are offloaded."""
+
+    device: str
+    base_bytes: int
+    offload_bytes: int = 0
+    residuals: dict[str, int] = Field(default_factory=dict, description="measured minus modelled, per probe load")
+
+
+class HardwareReport(Record):
+    """Everything the probe measured; the fingerprint keys plans to this machine."""
+
+    fingerprint: str
+    cpu: CpuInfo
+    ram_total: int
+    ram_available: int
+    ram_read_gbs: float
+    ram_read_gbs_1thread: float
+    storage_read_gbs: float
+    storage_method: str
+    gpus: list[GpuInfo]
+    driver: str | None
+    ggml_devices: list[dict[str, object]]
+    kernels: list[KernelTiming]
+    model_hash: str
+    backend_build: str
+    gpu_memory: list[GpuMemoryFit] = Field(default_factory=list, description=(
+        "per GPU, the memory model's correction measured by the probe (none: the fixed margin)"))

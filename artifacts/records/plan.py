@@ -1,0 +1,93 @@
+"""The plan (FFTW's wisdom) and the request it answers; its id is the content id of its body."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from artifacts.records.base import Record
+from artifacts.records.evidence import MeasureSummary, ValidationResult
+from artifacts.records.search import Candidate, DeviceName, Prediction
+from engine_bridge.params import KvType
+
+
+class PlanRequest(Record):
+    """What the user asked `flux plan` for (the planning flags).
+
+    Every field is one flag of ``flux plan`` (:mod:`flows.request_flags` builds them): ``--field-name``, typed
+    by the field, its choices from a ``Literal``, its help the field's description. ``json_schema_extra`` says
+    where that differs: ``flag`` (another name; no leading dashes: positional; None: not a flag), ``short``
+    (a short form, ``-d``) and ``setting`` (the ``[plan]`` setting that fills the field when the flag is left
+    out). The fields but the excluded ones (how to run, not what to plan) are hashed into plan ids: keep their
+    names and defaults.
+    """
+
+    model: str = Field(description="a .gguf file (default: a synthesized tiny-moe twin)",
+                       json_schema_extra={"flag": "model"})
+    ctx: int | None = Field(None, ge=16, description="tokens per sequence (default: trained context, capped by RAM)")
+    concurrency: int = Field(1, ge=1, le=256, description="sequences served at once")
+    kv: KvType = Field("f16", description="KV cache type; other than f16 is a separate quality profile")
+    budget_s: float = Field(600.0, gt=0, description="measurement budget (default [plan] tuning_budget_s)",
+                            json_schema_extra={"setting": "tuning_budget_s"})
+    gpu_mem_budget_gib: list[float] | None = Field(None, description="GiB per GPU, e.g. 12 or 12,24",
+                                                   json_schema_extra={"flag": "--gpu-mem-budget"})
+    allow_storage_streaming: bool = Field(
+        False, description="allow placements that read weights beyond RAM from the drive")
+    workload: Literal["agent", "chat"] = Field("agent", description=(
+        "what the plan is timed on: agent (long prompts, short replies; the default) or chat (a short message on "
+        "a cached history, a long reply: decode-heavy)"))
+    replan: bool = Field(False, exclude=True, description="measure again even if a matching plan exists")
+    reprobe: bool = Field(False, exclude=True, description="measure the hardware again")
+    finalists: int = Field(6, ge=1, json_schema_extra={"flag": None, "setting": "finalists"})
+    repeats: int = Field(3, ge=1, json_schema_extra={"flag": None, "setting": "repeats"})
+    seed: int = 0
+
+    @property
+    def quality_profile(self) -> str:
+        """'reference' for f16 KV, else the KV type: a different profile is allowed to differ in output."""
+        return "reference" if self.kv in ("f16", "f32") else f"kv-{self.kv}"
+
+
+class Plan(Record):
+    """An immutable plan (FFTW's wisdom): the winner, its evidence, and everything it is keyed by."""
+
+    id: str
+    key: dict[str, object]
+    created_at: str
+    model_path: str
+    model_name: str
+    model_hash: str
+    hardware_fingerprint: str
+    backend_build: str
+    driver: str | None
+    request: PlanRequest
+    candidate: Candidate
+    measured: MeasureSummary
+    predicted: Prediction
+    validation: ValidationResult
+    finalists: list[MeasureSummary]
+    families: dict[str, str] = Field(default_factory=dict, description="each finalist's family, by candidate id")
+    predictions: list[Prediction]
+    median_prediction_error: float | None
+    roofline_decode_tps: float | None = Field(description=(
+        "decode tokens/s if each device only read its bytes per token under the plan's placement and split"))
+    all_gpu_decode: dict[str, str | float] | None = Field(None, description=(
+        "the whole model decoding on one GPU as the probe timed it (device, decode_tps): the practical ceiling"))
+    memory_budget: dict[DeviceName, int]
+    trials_table: str
+    quality_profile: str
+    workload_prefill_share: float
+    workload_lengths: list[int] = Field(default_factory=list, description="prompt tokens of one measured round")
+    workload_n_gen: int = 0
+    decode_by_depth: list[tuple[int, float]] = Field(default_factory=list, description=(
+        "the chosen candidate's measured decode tokens/s after a prompt of each length (KV cache depth)"))
+    notes: list[str] = Field(default_factory=list, description="choices a reader should know about")
+    kl_limit: float | None = Field(None, description="the largest mean KL validation allowed (noise floor included)")
+    top1_limit: float | None = None
+    routing_trace: str | None = Field(None, description="store id (kind 'routing') of the workload's routing trace")
+    stage_seconds: dict[str, float] = Field(default_factory=dict, description=(
+        "wall seconds of each planning stage of the run that made the plan, and the total"))
+    routing_coverage: dict[str, float] = Field(default_factory=dict, description=(
+        "share of picks that each layer's busiest 10/25/50% of experts take (median over layers)"))
+

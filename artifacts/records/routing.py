@@ -1,0 +1,35 @@
+"""A routing profile: how often the model's routers picked each expert on the planning workload.
+
+``tasks.route`` traces it; its counts decide which experts a per-expert placement keeps on the GPU, and its id
+(the stored trace's) is part of every plan key it shaped.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import NDArray
+
+from artifacts.records.base import Record
+from engine_bridge.routing_trace import top_share
+
+
+class RoutingProfile(Record):
+    """A stored routing trace: its id in the store and the counts [n_layer][n_expert]."""
+
+    trace_id: str
+    n_tokens: int
+    n_expert_used: int
+    counts: tuple[tuple[int, ...], ...]
+
+    def array(self) -> NDArray[np.int64]:
+        """The counts as an int64 array [n_layer, n_expert]."""
+        return np.asarray(self.counts, dtype=np.int64)
+
+    def shares(self) -> NDArray[np.float64]:
+        """Each expert's share of its layer's picks [n_layer, n_expert] (rows sum to 1)."""
+        a = self.array().astype(np.float64)
+        return a / np.maximum(a.sum(axis=1, keepdims=True), 1.0)
+
+    def coverage(self, fraction: float) -> float:
+        """Median over layers of the share of picks that go to each layer's busiest ``fraction`` of experts."""
+        return float(np.median(top_share(self.array(), fraction)))
