@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+from rich.markup import escape
 from rich.table import Table
 
 from artifacts.errors import NotFound
@@ -53,8 +54,8 @@ def summary_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
         t.add_column(col, overflow="fold")
     for r in rows:
         v = str(r["verdict"])
-        t.add_row(str(r["baseline"]), f"[{STYLE.get(v, '')}]{v}[/]", _ratio(r, "prefill"), _ratio(r, "decode"),
-                  str(r.get("n_samples") or ""), str(r.get("detail") or ""))
+        t.add_row(escape(str(r["baseline"])), f"[{STYLE.get(v, '')}]{v}[/]", _ratio(r, "prefill"), _ratio(r, "decode"),
+                  str(r.get("n_samples") or ""), escape(str(r.get("detail") or "")))  # details are text, not markup
     return t
 
 
@@ -77,7 +78,7 @@ def engine_table(raw: pa.Table) -> Table | None:
             return _f(float(np.median(vals)) if vals else None, ".1f")
 
         err = next((r["error"] for r in mine if r["error"]), "")
-        t.add_row(name, str(len(ok)), med("prefill_tps"), med("decode_tps"), med("start_s"), err)
+        t.add_row(escape(name), str(len(ok)), med("prefill_tps"), med("decode_tps"), med("start_s"), escape(err))
     return t
 
 
@@ -87,13 +88,13 @@ def findings_table(raw: pa.Table) -> Table | None:
         return None
     bad = [r for r in raw.to_pylist() if not r["ok"]]
     t = Table(title=f"disagreements ({len(bad)} of {raw.num_rows} comparisons)", show_edge=False, title_justify="left",
-              caption="\n".join(sorted({f"explained by {r['explained']}" for r in bad if r["explained"]})) or None,
+              caption=escape("\n".join(sorted({f"explained by {r['explained']}" for r in bad if r["explained"]}))) or None,
               caption_justify="left")
     for col in ("check", "case", "explained", "ours", "llama-server"):
         t.add_column(col, overflow="fold")
     for r in bad:
-        rule = r["explained"].split(":")[0] if r["explained"] else "[bold red]no[/]"
-        t.add_row(r["check"], r["case"], rule, repr(r["ours"][:160]), repr(r["theirs"][:160]))
+        rule = escape(r["explained"].split(":")[0]) if r["explained"] else "[bold red]no[/]"
+        t.add_row(escape(r["check"]), escape(r["case"]), rule, escape(repr(r["ours"][:160])), escape(repr(r["theirs"][:160])))
     return t
 
 
