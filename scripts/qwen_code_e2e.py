@@ -42,7 +42,7 @@ from artifacts.config import load_settings  # noqa: E402
 from artifacts.synth import synthesize  # noqa: E402
 
 QWEN_PACKAGE = "@qwen-code/qwen-code@0.24.4"
-PROMPT = "List the Python files in this directory and tell me what scripts/bench_ttft.py measures."
+PROMPT = "List the Python files in this directory and tell me what tasks/bench/ttft.py measures."
 KEY = "flux-e2e-key"
 
 

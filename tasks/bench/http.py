@@ -1,6 +1,6 @@
 """Talking to a `flux serve` subprocess as a client sees it: start/stop it, one HTTP exchange, SSE parsing.
 
-Shared by the soak and arrivals suites and scripts/bench_serve.py.
+Shared by the soak, arrivals, serve and ttft suites.
 """
 
 

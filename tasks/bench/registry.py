@@ -21,7 +21,7 @@ from tasks.bench.context import BenchContext, Progress
 from tasks.bench.record import BenchRun
 
 # The one order of the suites: ``flux bench --help``, its subcommands and the matrix's columns.
-ORDER: tuple[str, ...] = ("run", "quality", "conformance", "soak", "arrivals", "ablate")
+ORDER: tuple[str, ...] = ("run", "quality", "conformance", "soak", "arrivals", "ablate", "oracle", "serve", "ttft")
 RunFn = Callable[[BenchContext, Any, Progress | None], BenchRun]
 
 
