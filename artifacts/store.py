@@ -60,8 +60,8 @@ RESERVED_TABLE_KINDS = frozenset({"objects"})  # the catalog's view in query()
 
 
 def _how_to_list(kind: str) -> str:
-    """The command a person runs to see what of ``kind`` is stored."""
-    return "`flux plans`" if kind == "plan" else f"`flux sql \"SELECT id FROM objects WHERE kind = '{kind}'\"`"
+    """The command a person runs to see what of ``kind`` is stored (a record kind may name a better one)."""
+    return f"`flux sql \"SELECT id FROM objects WHERE kind = '{kind}'\"`"
 
 
 class AmbiguousId(NotFound):
@@ -216,10 +216,11 @@ class Store:
         except (OSError, pa.ArrowException) as exc:
             raise StoreError(f"cannot read {path}: {exc}") from exc
 
-    def find(self, kind: str, id_prefix: str) -> str:
+    def find(self, kind: str, id_prefix: str, listed_by: str | None = None) -> str:
         """Resolve an id prefix (``flux show 3f2a``) to the one stored id of ``kind`` it starts.
 
-        An exact id wins even when it also starts longer ids.
+        An exact id wins even when it also starts longer ids. ``listed_by``: the command that lists what of
+        ``kind`` is stored, for the message (default: a ``flux sql`` query of the catalog).
 
         Raises:
             NotFound: No stored id starts with the prefix.
@@ -233,10 +234,8 @@ class Store:
             return ids[0]
         if id_prefix and ids:
             raise AmbiguousId(kind, id_prefix, ids)
-        raise NotFound(
-            f"no {kind} id starts with '{id_prefix}' in {self.data_dir}: "
-            f"check the prefix and the store directory ({_how_to_list(kind)} lists what is stored)"
-        )
+        raise NotFound(f"no {kind} id starts with '{id_prefix}' in {self.data_dir}; "
+                       f"{listed_by or _how_to_list(kind)} lists them")
 
     def list(self, kind: str) -> builtins.list[dict[str, Any]]:
         """Return one row per stored object and table of ``kind``, oldest first.

@@ -14,8 +14,9 @@ from rich.table import Table
 from artifacts.config import Settings
 from artifacts.errors import FluxError
 from artifacts.logs import console
+from artifacts.records.kinds import PLAN
 from artifacts.records.plan import Plan
-from artifacts.store import Store
+from artifacts.records.store import Records
 from flows.request import check_for_model, flow_params
 from flows.request_flags import add_plan_flags, request_from_args
 
@@ -129,18 +130,15 @@ def _quiet_flux_errors() -> None:
 
 def load_plan(settings: Settings, prefix: str) -> Plan:
     """The saved plan with this unique id prefix."""
-    store = Store(settings.data_dir)
-    return Plan.model_validate(store.get_json("plan", store.find("plan", prefix)))
+    return Records.at(settings.data_dir).find_by_prefix(PLAN, prefix)
 
 
 def cmd_plans(args: argparse.Namespace) -> int:
     """List saved plans, newest last."""
-    store = Store(args.settings.data_dir)
     t = Table(show_edge=False)
     for col in ("plan", "created", "model", "prefill tok/s", "decode tok/s", "ctx", "kv"):
         t.add_column(col)
-    for row in store.list("plan"):
-        plan = Plan.model_validate(store.get_json("plan", row["id"]))
+    for plan in Records.at(args.settings.data_dir).all(PLAN):
         m = plan.measured
         t.add_row(plan.id[:12], plan.created_at, plan.model_name, f"{m.prefill_tps or 0:.1f}",
                   f"{m.decode_tps or 0:.1f}", str(plan.candidate.params.n_ctx), plan.request.kv)

@@ -30,10 +30,23 @@ from artifacts.model_info import ModelInfo
 from artifacts.records.evidence import MeasureResults, MeasureSummary, ValidationReport
 from artifacts.records.hardware import HardwareReport, MachineFacts
 from artifacts.records.keys import plan_key, probe_key
+from artifacts.records.kinds import (
+    FINALISTS,
+    MEASURED,
+    MODEL_PATH,
+    PROBE,
+    ROUTING_PROFILE,
+    ROUTING_TABLE,
+    SPACE,
+    TRIALS_RAW_TABLE,
+    VALIDATION,
+    Kind,
+)
 from artifacts.records.machine import machine_facts
-from artifacts.records.plan import PlanRequest
+from artifacts.records.plan import ModelPath, PlanRequest
 from artifacts.records.routing import RoutingProfile
 from artifacts.records.search import Candidate, Finalists, PlacementSpace
+from artifacts.records.store import Records
 from artifacts.store import Store
 from engine_bridge.backend import backend_info
 from engine_bridge.errors import EngineError
@@ -54,7 +67,6 @@ from tasks.reference import ReferenceOutputs, floor_variants, reference
 from tasks.validate import rank_measured, validate
 
 M = TypeVar("M", bound=BaseModel)
-MODEL_PATH_KIND = "model_path"  # where a model's bytes were seen (content id -> path), newest last
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,11 @@ class PlanContext:
     def model(self) -> Path:
         """The model file."""
         return Path(self.req.model)
+
+    @property
+    def records(self) -> Records:
+        """The store's records, typed by kind."""
+        return Records(self.store)
 
     @property
     def worker_log(self) -> Path:
@@ -121,37 +138,37 @@ def inject_fault(spec: str | None, kind: str) -> None:
         raise InjectedFault(f"injected failure in stage {kind} (FLUX_FAULT_INJECT); retry the run")
 
 
-def cached(store: Store, kind: str, key: dict[str, Any], model: type[M], compute: Callable[[], M],
+def cached(records: Records, kind: Kind[M], key: dict[str, Any], compute: Callable[[], M],
            force: bool = False, fault: str | None = None) -> Any:
     """Return a Completed state holding the stored ``kind`` output for ``key``, computing it if needed."""
     kid = content_id(key)
     log = get_run_logger()
-    if not force and store.has(kind, kid):
-        obj = model.model_validate(store.get_json(kind, kid))
-        msg = f"{kind} {kid[:12]} reused from the store"
+    if not force and records.has(kind, kid):
+        obj = records.get(kind, kid)
+        msg = f"{kind.name} {kid[:12]} reused from the store"
         log.info(msg)
         return Completed(message=msg, data=obj)
-    inject_fault(fault, kind)
+    inject_fault(fault, kind.name)
     obj = compute()
-    store.put_json(kind, obj, key=kid)
-    return Completed(message=f"{kind} {kid[:12]} computed and stored", data=obj)
+    records.put(kind, obj, key=kid)
+    return Completed(message=f"{kind.name} {kid[:12]} computed and stored", data=obj)
 
 
 def existing_plan(ctx: PlanContext) -> str | None:
     """Id of a stored plan whose key matches, if the probe report (and routing trace) for it are stored."""
-    pk = probe_key(ctx.facts, ctx.model_hash, ctx.backend_build, ctx.code)
-    if not ctx.store.has("probe", content_id(pk)):
+    pid = content_id(probe_key(ctx.facts, ctx.model_hash, ctx.backend_build, ctx.code))
+    if not ctx.records.has(PROBE, pid):
         return None
-    hw = HardwareReport.model_validate(ctx.store.get_json("probe", content_id(pk)))
+    hw = ctx.records.get(PROBE, pid)
     routing: str | None = None
     if _traces_routing(ctx, hw):
         rid = content_id(_route_key(ctx))
-        if not ctx.store.has("routing_profile", rid):
+        if not ctx.records.has(ROUTING_PROFILE, rid):
             return None
-        routing = str(ctx.store.get_json("routing_profile", rid)["trace_id"])
-    found = find_plan(ctx.store, plan_key(ctx.model_hash, hw, ctx.backend_build, ctx.req, ctx.settings_view(), routing,
+        routing = ctx.records.get(ROUTING_PROFILE, rid).trace_id
+    found = find_plan(ctx.records, plan_key(ctx.model_hash, hw, ctx.backend_build, ctx.req, ctx.settings_view(), routing,
                                           ctx.code))
-    return str(found["id"]) if found else None
+    return found.id if found else None
 
 
 def remember_model_path(ctx: PlanContext) -> None:
@@ -159,15 +176,15 @@ def remember_model_path(ctx: PlanContext) -> None:
     elsewhere finds them here (plans are immutable; the path they name may have moved)."""
     import time
 
-    ctx.store.put_json(MODEL_PATH_KIND, {"model_hash": ctx.model_hash, "path": ctx.req.model},
-                       meta={"model_hash": ctx.model_hash, "path": ctx.req.model, "seen_at": time.time()})
+    ctx.records.put(MODEL_PATH, ModelPath(model_hash=ctx.model_hash, path=ctx.req.model),
+                    meta={"model_hash": ctx.model_hash, "path": ctx.req.model, "seen_at": time.time()})
 
 
 @task(name="probe", cache_policy=NO_CACHE)
 def probe_stage(ctx: PlanContext, reprobe: bool) -> HardwareReport:
     """Measure this machine (reused unless --reprobe)."""
     key = probe_key(ctx.facts, ctx.model_hash, ctx.backend_build, ctx.code)
-    return _clocked(ctx, "probe", lambda: cached(ctx.store, "probe", key, HardwareReport, lambda: probe(
+    return _clocked(ctx, "probe", lambda: cached(ctx.records, PROBE, key, lambda: probe(
         ctx.model, ctx.model_hash, ctx.settings, ctx.backend_build), force=reprobe))
 
 
@@ -214,7 +231,7 @@ def traced_routing(ctx: PlanContext, hw: HardwareReport, log: Any) -> Any:
                              ctx.settings.plan.measure_timeout_s)
         table = routing_table(counts, ctx.model_hash)
         tid = content_id({"routing": content_id(_route_key(ctx)), "counts": counts.counts})
-        ctx.store.put_table("routing", table, key=tid)
+        ctx.store.put_table(ROUTING_TABLE, table, key=tid)
         prof = route.profile(counts, tid)
         log.info("route: %d tokens traced; each layer's busiest 10%% / 25%% / 50%% of experts take %.0f%% / %.0f%% / "
                  "%.0f%% of its picks (median over layers)", counts.n_tokens, 100 * prof.coverage(0.1),
@@ -222,7 +239,7 @@ def traced_routing(ctx: PlanContext, hw: HardwareReport, log: Any) -> Any:
         return prof
 
     try:
-        return cached(ctx.store, "routing_profile", _route_key(ctx), RoutingProfile, run)
+        return cached(ctx.records, ROUTING_PROFILE, _route_key(ctx), run)
     except EngineError as e:  # the plan is still made, from whole expert tensors
         log.warning("route: the routing trace failed (%s); planning without per-expert placement", e)
         return None
@@ -239,7 +256,7 @@ def _space_key(ctx: PlanContext, hw: HardwareReport, routing: RoutingProfile | N
 def enumerate_stage(ctx: PlanContext, hw: HardwareReport, routing: RoutingProfile | None = None) -> PlacementSpace:
     """The memory-feasible search space (with per-expert placements when a routing trace is given)."""
     shares = routing.shares() if routing is not None else None
-    return _clocked(ctx, "enumerate", lambda: cached(ctx.store, "space", _space_key(ctx, hw, routing), PlacementSpace,
+    return _clocked(ctx, "enumerate", lambda: cached(ctx.records, SPACE, _space_key(ctx, hw, routing),
                     lambda: enumerate_placements(ctx.info, hw, ctx.req, ctx.settings.host_reserve_percent, shares)))
 
 
@@ -261,7 +278,7 @@ def prune_stage(ctx: PlanContext, hw: HardwareReport, space: PlacementSpace) -> 
     work = workload_for(ctx, space)
     key = {"stage": "prune", "space": content_id(space), "work": [work.prefill_tokens, work.decode_tokens],
            "n": ctx.req.finalists, "code": ctx.code}
-    state = _clocked(ctx, "prune", lambda: cached(ctx.store, "finalists", key, Finalists,
+    state = _clocked(ctx, "prune", lambda: cached(ctx.records, FINALISTS, key,
                                                   lambda: prune(space, ctx.info, hw, work, ctx.req.finalists)))
     fin: Finalists = state.data
     log = get_run_logger()
@@ -337,7 +354,7 @@ def measure_stage(ctx: PlanContext, hw: HardwareReport, fin: Finalists, ref: Ref
                 predicted_visit_s={c.id: wl.visit_seconds(c, p, lengths, n_gen, rates, score_tokens)
                                    for c, p in zip(kept.finalists, kept.predictions, strict=True)})
             tid = content_id({"measure": content_id(key), "rows": table.num_rows})
-            ctx.store.put_table("trials_raw", table, key=tid)
+            ctx.store.put_table(TRIALS_RAW_TABLE, table, key=tid)
             dropped = [MeasureSummary(candidate_id=c.id, prefill_tps=None, decode_tps=None, workload_s=None, n_trials=0,
                                       error="not measured: the budget left did not fit it") for c in fin.finalists
                        if c.id not in {k.id for k in kept.finalists}]
@@ -345,7 +362,7 @@ def measure_stage(ctx: PlanContext, hw: HardwareReport, fin: Finalists, ref: Ref
                                   stopped_by_budget=stopped, lengths=lengths, n_gen=n_gen,
                                   scored_dir=str(scored_dir(ctx, key)))
 
-        return cached(ctx.store, "measured", key, MeasureResults, run, fault=ctx.settings.fault_inject)
+        return cached(ctx.records, MEASURED, key, run, fault=ctx.settings.fault_inject)
 
 
 def scored_dir(ctx: PlanContext, key: dict[str, Any]) -> Path:
@@ -388,7 +405,7 @@ def _validated(ctx: PlanContext, hw: HardwareReport, fin: Finalists, measured: M
                         floor_variants=floor_variants(ctx.info, hw, ref.reference), cache=ref.cache, progress=log.info,
                         scored_dir=Path(measured.scored_dir) if measured.scored_dir else None)
 
-    state = cached(ctx.store, "validation", key, ValidationReport, run, fault=ctx.settings.fault_inject)
+    state = cached(ctx.records, VALIDATION, key, run, fault=ctx.settings.fault_inject)
     report: ValidationReport = state.data
     log.info("validate: chose %s, the fastest measured finalist that matches the reference (limits: mean KL %s, "
              "top-1 %s)", report.winner_id, f"{report.kl_limit:.2e}" if report.kl_limit is not None else "?",
@@ -400,7 +417,7 @@ def _validated(ctx: PlanContext, hw: HardwareReport, fin: Finalists, measured: M
 def persist_stage(ctx: PlanContext, hw: HardwareReport, space: PlacementSpace, fin: Finalists,
                   measured: MeasureResults, report: ValidationReport, routing: RoutingProfile | None = None) -> str:
     """Write the immutable plan; returns its id."""
-    trials = ctx.store.get_table("trials_raw", measured.trials_table)
+    trials = ctx.store.get_table(TRIALS_RAW_TABLE, measured.trials_table)
     work = wl.workload(measured.lengths, measured.n_gen) if measured.lengths else workload_for(ctx, space)
     winner = next(c for c in fin.finalists if c.id == report.winner_id)
     key = plan_key(ctx.model_hash, hw, ctx.backend_build, ctx.req, ctx.settings_view(),

@@ -101,14 +101,12 @@ def reference(model: Path, params: EngineParams, prompts: list[list[int]], n_tok
 
 def plan_finalists(st: Any, prefix: str) -> list[Any]:
     """The finalists a saved plan was chosen from (the stored prune result that holds its candidate)."""
-    from artifacts.records.plan import Plan
-    from artifacts.records.search import Finalists
-    from artifacts.store import Store
+    from artifacts.records.kinds import FINALISTS, PLAN
+    from artifacts.records.store import Records
 
-    store = Store(st.data_dir)
-    plan = Plan.model_validate(store.get_json("plan", store.find("plan", prefix)))
-    for row in store.list("finalists"):
-        fin = Finalists.model_validate(store.get_json("finalists", row["id"]))
+    records = Records.at(st.data_dir)
+    plan = records.find_by_prefix(PLAN, prefix)
+    for fin in records.all(FINALISTS):
         if plan.candidate in fin.finalists:
             return [c for c in fin.finalists if c.placement.gpus()]
     raise SystemExit(f"plan {prefix}: its finalists are not in the store")

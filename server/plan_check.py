@@ -16,17 +16,15 @@ from typing import Any
 from artifacts.config import Settings
 from artifacts.errors import FluxError, ModelFileError
 from artifacts.filehash import model_hash
-from artifacts.ids import content_id
 from artifacts.model_info import shard_paths
 from artifacts.records.keys import facts_fingerprint
+from artifacts.records.kinds import MODEL_PATH, PLAN, ROUTING_TABLE
 from artifacts.records.machine import machine_facts
-from artifacts.records.plan import Plan
-from artifacts.store import Store
+from artifacts.records.plan import Plan, plan_id
+from artifacts.records.store import Records
 from engine_bridge.backend import backend_info
 
 log = logging.getLogger(__name__)
-PLAN_KIND = "plan"
-MODEL_PATH_KIND = "model_path"  # where `flux plan` saw a model's bytes (flows.stages.remember_model_path)
 
 
 class PlanMismatch(FluxError):
@@ -53,11 +51,10 @@ def check_integrity(raw: dict[str, Any]) -> None:
     Raises:
         PlanMismatch: field ``content``.
     """
-    body = {k: v for k, v in raw.items() if k != "id"}
-    found = content_id(body)
-    plan_id = str(raw.get("id", ""))
-    if found != plan_id:
-        raise PlanMismatch(plan_id or "?", "content (the plan file was edited by hand)", plan_id, found,
+    found = plan_id(raw)
+    stored = str(raw.get("id", ""))
+    if found != stored:
+        raise PlanMismatch(stored or "?", "content (the plan file was edited by hand)", stored, found,
                            str(raw.get("model_path", "<model>")))
 
 
@@ -82,8 +79,9 @@ def current_facts(plan: Plan, settings: Settings, model: Path | None = None) -> 
     }
 
 
-def check_plan(plan: Plan, raw: dict[str, Any], settings: Settings, model: Path | None = None) -> None:
-    """Refuse a plan that was edited or was measured on another machine, build, driver or model file.
+def check_plan(plan: Plan, settings: Settings, model: Path | None = None) -> None:
+    """Refuse a plan that was measured on another machine, build, driver or model file (an edited plan is
+    refused as it is read: :func:`check_integrity`).
 
     Args:
         model: serve the plan's model from this file instead of the path the plan records: allowed when
@@ -92,7 +90,6 @@ def check_plan(plan: Plan, raw: dict[str, Any], settings: Settings, model: Path 
     Raises:
         PlanMismatch: the first field that differs.
     """
-    check_integrity(raw)
     found = current_facts(plan, settings, model)
     for field in ("backend_build", "driver", "hardware_fingerprint", "model_hash"):
         expected = getattr(plan, field)
@@ -124,13 +121,11 @@ def load_checked_plan(settings: Settings, prefix: str, model: Path | None = None
         NotFound / AmbiguousId: no plan or several plans start with ``prefix``.
         PlanMismatch: the plan is not valid here.
     """
-    store = Store(settings.data_dir)
-    raw = store.get_json(PLAN_KIND, store.find(PLAN_KIND, prefix))
-    check_integrity(raw)
-    plan = Plan.model_validate(raw)
-    model = model.expanduser().resolve() if model is not None else recorded_path(store, plan, settings)
-    check_plan(plan, raw, settings, model)
-    return fit_to_memory(settings, store, plan, model or Path(plan.model_path)), model or Path(plan.model_path)
+    records = Records.at(settings.data_dir)
+    plan = records.find_by_prefix(PLAN, prefix, check=check_integrity)
+    model = model.expanduser().resolve() if model is not None else recorded_path(records, plan, settings)
+    check_plan(plan, settings, model)
+    return fit_to_memory(settings, records, plan, model or Path(plan.model_path)), model or Path(plan.model_path)
 
 
 def device_free(device: str, settings: Settings) -> int | None:
@@ -151,7 +146,7 @@ def device_free(device: str, settings: Settings) -> int | None:
     return None
 
 
-def fit_to_memory(settings: Settings, store: Store, plan: Plan, model: Path) -> Plan:
+def fit_to_memory(settings: Settings, records: Records, plan: Plan, model: Path) -> Plan:
     """The plan as it can be served now: with the least-routed GPU copies of its experts dropped when a device
     has less free memory than the plan measured there (a warning names how many and what it costs).
 
@@ -168,8 +163,9 @@ def fit_to_memory(settings: Settings, store: Store, plan: Plan, model: Path) -> 
     info = model_info(model)
     free = {d: f for d in sorted({h.device for h in split.layers}) if (f := device_free(d, settings)) is not None}
     shares = None
-    if plan.routing_trace and store.has("routing", plan.routing_trace):
-        counts = check_routing_table(store.get_table("routing", plan.routing_trace), plan.model_hash, info.n_layer,
+    store = records.store
+    if plan.routing_trace and store.has(ROUTING_TABLE, plan.routing_trace):
+        counts = check_routing_table(store.get_table(ROUTING_TABLE, plan.routing_trace), plan.model_hash, info.n_layer,
                                      info.n_expert).astype(float)
         shares = counts / counts.sum(axis=1, keepdims=True).clip(min=1.0)
     params, dropped = fit_split(plan, info, free, shares)
@@ -180,13 +176,13 @@ def fit_to_memory(settings: Settings, store: Store, plan: Plan, model: Path) -> 
     return plan.model_copy(update={"candidate": plan.candidate.model_copy(update={"params": params})})
 
 
-def recorded_path(store: Store, plan: Plan, settings: Settings) -> Path | None:
+def recorded_path(records: Records, plan: Plan, settings: Settings) -> Path | None:
     """Where the plan's model bytes are now, when no longer at the plan's own path: the newest path a
     `flux plan` run saw them at (a rename or move reuses the plan and records the new path). None when the
     plan's path still holds them, or no recorded path does."""
     if _model_hash(Path(plan.model_path), settings) == plan.model_hash:
         return None
-    seen = [r for r in store.list(MODEL_PATH_KIND) if (r.get("meta") or {}).get("model_hash") == plan.model_hash]
+    seen = [r for r in records.rows(MODEL_PATH) if (r.get("meta") or {}).get("model_hash") == plan.model_hash]
     for row in sorted(seen, key=lambda r: (r.get("meta") or {}).get("seen_at", 0), reverse=True):
         path = Path(str(row["meta"]["path"]))
         if path != Path(plan.model_path) and _model_hash(path, settings) == plan.model_hash:

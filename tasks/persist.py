@@ -18,21 +18,21 @@ import pyarrow as pa
 from artifacts.ids import content_id
 from artifacts.records.evidence import MeasureResults, MeasureSummary, ValidationReport
 from artifacts.records.hardware import HardwareReport
-from artifacts.records.plan import Plan, PlanRequest
+from artifacts.records.kinds import PLAN, TRIALS_TABLE
+from artifacts.records.plan import Plan, PlanRequest, seal
 from artifacts.records.routing import RoutingProfile
 from artifacts.records.search import Candidate, Finalists, PlacementSpace
+from artifacts.records.store import Records
 from artifacts.store import Store
 
 log = logging.getLogger(__name__)
-PLAN_KIND = "plan"
-TRIALS_KIND = "trials"
 
 
-def find_plan(store: Store, key: dict[str, Any]) -> dict[str, Any] | None:
-    """The newest stored plan with exactly this key, if any."""
+def find_plan(records: Records, key: dict[str, Any]) -> Plan | None:
+    """The newest stored plan with exactly this key (:func:`artifacts.records.keys.plan_key`), if any."""
     kid = content_id(key)
-    rows = [r for r in store.list(PLAN_KIND) if (r.get("meta") or {}).get("key_id") == kid]
-    return store.get_json(PLAN_KIND, rows[-1]["id"]) if rows else None
+    rows = [r for r in records.rows(PLAN) if (r.get("meta") or {}).get("key_id") == kid]
+    return records.get(PLAN, rows[-1]["id"]) if rows else None
 
 
 def prediction_error(finalists: Finalists, summaries: list[MeasureSummary], lengths: list[int],
@@ -122,7 +122,7 @@ def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: s
     created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     kid = content_id(key)
     trials_id = content_id({"key": kid, "created": created, "rows": trials.num_rows})
-    store.put_table(TRIALS_KIND, trials.append_column("plan_key", pa.array([kid] * trials.num_rows, pa.string())),
+    store.put_table(TRIALS_TABLE, trials.append_column("plan_key", pa.array([kid] * trials.num_rows, pa.string())),
                     key=trials_id)
     body: dict[str, Any] = {
         "key": key, "created_at": created, "model_path": model_path, "model_name": model_name,
@@ -145,8 +145,7 @@ def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: s
         "kl_limit": validation.kl_limit, "top1_limit": validation.top1_limit, "routing_trace": routing.trace_id if routing else None,
         "routing_coverage": {f"{f:.0%}": routing.coverage(f) for f in (0.1, 0.25, 0.5)} if routing else {},
     }
-    body = Plan(id="", **body).model_dump(mode="json", exclude={"id"})  # every field, defaults included
-    plan = Plan(id=content_id(body), **body)
-    store.put_json(PLAN_KIND, plan, key=plan.id, meta={"key_id": kid, "model": model_name, "created_at": created})
+    plan = seal(body)
+    Records(store).put(PLAN, plan, key=plan.id, meta={"key_id": kid, "model": model_name, "created_at": created})
     log.info("persist: plan %s (%s)", plan.id[:12], model_name)
     return plan

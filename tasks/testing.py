@@ -13,7 +13,7 @@ from typing import Any
 from artifacts.config import Settings
 from artifacts.records.evidence import MeasureSummary, ValidationResult
 from artifacts.records.hardware import CpuInfo, GpuInfo, HardwareReport, KernelTiming
-from artifacts.records.plan import Plan, PlanRequest
+from artifacts.records.plan import Plan, PlanRequest, seal
 from artifacts.records.search import Candidate, Placement, Prediction
 from engine_bridge.params import EngineParams
 
@@ -51,10 +51,10 @@ def stored_plan(settings: Settings, model: Path, params: EngineParams, *, finali
     import datetime as dt
 
     from artifacts.filehash import model_hash
-    from artifacts.ids import content_id
     from artifacts.records.keys import facts_fingerprint
+    from artifacts.records.kinds import PLAN
     from artifacts.records.machine import machine_facts
-    from artifacts.store import Store
+    from artifacts.records.store import Records
     from engine_bridge.backend import backend_info
 
     facts = machine_facts()
@@ -82,7 +82,6 @@ def stored_plan(settings: Settings, model: Path, params: EngineParams, *, finali
         "quality_profile": "reference", "workload_prefill_share": 0.5,
     }
     body.update(overrides)
-    body = Plan(id="", **body).model_dump(mode="json", exclude={"id"})  # every field, defaults included
-    plan = Plan(id=content_id(body), **body)
-    Store(settings.data_dir).put_json("plan", plan, key=plan.id)
+    plan = seal(body)
+    Records.at(settings.data_dir).put(PLAN, plan, key=plan.id)
     return plan

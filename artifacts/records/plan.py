@@ -1,11 +1,17 @@
-"""The plan (FFTW's wisdom) and the request it answers; its id is the content id of its body."""
+"""The plan (FFTW's wisdom) and the request it answers; its id is the content id of its body.
+
+A plan is immutable: :func:`seal` gives it its id once, from every field (defaults included), and the server
+refuses a plan whose body no longer hashes to its id (:func:`plan_id`).
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import Field
 
+from artifacts.ids import content_id
 from artifacts.records.base import Record
 from artifacts.records.evidence import MeasureSummary, ValidationResult
 from artifacts.records.search import Candidate, DeviceName, Prediction
@@ -91,3 +97,21 @@ class Plan(Record):
     routing_coverage: dict[str, float] = Field(default_factory=dict, description=(
         "share of picks that each layer's busiest 10/25/50% of experts take (median over layers)"))
 
+
+def plan_id(body: Mapping[str, Any]) -> str:
+    """A plan's id: the content id of its stored body, every field but ``id``."""
+    return content_id({k: v for k, v in body.items() if k != "id"})
+
+
+def seal(body: Mapping[str, Any]) -> Plan:
+    """The plan of ``body`` (every field but ``id``) with its id, computed over every field, defaults included."""
+    full = Plan(id="", **body).model_dump(mode="json", exclude={"id"})
+    return Plan(id=plan_id(full), **full)
+
+
+class ModelPath(Record):
+    """Where `flux plan` saw a model's bytes (kind ``model_path``): ``flux serve`` of a plan whose model moved
+    finds it at the newest such path (plans are immutable; the path they name may not be)."""
+
+    model_hash: str
+    path: str

@@ -70,10 +70,11 @@ def test_an_unknown_plan_prefix_points_to_flux_plans(tmp_path: object) -> None:
     import pytest
 
     from artifacts.errors import NotFound
-    from artifacts.store import Store
+    from artifacts.records.kinds import PLAN
+    from artifacts.records.store import Records
 
-    with pytest.raises(NotFound, match="`flux plans` lists what is stored"):
-        Store(pathlib.Path(str(tmp_path))).find("plan", "abc")
+    with pytest.raises(NotFound, match="no plan id starts with 'abc' .*; `flux plans` lists them"):
+        Records.at(pathlib.Path(str(tmp_path))).find_by_prefix(PLAN, "abc")
 
 
 def test_a_tight_budget_races_different_families_before_variants_of_one() -> None:
