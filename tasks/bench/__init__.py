@@ -5,6 +5,7 @@ options model, run function, which options are flags); ``flux bench`` builds its
 from those declarations (:func:`tasks.bench.registry.suites`). Shared parts, by role: ``context`` (the plan
 under test), ``stats`` (paired ratios and their intervals), ``host`` (the machine's load while timing),
 ``record`` (runs, and how they land in the store), ``engines`` (engines a race restarts every round, the
-baselines' parameters), ``errors``, ``http`` (``flux serve`` as a client sees it), ``served`` (the served GPU
-race of ``run --via serve``), and the helpers of the soak, arrivals and conformance suites.
+baselines' parameters), ``errors``, ``http`` (``flux serve`` as a client sees it), ``inprocess``
+(llama-cpp-python's in-process baseline), ``served`` (the served GPU race of ``run --via serve``), and the helpers
+of the soak, arrivals, conformance, serve and ttft suites.
 """

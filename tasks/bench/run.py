@@ -184,7 +184,7 @@ def _defaults(ctx: BenchContext, opts: RunOptions) -> Resolved:
 
 
 def _has_gpu() -> bool:
-    from tasks.probe_gpu import nvml_inventory
+    from engine_bridge.gpu_inventory import nvml_inventory
 
     return bool(nvml_inventory().gpus)
 
