@@ -24,9 +24,6 @@ from pathlib import Path
 import numpy as np
 
 from engine_bridge.gpu_inventory import cudart_candidates
-from engine_bridge.gpu_inventory import (
-    nvml_inventory as nvml_inventory,  # for tasks.bench.run, until it imports it from there
-)
 
 log = logging.getLogger(__name__)
 
