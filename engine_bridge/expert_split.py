@@ -11,8 +11,9 @@ from artifacts.model_info import ModelInfo
 from engine_bridge.errors import ExpertSplitMismatch
 from engine_bridge.params import ExpertSplit
 
-# general.architecture values whose llama.cpp graph builds the plain gate/up/down expert path the split patches.
-SPLIT_ARCHITECTURES = frozenset({"qwen3moe", "llama"})
+# general.architecture values whose llama.cpp graph builds the plain gate/up/down expert path the split patches
+# (qwen3next and qwen35moe add a gated shared expert beside it, which stays with its layer's placement).
+SPLIT_ARCHITECTURES = frozenset({"qwen3moe", "llama", "qwen3next", "qwen35moe"})
 
 
 def check_expert_split(split: ExpertSplit, info: ModelInfo) -> None:

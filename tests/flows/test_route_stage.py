@@ -49,10 +49,14 @@ def test_a_trace_whose_worker_dies_plans_without_per_expert_placement(
 
 def test_an_architecture_the_split_does_not_support_is_not_traced(tmp_path_factory: pytest.TempPathFactory,
                                                                   tiny_moe: Path) -> None:
-    """A qwen3next model (shared expert beside the routed ones: the split patch does not build its path) gets
-    no routing trace, so no per-expert candidate that the patched llama.cpp would refuse at load."""
+    """A deepseek2 model (its MoE block is not the plain gate/up/down path the split patch builds) gets no routing
+    trace, so no per-expert candidate that the patched llama.cpp would refuse at load; qwen3next and qwen35moe
+    (a gated shared expert beside the routed ones) are traced."""
     ctx = _ctx(tmp_path_factory, tiny_moe)
     assert stages._traces_routing(ctx, h200_report())
-    other = stages.PlanContext(**{**vars(ctx), "info": ctx.info.model_copy(update={"architecture": "qwen3next"})})
+    other = stages.PlanContext(**{**vars(ctx), "info": ctx.info.model_copy(update={"architecture": "deepseek2"})})
     assert not stages._traces_routing(other, h200_report())
+    for arch in ("qwen3next", "qwen35moe"):
+        hybrid = stages.PlanContext(**{**vars(ctx), "info": ctx.info.model_copy(update={"architecture": arch})})
+        assert stages._traces_routing(hybrid, h200_report()), arch
     assert not stages._traces_routing(ctx, h200_report(n_gpus=0)), "no GPU: no per-expert placement"
