@@ -154,7 +154,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         console().print_json(plan.model_dump_json())
     else:
-        print_plan(plan)
+        print_plan(plan, reserve_percent=args.settings.host_reserve_percent)
     return 0
 
 

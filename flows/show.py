@@ -49,6 +49,18 @@ def kv_line(plan: Plan) -> str:
             f"{c.params.type_k}: {where} ({mode})")
 
 
+def page_budget_line(plan: Plan, reserve_percent: float, park_bytes: int) -> str:
+    """The memory `flux serve` gives the plan's conversations: the KV cache committed at load (per device, for the
+    plan's context and sequences) and the RAM for parked conversations, taken when it starts."""
+    c = plan.candidate
+    kv = ", ".join(f"{d} {b / GIB:.2f} GiB" for d, b in sorted(c.kv_bytes.items()) if b) or "none"
+    from server.service import PARK_MAX_BYTES
+
+    return (f"page budgets: KV cache for {c.params.n_ctx} tokens x {c.params.n_seq_max} sequence(s), committed at "
+            f"load: {kv}; parked conversations: the RAM available above the {reserve_percent:g}% host reserve when "
+            f"`flux serve` starts, at most {PARK_MAX_BYTES / GIB:.2f} GiB ({park_bytes / GIB:.2f} GiB on this machine now)")
+
+
 def ranking_line(plan: Plan) -> str:
     """What the finalists were ranked on, with the winner's time and spread."""
     m = plan.measured
@@ -95,8 +107,11 @@ def plan_markdown(plan: Plan) -> str:
             "predicted decode | error |\n|---|---:|---:|---:|---:|---:|---:|---|\n" + rows + "\n")
 
 
-def print_plan(plan: Plan, con: Console | None = None) -> None:
-    """`flux show`: placement, measured speeds with spread, predicted vs measured, roofline, budgets, key."""
+def print_plan(plan: Plan, con: Console | None = None, reserve_percent: float = 10.0) -> None:
+    """`flux show`: placement, measured speeds with spread, predicted vs measured, roofline, budgets, key
+    (``reserve_percent``: the host reserve `flux serve` leaves, for the page budgets)."""
+    from server.service import park_budget
+
     con = con or console()
     m, v, r = plan.measured, plan.validation, plan.request
     con.print(f"[bold]plan {plan.id}[/]  created {plan.created_at}")
@@ -145,6 +160,7 @@ def print_plan(plan: Plan, con: Console | None = None) -> None:
         con.print(f"cost model median error (workload time): {plan.median_prediction_error:.0%}")
     con.print("memory budget: " + ", ".join(f"{d} {b / GIB:.1f} GiB" for d, b in plan.memory_budget.items())
               + "; chosen uses " + ", ".join(f"{d} {b / GIB:.2f} GiB weights" for d, b in plan.candidate.weights_bytes.items()))
+    con.print(page_budget_line(plan, reserve_percent, park_budget(reserve_percent)), markup=False)
     if plan.measured.gpu_bytes:
         con.print(f"measured GPU memory of the chosen plan (NVML, after its runs, {plan.measured.gpu_method or 'per-process'}"
                   f"): {plan.measured.gpu_bytes / GIB:.2f} GiB")
