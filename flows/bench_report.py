@@ -20,15 +20,17 @@ import pyarrow as pa
 from rich.markup import escape
 from rich.table import Table
 
-from artifacts.errors import NotFound
+from artifacts.errors import NotFound, StoreError
 from artifacts.logs import console
+from artifacts.records.kinds import PLAN
+from artifacts.records.plan import Plan
+from artifacts.records.store import Records
 from artifacts.store import Store
 from flows.cmd_plan import load_plan
 from tasks.bench.errors import BenchError
 from tasks.bench.record import SUMMARY_KIND, BenchRun, overall
 from tasks.bench.record import summary_table as summary_rows
 from tasks.bench.registry import suites as declared_suites
-from tasks.plan_types import Plan
 
 log = logging.getLogger(__name__)
 STYLE = {"pass": "green", "fail": "bold red", "info": "yellow"}
@@ -123,12 +125,13 @@ def print_run(run: BenchRun) -> None:
 
 
 def find_plans(store: Store) -> list[Plan]:
-    """Every saved plan, oldest first."""
+    """Every saved plan, oldest first (one another version of Flux wrote is skipped with a warning)."""
+    records = Records(store)
     plans = []
-    for row in store.list("plan"):
+    for row in records.rows(PLAN):
         try:
-            plans.append(Plan.model_validate(store.get_json("plan", row["id"])))
-        except (NotFound, ValueError) as exc:
+            plans.append(records.get(PLAN, row["id"]))
+        except (NotFound, StoreError) as exc:
             log.warning("skipping unreadable plan %s: %s", row["id"], exc)
     return plans
 

@@ -106,11 +106,10 @@ def summary_rows(plan_id: str, run_after: float) -> list[dict[str, Any]]:
 def plan_facts(plan_id: str) -> dict[str, Any]:
     """What the persisted plan says of itself."""
     from artifacts.config import load_settings
-    from artifacts.store import Store
-    from tasks.plan_types import Plan
+    from artifacts.records.kinds import PLAN
+    from artifacts.records.store import Records
 
-    store = Store(load_settings().data_dir)
-    plan = Plan.model_validate(store.get_json("plan", store.find("plan", plan_id)))
+    plan = Records.at(load_settings().data_dir).find_by_prefix(PLAN, plan_id)
     c = plan.candidate
     return {**whole_tensor_facts(plan), "plan_family": c.family, "plan_flags": " ".join(c.params.cli_args()), "ctx": c.params.n_ctx,
             "plan_prefill_tps": plan.measured.prefill_tps, "plan_decode_tps": plan.measured.decode_tps,
@@ -133,14 +132,13 @@ def memory_record(plan_id: str, path: Path) -> None:
     model's header, as JSON: what tests/tasks/test_gpu_memory.py checks the memory model against."""
     from artifacts.config import load_settings
     from artifacts.model_info import model_info
-    from artifacts.store import Store
-    from tasks.plan_types import Finalists, HardwareReport, Plan
+    from artifacts.records.kinds import FINALISTS, PLAN, PROBE
+    from artifacts.records.store import Records
 
-    store = Store(load_settings().data_dir)
-    plan = Plan.model_validate(store.get_json("plan", store.find("plan", plan_id)))
-    fins = [Finalists.model_validate(store.get_json("finalists", r["id"])) for r in store.list("finalists")]
-    fin = next((f for f in reversed(fins) if plan.candidate in f.finalists), None)
-    probes = [HardwareReport.model_validate(store.get_json("probe", r["id"])) for r in store.list("probe")]
+    records = Records.at(load_settings().data_dir)
+    plan = records.find_by_prefix(PLAN, plan_id)
+    fin = next((f for f in reversed(records.all(FINALISTS)) if plan.candidate in f.finalists), None)
+    probes = records.all(PROBE)
     hw = next((h for h in reversed(probes) if h.fingerprint == plan.hardware_fingerprint
                and h.model_hash == plan.model_hash), None)
     measured = {s.candidate_id: s for s in plan.finalists}

@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from artifacts.records.search import Candidate
 from engine_bridge.params import EngineParams, TensorOverride
 from tasks.bench.context import BenchContext, Progress
 from tasks.bench.engines import EngineSpec, llama_cpp_python_defaults, plan_engine
@@ -33,7 +34,6 @@ from tasks.bench.run import (
     race,
     trial_busy,
 )
-from tasks.plan_types import Candidate
 
 EXPERTS_ON_CPU = TensorOverride(pattern=r"\.ffn_(gate|up|down)_exps", device="CPU")
 Variant = Callable[[Candidate, EngineParams], EngineParams | str]  # the variant, or why there is none

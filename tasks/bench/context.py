@@ -10,11 +10,13 @@ from pathlib import Path
 from artifacts.config import Settings
 from artifacts.filehash import model_hash
 from artifacts.model_info import shard_paths
+from artifacts.records.kinds import PLAN
+from artifacts.records.plan import Plan
+from artifacts.records.store import Records
 from artifacts.store import Store
 from engine_bridge.backend import backend_info, llama_server_path
 from engine_bridge.params import EngineParams
 from tasks.bench.errors import BenchError
-from tasks.plan_types import Plan
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
@@ -70,7 +72,7 @@ def open_bench(settings: Settings, plan_prefix: str, *, check_hash: bool = True)
         BenchError: the plan's model file is gone or changed.
     """
     store = Store(settings.data_dir)
-    plan = Plan.model_validate(store.get_json("plan", store.find("plan", plan_prefix)))
+    plan = Records(store).find_by_prefix(PLAN, plan_prefix)
     model = Path(plan.model_path)
     if not model.is_file():
         raise BenchError(f"plan {plan.id[:12]} was made for {model}, which is gone: restore the file, "

@@ -30,6 +30,9 @@ from typing import Any
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
+from artifacts.records.kinds import SPACE
+from artifacts.records.search import PlacementSpace
+from artifacts.records.store import Records
 from tasks.bench.context import BenchContext, Progress
 from tasks.bench.engines import EngineSpec, llama_cpp_python_defaults, plan_engine
 from tasks.bench.errors import BenchError
@@ -39,7 +42,6 @@ from tasks.bench.registry import Suite
 from tasks.bench.rows import tokenize_prompts
 from tasks.bench.run import engine_error, prompt_lengths, race, trial_busy
 from tasks.bench.stats import RatioCI, paired_ratio
-from tasks.plan_types import PlacementSpace
 
 FIGURES = ("workload", "prefill", "decode")
 RAW_SCHEMA = pa.schema([
@@ -67,8 +69,9 @@ def stored_space(ctx: BenchContext) -> PlacementSpace:
     Raises:
         BenchError: none does (the plan was not made by ``flux plan`` here, or its space was removed).
     """
-    for row in reversed(ctx.store.list("space")):
-        space = PlacementSpace.model_validate(ctx.store.get_json("space", row["id"]))
+    records = Records(ctx.store)
+    for row in reversed(records.rows(SPACE)):
+        space = records.get(SPACE, row["id"])
         if ctx.plan.candidate in space.candidates:
             return space
     raise BenchError(f"no stored search space holds plan {ctx.plan.id[:12]}'s candidate {ctx.plan.candidate.id}: "

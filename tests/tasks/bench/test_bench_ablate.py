@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 from bench_support import bench_settings, make_plan, session_cache
 
+from artifacts.records.search import Candidate, Placement
 from engine_bridge.params import EngineParams, TensorOverride
 from tasks.bench.ablate import EXPERTS_ON_CPU, VARIANTS, AblateOptions, bench_ablate, variants
 from tasks.bench.context import open_bench
 from tasks.bench.engines import llama_cpp_python_defaults
 from tasks.bench.record import save_run
-from tasks.plan_types import Candidate, Placement
 
 
 def _cand(params: EngineParams, experts: list[dict[str, str]] | None = None) -> Candidate:

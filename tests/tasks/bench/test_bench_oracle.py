@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from bench_support import bench_settings, make_plan, session_cache
 
+from artifacts.records.search import PlacementSpace
 from engine_bridge.params import EngineParams
 from tasks.bench.context import BenchContext, open_bench
 from tasks.bench.errors import BenchError
 from tasks.bench.oracle import RAW_SCHEMA, OracleOptions, bench_oracle, stored_space
 from tasks.bench.record import save_run
-from tasks.plan_types import PlacementSpace
 
 OPTS = OracleOptions(rounds=2, grid_rounds=1)
 # What scripts/bench_plan.py stored in its `bench_plan` table, one row per model.
