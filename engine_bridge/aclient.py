@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from engine_bridge import ops
-from engine_bridge.errors import EngineError, ProtocolMismatch, WorkerDied, WorkerTimeout
+from engine_bridge.errors import EngineError, ProtocolMismatch, WorkerDied, WorkerTimeout, from_wire
 from engine_bridge.protocol import PROTOCOL_VERSION, decode, encode
 
 A = TypeVar("A", bound=BaseModel)
@@ -240,7 +240,7 @@ class AsyncWorkerClient:
                 finished = True
                 if not msg.get("ok"):
                     err = msg.get("error") or {}
-                    raise EngineError(str(err.get("code", "error")), str(err.get("message", "")))
+                    raise from_wire(err)
                 yield {"result": msg.get("result") or {}}
                 return
         finally:

@@ -2,16 +2,43 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from artifacts.errors import FluxError
+
+# Every code an engine error can carry: the worker's refusals and failures, the client's own (a worker that died,
+# timed out or speaks another protocol), and the typed ones below. The server maps each to HTTP once
+# (server/errors.py: ENGINE_HTTP); a code the worker sends that is not here arrives as "engine_error".
+EngineCode = Literal[
+    "bad_request", "bad_params", "bad_override", "bad_grammar", "context_overflow",  # the request or its params
+    "busy", "not_loaded",  # not ready for it
+    "decode_failed", "sampling_failed", "load_failed", "model_missing", "probe_failed", "validation_failed",
+    "routing_unreadable", "routing_mismatch", "expert_split_mismatch", "unknown_op", "internal",  # failures
+    "worker_died", "worker_timeout", "protocol_mismatch", "llama_server", "engine_error",  # the process around it
+]
+ENGINE_CODES: frozenset[str] = frozenset(get_args(EngineCode))
+
+
+def engine_code(wire: object) -> EngineCode:
+    """A code read from the worker protocol as one of :data:`EngineCode` ("engine_error" when unknown)."""
+    return wire if isinstance(wire, str) and wire in ENGINE_CODES else "engine_error"  # type: ignore[return-value]
 
 
 class EngineError(FluxError):
     """Something the engine refused or failed to do, with a stable machine-readable code."""
 
-    def __init__(self, code: str, message: str) -> None:
-        self.code = code
+    def __init__(self, code: EngineCode, message: str) -> None:
+        self.code: EngineCode = code
         self.message = message
         super().__init__(message)
+
+
+def from_wire(err: dict[str, object]) -> EngineError:
+    """The error a worker sent (``{"code", "message"}``); an unknown code keeps its name in the message."""
+    wire, message = err.get("code"), str(err.get("message", ""))
+    code = engine_code(wire)
+    return EngineError(code, message if code != "engine_error" or wire in (None, "engine_error")
+                       else f"{message} (worker code {wire})")
 
 
 class WorkerDied(EngineError):

@@ -12,7 +12,7 @@ Nothing here imports llama_cpp. The line format is :mod:`engine_bridge.protocol`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -199,8 +199,17 @@ class GenerateArgs(_Msg):
     grammar: GrammarSpec | None = Field(None, description="constrain the reply to this grammar (GBNF)")
 
 
-class GenerateResult(_Open):
-    """How a generation ended (``finish_reason``, token counts, timings)."""
+class GenerateResult(_Msg):
+    """How a generation ended: why, its token counts and timings, and the bytes of an incomplete UTF-8 character
+    the worker's decoder still held (``text_tail``)."""
+
+    finish_reason: Literal["stop", "length", "cancelled"]
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(0, ge=0)
+    cached_tokens: int = Field(0, ge=0)
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    text_tail: str = ""
 
 
 class CancelArgs(_Msg):

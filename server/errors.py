@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
 from artifacts.errors import FluxError
-from engine_bridge.errors import EngineError, WorkerDied, WorkerTimeout
+from engine_bridge.errors import EngineCode, EngineError
 from server.transport import sent_status
 
 log = logging.getLogger(__name__)
@@ -125,21 +125,38 @@ class EngineFailed(ApiError):
         self.status = status
 
 
+# Each engine code's HTTP answer, declared once: "invalid" 400 invalid_value, "context" 400
+# context_length_exceeded, "unavailable" 503 with Retry-After, "died" 502, "timeout" 504, "failed" 500 (the
+# engine's code kept). tests/server/test_errors.py checks that every EngineCode has one.
+EngineAnswer = Literal["invalid", "context", "unavailable", "died", "timeout", "failed"]
+ENGINE_HTTP: dict[EngineCode, EngineAnswer] = {
+    "bad_request": "invalid", "bad_grammar": "invalid", "bad_params": "failed", "bad_override": "failed",
+    "context_overflow": "context",
+    "busy": "unavailable", "not_loaded": "unavailable",
+    "worker_died": "died", "worker_timeout": "timeout",
+    "decode_failed": "failed", "sampling_failed": "failed", "load_failed": "failed", "model_missing": "failed",
+    "probe_failed": "failed", "validation_failed": "failed", "routing_unreadable": "failed",
+    "routing_mismatch": "failed", "expert_split_mismatch": "failed", "unknown_op": "failed", "internal": "failed",
+    "protocol_mismatch": "failed", "llama_server": "failed", "engine_error": "failed",
+}
+
+
 def from_engine(exc: EngineError) -> ApiError:
-    """The API error for an engine error (refusals by code, deaths and timeouts by type)."""
-    if isinstance(exc, WorkerDied):
+    """The API error for an engine error, by its code (:data:`ENGINE_HTTP`)."""
+    answer = ENGINE_HTTP.get(exc.code, "failed")
+    if answer == "died":
         return EngineFailed(f"{exc.message}; the request was not completed: send it again (the server restarts "
                             "the worker)", code="worker_died", status=502)
-    if isinstance(exc, WorkerTimeout):
+    if answer == "timeout":
         return EngineFailed(f"{exc.message}; the worker was restarted: send the request again",
                             code="worker_timeout", status=504)
-    if exc.code in ("bad_request", "bad_grammar"):
+    if answer == "invalid":
         return InvalidRequest(f"the engine refused the request: {exc.message}", code="invalid_value")
-    if exc.code == "context_overflow":
+    if answer == "context":
         return InvalidRequest(exc.message, code="context_length_exceeded", param="messages")
-    if exc.code in ("busy", "not_loaded"):
+    if answer == "unavailable":
         return Unavailable(f"the engine is not ready ({exc.message})", code=exc.code, retry_after_s=1)
-    return EngineFailed(f"the engine failed: {exc.message}", code=exc.code or "engine_error", status=500)
+    return EngineFailed(f"the engine failed: {exc.message}", code=exc.code, status=500)
 
 
 def _param(loc: Any) -> str | None:

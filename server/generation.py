@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_bridge import ops
 from engine_bridge.errors import EngineError
 from engine_bridge.gbnf import GrammarSpec
 from server.errors import ApiError, error_event
@@ -118,7 +119,7 @@ class Generation:
         self._cancel_sent = False
         self._started = time.monotonic()
         self._first_token: float | None = None
-        self._result: dict[str, Any] = {}
+        self._result: ops.GenerateResult | None = None
         self.stats: FinishStats | None = None
         self._task: asyncio.Task[None] | None = None
         self._side: set[asyncio.Task[None]] = set()  # cancel calls in flight (a reference keeps them alive)
@@ -209,14 +210,13 @@ class Generation:
                 self._text(self.spec.echo)
             result = await self._pump()
             # bytes of an incomplete UTF-8 character held by the worker's decoder come with the result
-            self._text(self._matcher.feed(str(result.get("text_tail") or "")) + self._matcher.flush())
+            self._text(self._matcher.feed(result.text_tail) + self._matcher.flush())
             self._end_text()
             self._result = result
-            reason = "stop" if self._matcher.stopped else str(result.get("finish_reason", "stop"))
+            reason = "stop" if self._matcher.stopped else result.finish_reason
             self.finish_reason = "tool_calls" if self._acc.calls and reason == "stop" else reason
             outcome = "cancelled" if self.finish_reason == "cancelled" else "completed"
-            self.usage = usage_body(int(result.get("prompt_tokens", len(self.spec.prompt))), self._acc.n_tokens,
-                                    int(result.get("cached_tokens", 0)))
+            self.usage = usage_body(result.prompt_tokens, self._acc.n_tokens, result.cached_tokens)
             self._emit(self.builder.finish(self.finish_reason))
             if self.spec.include_usage:
                 self._emit(self.builder.usage_chunk(self.usage))
@@ -240,30 +240,31 @@ class Generation:
                 fn()
 
     def _finish_stats(self, outcome: Outcome) -> FinishStats:
-        r, now, t0 = self._result, time.monotonic(), self.spec.arrived
-        return FinishStats(outcome=outcome, prompt_tokens=int(r.get("prompt_tokens", len(self.spec.prompt))),
-                           cached_tokens=int(r.get("cached_tokens", 0)), completion_tokens=self._acc.n_tokens,
-                           prefill_s=float(r.get("prefill_ms", 0.0)) / 1e3, decode_s=float(r.get("decode_ms", 0.0)) / 1e3,
+        now, t0 = time.monotonic(), self.spec.arrived
+        r = self._result or ops.GenerateResult(finish_reason="cancelled", prompt_tokens=len(self.spec.prompt))
+        return FinishStats(outcome=outcome, prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
+                           completion_tokens=self._acc.n_tokens, prefill_s=r.prefill_ms / 1e3, decode_s=r.decode_ms / 1e3,
                            ttft_s=None if self._first_token is None else self._first_token - t0, duration_s=now - t0)
 
     def _args(self) -> dict[str, Any]:
+        """The op's arguments, built as its model (unvalidated here: the worker validates them once, so a long
+        prompt is not checked twice on the way to its first token)."""
         s = self.spec
-        args = {"rid": s.rid, "prompt": s.prompt, "max_tokens": s.max_tokens, **s.sampling,
-                "logprobs": s.logprobs, "top_logprobs": s.top_logprobs}
-        if s.grammar is not None:
-            args["grammar"] = s.grammar.model_dump()
-        return args
+        return ops.GenerateArgs.model_construct(
+            rid=s.rid, prompt=s.prompt, max_tokens=s.max_tokens, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+            grammar=s.grammar, **s.sampling).model_dump(exclude_defaults=True)
 
-    async def _pump(self) -> dict[str, Any]:
+    async def _pump(self) -> ops.GenerateResult:
         """Consume the worker's events until its result; returns the result."""
+        cancelled = ops.GenerateResult(finish_reason="cancelled", prompt_tokens=len(self.spec.prompt))
         if self._cancel_requested:
-            return {"finish_reason": "cancelled"}
-        result: dict[str, Any] = {}
+            return cancelled
+        result = cancelled  # a stream that ends without a result (the engine went away) raised before this
         events = self.ctx.engine.generate(self._args(), self.ctx.wait_s, self.ctx.timeout_s)
         async with contextlib.aclosing(events):
             async for msg in events:
                 if "result" in msg:
-                    result = dict(msg["result"])
+                    result = ops.GenerateResult.model_validate(msg["result"])
                     break
                 if msg.get("type") != "token" or self._matcher.stopped:
                     continue  # tokens after a stop sequence, before the cancel lands: dropped
