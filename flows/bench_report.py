@@ -120,7 +120,7 @@ def print_rows(rows: Sequence[dict[str, Any]], raw: pa.Table | None, title: str)
 def print_run(run: BenchRun) -> None:
     """Print a finished run (as stored)."""
     rows = summary_rows(run).to_pylist()
-    title = f"flux bench {run.suite}: plan {run.ctx.plan.id[:12]} — {run.verdict.upper()}"
+    title = f"flux bench {run.suite}: {run.ctx.subject} — {run.verdict.upper()}"
     print_rows(rows, run.raw, title)
 
 
@@ -294,8 +294,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def matrix(store: Store) -> tuple[list[str], list[tuple[Plan, dict[str, str]]]]:
     """(suite columns, [(plan, {suite: latest verdict})]) over every saved plan."""
-    rows = summaries(store)
-    known = list(declared_suites())
+    rows = [r for r in summaries(store) if r["plan_id"]]  # a suite without a plan has no cell of a plan
+    known = [name for name, s in declared_suites().items() if s.subject == "plan"]
     suites = known + sorted({str(r["suite"]) for r in rows} - set(known))
     latest: dict[tuple[str, str], str] = {}
     for r in rows:  # oldest first: the last run of a (plan, suite) wins

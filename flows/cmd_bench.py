@@ -3,7 +3,8 @@
 The suites live in :mod:`tasks.bench` (each module declares ``SUITE``, :class:`tasks.bench.registry.Suite`);
 ``show`` and ``matrix`` read stored results (:mod:`flows.bench_report`). Suites that measure a plan save their
 results in the store (``bench_<suite>_raw`` + ``bench_summary``), print them, and exit 1 when their verdict is
-``fail`` (0 for pass and info), so CI can gate on them.
+``fail`` (0 for pass and info), so CI can gate on them. A suite whose subject is a synth preset
+(``flux bench synth PRESET``) stores its rows the same way, with no plan id.
 """
 
 from __future__ import annotations
@@ -19,23 +20,34 @@ from pydantic.fields import FieldInfo
 
 from artifacts.errors import FluxError
 from artifacts.logs import console
-from tasks.bench.context import open_bench
+from tasks.bench.context import BenchSite, open_bench, open_site
 from tasks.bench.record import save_run
 from tasks.bench.registry import Suite, csv, suites
 
 
 def run_plan_suite(args: argparse.Namespace, suite: Suite, opts: BaseModel) -> int:
     """Open the plan, run one suite on it, store and print the results; exit 1 on a fail verdict."""
+    ctx = open_bench(args.settings, args.plan)
+    console(stderr=True).print(f"bench: plan {ctx.plan.id[:12]} ({ctx.plan.model_name}), backend {ctx.backend_build}",
+                               markup=False)
+    return _run(suite, ctx, opts, f"`flux bench show {ctx.plan.id[:12]} --suite {suite.name}` plots it")
+
+
+def run_site_suite(args: argparse.Namespace, suite: Suite, opts: BaseModel) -> int:
+    """Run a suite that needs no plan on this machine, store and print the results; exit 1 on a fail verdict."""
+    site = open_site(args.settings)
+    return _run(suite, site, opts, f"`flux sql \"SELECT * FROM bench_{suite.name}_raw\"` lists its rows")
+
+
+def _run(suite: Suite, ctx: BenchSite, opts: BaseModel, then: str) -> int:
     from flows.bench_report import print_run
 
-    ctx = open_bench(args.settings, args.plan)
     err = console(stderr=True)
-    err.print(f"bench: plan {ctx.plan.id[:12]} ({ctx.plan.model_name}), backend {ctx.backend_build}")
     run = suite.run(ctx, opts, lambda msg: err.print(f"bench: {msg}", markup=False))
     paths = save_run(run)
     print_run(run)
-    err.print(f"stored run {run.run_id[:12]}: {paths[0]} (+{len(paths) - 1} bench_summary rows); "
-              f"`flux bench show {ctx.plan.id[:12]} --suite {run.suite}` plots it", markup=False)
+    err.print(f"stored run {run.run_id[:12]}: {paths[0]} (+{len(paths) - 1} bench_summary rows); {then}",
+              markup=False)
     return 1 if run.verdict == "fail" else 0
 
 
@@ -61,8 +73,13 @@ def _parser(suite: Suite, name: str, info: FieldInfo) -> Callable[[str], Any] | 
 
 
 def add_flags(p: argparse.ArgumentParser, suite: Suite) -> None:
-    """The suite's positional plan and one flag per option it offers."""
-    p.add_argument("plan", help="a unique prefix of a plan id")
+    """The suite's positional subject (a plan, or a synth preset) and one flag per option it offers."""
+    if suite.subject == "preset":
+        from artifacts.synth import PRESETS
+
+        p.add_argument("preset", choices=sorted(PRESETS), metavar="PRESET", help="a synth preset, as `flux synth --like` takes")
+    else:
+        p.add_argument("plan", help="a unique prefix of a plan id")
     for name in suite.flags:
         info = suite.options.model_fields[name]
         default = info.get_default(call_default_factory=True)
@@ -83,6 +100,8 @@ def add_flags(p: argparse.ArgumentParser, suite: Suite) -> None:
 def _handler(suite: Suite) -> Callable[[argparse.Namespace], int]:
     def handle(args: argparse.Namespace) -> int:
         given = {name: getattr(args, name) for name in suite.flags if getattr(args, name) is not None}
+        if suite.subject == "preset":
+            given["preset"] = args.preset
         try:
             opts = suite.options.model_validate(given)
         except ValidationError as exc:
@@ -90,7 +109,7 @@ def _handler(suite: Suite) -> Callable[[argparse.Namespace], int]:
             field = str(err["loc"][0]) if err["loc"] else ""
             raise FluxError(f"{suite.flag(field) if field in suite.flags else field} {err.get('input')!r}: "
                             f"{err['msg'].lower()}; see `flux bench {suite.name} --help`") from None
-        return run_plan_suite(args, suite, opts)
+        return run_plan_suite(args, suite, opts) if suite.subject == "plan" else run_site_suite(args, suite, opts)
 
     return handle
 

@@ -1,9 +1,10 @@
-"""Flux's benchmark suites: evidence for a saved plan, each suite one module.
+"""Flux's benchmark suites: evidence for a saved plan (or, for ``synth``, for a part a plan is not needed for),
+each suite one module.
 
 Every suite module declares itself once, as ``SUITE`` (:class:`tasks.bench.registry.Suite`: name, help,
 options model, run function, which options are flags); ``flux bench`` builds its subcommands and their flags
 from those declarations (:func:`tasks.bench.registry.suites`). Shared parts, by role: ``context`` (the plan
-under test), ``stats`` (paired ratios and their intervals), ``host`` (the machine's load while timing),
+under test, or the machine alone), ``stats`` (paired ratios and their intervals), ``host`` (the machine's load while timing),
 ``record`` (runs, and how they land in the store), ``engines`` (engines a race restarts every round, the
 baselines' parameters), ``errors``, ``http`` (``flux serve`` as a client sees it), ``inprocess``
 (llama-cpp-python's in-process baseline), ``served`` (the served GPU race of ``run --via serve``), and the helpers

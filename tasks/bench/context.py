@@ -1,4 +1,5 @@
-"""The plan under test: what every suite gets (:class:`BenchContext`) and how a plan is opened for a bench."""
+"""What a suite runs on: the plan under test (:class:`BenchContext`) and how a plan is opened for a bench, or,
+for a suite whose subject is not a plan (``flux bench synth``), only the machine (:class:`BenchSite`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from artifacts.records.kinds import PLAN
 from artifacts.records.plan import Plan
 from artifacts.records.store import Records
 from artifacts.store import Store
-from engine_bridge.backend import backend_info, llama_server_path
+from engine_bridge.backend import BackendMissing, backend_info, llama_server_path
 from engine_bridge.params import EngineParams
 from tasks.bench.errors import BenchError
 
@@ -23,14 +24,40 @@ Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)
-class BenchContext:
-    """What a suite needs: settings, store, the plan, this machine's backend build, llama-server."""
+class BenchSite:
+    """Where a suite runs: settings, store, this machine's backend build; all a suite without a plan gets."""
 
     settings: Settings
     store: Store
-    plan: Plan
     backend_build: str
+
+    @property
+    def plan_id(self) -> str:
+        """The plan under test's id; empty: no plan."""
+        return ""
+
+    @property
+    def subject(self) -> str:
+        """What the run measured, as its title says it."""
+        return "no plan"
+
+
+@dataclass(frozen=True)
+class BenchContext(BenchSite):
+    """What a suite of a plan needs: the site's parts, the plan, llama-server."""
+
+    plan: Plan
     llama_server: Path | None
+
+    @property
+    def plan_id(self) -> str:
+        """The plan under test's id."""
+        return self.plan.id
+
+    @property
+    def subject(self) -> str:
+        """The plan, by its short id."""
+        return f"plan {self.plan.id[:12]}"
 
     @property
     def model(self) -> Path:
@@ -86,3 +113,12 @@ def open_bench(settings: Settings, plan_prefix: str, *, check_hash: bool = True)
                     plan.id[:12], plan.backend_build, build)
     return BenchContext(settings=settings, store=store, plan=plan, backend_build=build,
                         llama_server=llama_server_path(settings.cache_dir))
+
+
+def open_site(settings: Settings) -> BenchSite:
+    """The machine alone, for a suite that needs no plan (its backend build, or ``none`` when none is built)."""
+    try:
+        build = backend_info(settings.cache_dir).build_id
+    except BackendMissing:
+        build = "none"
+    return BenchSite(settings=settings, store=Store(settings.data_dir), backend_build=build)

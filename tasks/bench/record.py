@@ -2,7 +2,8 @@
 
 Each run writes its raw rows (one per trial, request or check) as a Parquet table of kind
 ``bench_<suite>_raw`` keyed by the run id, and one row per (run, baseline) as a table of kind
-``bench_summary`` keyed ``<plan>.<suite>.<baseline>.<backend build>.<run>``, so
+``bench_summary`` keyed ``<plan>.<suite>.<baseline>.<backend build>.<run>`` (``no-plan`` and an empty
+``plan_id`` for a suite that needs none), so
 ``Store.query("SELECT * FROM bench_summary")`` shows every run of every suite.
 """
 
@@ -20,7 +21,7 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.bench.context import BenchContext
+from tasks.bench.context import BenchSite
 
 Verdict = Literal["pass", "fail", "info"]
 SUMMARY_KIND = "bench_summary"
@@ -55,7 +56,7 @@ class BenchRun:
     """A finished suite run: its summary rows and its raw rows."""
 
     suite: str
-    ctx: BenchContext
+    ctx: BenchSite  # a BenchContext for a suite of a plan
     rows: list[SummaryRow]
     raw: pa.Table
     run_id: str = ""
@@ -84,8 +85,7 @@ def _safe(text: str) -> str:
 
 def summary_table(run: BenchRun) -> pa.Table:
     """The run's ``bench_summary`` rows."""
-    plan = run.ctx.plan
-    rows = [{"run_id": run.run_id, "plan_id": plan.id, "suite": run.suite, "backend_build": run.ctx.backend_build,
+    rows = [{"run_id": run.run_id, "plan_id": run.ctx.plan_id, "suite": run.suite, "backend_build": run.ctx.backend_build,
              "created_at": run.created_at, **r.model_dump(exclude={"metrics"}),
              "metrics": json.dumps(r.metrics, sort_keys=True, default=str)} for r in run.rows]
     return pa.Table.from_pylist(rows, schema=SUMMARY_SCHEMA)
@@ -93,13 +93,13 @@ def summary_table(run: BenchRun) -> pa.Table:
 
 def save_run(run: BenchRun) -> list[Path]:
     """Store the raw table (``bench_<suite>_raw``) and one ``bench_summary`` table per row; their paths."""
-    store, plan = run.ctx.store, run.ctx.plan
+    store, plan_id = run.ctx.store, run.ctx.plan_id
     raw = run.raw.append_column("run_id", pa.array([run.run_id] * run.raw.num_rows, pa.string()))
-    meta = {"plan_id": plan.id, "suite": run.suite, "run_id": run.run_id}
+    meta = {"plan_id": plan_id, "suite": run.suite, "run_id": run.run_id}
     paths = [store.put_table(f"bench_{run.suite}_raw", raw, key=run.run_id, meta=meta)]
     table = summary_table(run)
     for i, row in enumerate(run.rows):
-        key = ".".join([plan.id[:16], _safe(run.suite), _safe(row.baseline)[:40], _safe(run.ctx.backend_build)[:16],
+        key = ".".join([plan_id[:16] or "no-plan", _safe(run.suite), _safe(row.baseline)[:40], _safe(run.ctx.backend_build)[:16],
                         run.run_id[:12]])
         paths.append(store.put_table(SUMMARY_KIND, table.slice(i, 1), key=key,
                                      meta={**meta, "baseline": row.baseline, "verdict": row.verdict}))

@@ -5,6 +5,11 @@ and documented by the model (a bool that defaults to true becomes ``--no-field-n
 choice; tuples and lists take comma-separated values). Adding a suite is adding a module with ``SUITE`` in this
 package (and its name in :data:`ORDER`, where ``flux bench --help`` and ``flux bench matrix`` list it; a
 suite left out comes after those, by name).
+
+A suite measures a saved plan (``flux bench SUITE PLAN``: its run function gets a :class:`BenchContext`), or,
+where ``subject`` says so, something a plan is not needed for: ``"preset"``, a synth preset named on the command
+line (``flux bench synth tiny-moe``), given to the options model as its ``preset`` field; its run function
+gets the machine alone (a :class:`~tasks.bench.context.BenchSite`) and its rows are stored with no plan id.
 """
 
 from __future__ import annotations
@@ -13,16 +18,19 @@ import importlib
 import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from tasks.bench.context import BenchContext, Progress
+from tasks.bench.context import Progress
 from tasks.bench.record import BenchRun
 
 # The one order of the suites: ``flux bench --help``, its subcommands and the matrix's columns.
-ORDER: tuple[str, ...] = ("run", "quality", "conformance", "soak", "arrivals", "ablate", "oracle", "serve", "ttft")
-RunFn = Callable[[BenchContext, Any, Progress | None], BenchRun]
+ORDER: tuple[str, ...] = ("run", "quality", "conformance", "soak", "arrivals", "ablate", "oracle", "serve", "ttft",
+                          "synth")
+Subject = Literal["plan", "preset"]
+# (a BenchContext, or a BenchSite for a suite whose subject is not a plan; its options; progress) -> the run
+RunFn = Callable[[Any, Any, Progress | None], BenchRun]
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,7 @@ class Suite:
         rename: field -> flag name where it differs from ``--field-name`` (e.g. ``n_tokens`` -> ``--tokens``).
         parsers: field -> parser of the flag's text, where the field's type alone does not say.
         help_text: field -> help where the field's description is not what a user needs.
+        subject: what the suite measures: a saved plan, or a synth preset (see the module's docstring).
     """
 
     name: str
@@ -45,6 +54,7 @@ class Suite:
     rename: Mapping[str, str] = field(default_factory=dict)
     parsers: Mapping[str, Callable[[str], Any]] = field(default_factory=dict)
     help_text: Mapping[str, str] = field(default_factory=dict)
+    subject: Subject = "plan"
 
     def flag(self, name: str) -> str:
         """The command-line flag of option field ``name``."""

@@ -45,5 +45,20 @@ def test_ttft_runs_stores_and_shows_in_the_matrix(tmp_path_factory: pytest.TempP
     matrix = flux(env, "bench", "matrix")
     assert matrix.returncode == 0
     header = next(x for x in matrix.stdout.splitlines() if "plan" in x and "run" in x)
-    assert [c for c in header.split() if c in ORDER] == list(ORDER)
+    assert [c for c in header.split() if c in ORDER] == [n for n, s in suites().items() if s.subject == "plan"]
     assert "info" in next(x for x in matrix.stdout.splitlines() if plan.id[:12] in x)
+
+
+def test_synth_takes_a_preset_not_a_plan_and_stays_out_of_the_matrix(tmp_path: Path) -> None:
+    st, env = bench_settings(tmp_path / "flux")
+    got = flux(env, "bench", "synth", "tiny-moe", "--repeat", "2", "--dir", str(tmp_path))
+    assert got.returncode == 0, got.stderr
+    assert "flux bench synth: no plan" in got.stdout and "writer/plain" in got.stdout
+    assert "bench_synth_raw" in got.stderr
+    rows = Store(st.data_dir).query("SELECT plan_id, suite FROM bench_summary").to_pylist()
+    assert rows == [{"plan_id": "", "suite": "synth"}]
+    matrix = flux(env, "bench", "matrix")
+    assert matrix.returncode == 0 and "synth" not in matrix.stdout
+
+    bad = flux(env, "bench", "synth", "no-such-model")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "invalid choice" in bad.stderr
