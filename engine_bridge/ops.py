@@ -12,7 +12,7 @@ Nothing here imports llama_cpp. The line format is :mod:`engine_bridge.protocol`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, NotRequired, TypedDict, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -197,6 +197,35 @@ class GenerateArgs(_Msg):
     conversation: str | None = Field(None, description="an opaque conversation label (reported, not required)")
     progress: bool = Field(False, description="also stream prefill progress events (type 'prefill')")
     grammar: GrammarSpec | None = Field(None, description="constrain the reply to this grammar (GBNF)")
+
+
+class TopLogprob(TypedDict):
+    """One alternative of a token event's ``top_logprobs``."""
+
+    token: int
+    text: str
+    bytes: list[int]
+    logprob: float
+
+
+class TokenEvent(TypedDict):
+    """A ``generate`` stream's token event (a plain dict on the hot path: one per token, not validated twice).
+    ``logprob`` and ``top_logprobs`` are filled when the request asked for log-probabilities; ``bytes`` then too."""
+
+    type: Literal["token"]
+    token: int
+    text: str
+    logprob: float | None
+    top_logprobs: list[TopLogprob]
+    bytes: NotRequired[list[int]]
+
+
+class PrefillEvent(TypedDict):
+    """A ``generate`` stream's prefill progress event (with ``progress``)."""
+
+    type: Literal["prefill"]
+    done: int
+    total: int
 
 
 class GenerateResult(_Msg):

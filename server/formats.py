@@ -10,8 +10,9 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any, Literal
 
+from engine_bridge.ops import TokenEvent
+
 Kind = Literal["chat", "text"]
-TokenEvent = dict[str, Any]  # {"token", "text", "logprob", "top_logprobs": [{"token", "text", "logprob"}]}
 ToolCallBody = dict[str, Any]  # {"id", "type": "function", "function": {"name", "arguments"}}
 
 
@@ -80,11 +81,10 @@ class ChatBuilder(Builder):
         if not self.logprobs:
             return None
         return {"content": [{
-            "token": t.get("text", ""), "logprob": t.get("logprob", 0.0),
-            "bytes": t.get("bytes") or _bytes(t.get("text", "")),
-            "top_logprobs": [{"token": a.get("text", ""), "logprob": a.get("logprob", 0.0),
-                              "bytes": a.get("bytes") or _bytes(a.get("text", ""))}
-                             for a in (t.get("top_logprobs") or [])[: self.top_logprobs]],
+            "token": t["text"], "logprob": t["logprob"] if t["logprob"] is not None else 0.0,
+            "bytes": t.get("bytes") or _bytes(t["text"]),
+            "top_logprobs": [{"token": a["text"], "logprob": a["logprob"], "bytes": a["bytes"] or _bytes(a["text"])}
+                             for a in t["top_logprobs"][: self.top_logprobs]],
         } for t in tokens], "refusal": None}
 
     def _chunk(self, delta: dict[str, Any], lp: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
@@ -137,10 +137,10 @@ class TextBuilder(Builder):
         offsets = []
         for t in tokens:
             offsets.append(offset)
-            offset += len(t.get("text", ""))
-        return {"tokens": [t.get("text", "") for t in tokens], "token_logprobs": [t.get("logprob") for t in tokens],
-                "top_logprobs": [{a.get("text", ""): a.get("logprob") for a in (t.get("top_logprobs") or [])
-                                  [: self.top_logprobs]} for t in tokens], "text_offset": offsets}
+            offset += len(t["text"])
+        return {"tokens": [t["text"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
+                "top_logprobs": [{a["text"]: a["logprob"] for a in t["top_logprobs"][: self.top_logprobs]}
+                                 for t in tokens], "text_offset": offsets}
 
     def _chunk(self, text: str, lp: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
         return {**self._head(self.chunk_object),

@@ -30,8 +30,9 @@ from typing import Any
 from engine_bridge import ops
 from engine_bridge.errors import EngineError
 from engine_bridge.gbnf import GrammarSpec
+from engine_bridge.ops import TokenEvent
 from server.errors import ApiError, error_event
-from server.formats import Builder, TokenEvent, ToolCallBody, usage_body
+from server.formats import Builder, ToolCallBody, usage_body
 from server.journal import Entry, Journal
 from server.stats import Outcome
 from server.stops import StopMatcher
@@ -268,7 +269,7 @@ class Generation:
                     break
                 if msg.get("type") != "token" or self._matcher.stopped:
                     continue  # tokens after a stop sequence, before the cancel lands: dropped
-                self._token(msg)
+                self._token(msg)  # type: ignore[arg-type]  # the protocol's ops.TokenEvent, not re-validated
                 if self._matcher.stopped or self._cancel_requested:
                     self._send_cancel()
         return result
@@ -280,7 +281,7 @@ class Generation:
         self.ctx.on_tokens(1)
         if self.spec.logprobs:
             self._acc.pending.append(ev)
-        out = self._matcher.feed(str(ev.get("text", "")))
+        out = self._matcher.feed(ev["text"])
         if out or (self._matcher.stopped and self._acc.pending):
             self._text(out)
 

@@ -15,6 +15,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from engine_bridge import ops
 from engine_bridge.errors import EngineError
 from engine_bridge.ops import GenerateArgs
 
@@ -134,8 +135,8 @@ def new_text_decoder() -> codecs.IncrementalDecoder:
     return codecs.getincrementaldecoder("utf-8")(errors="replace")
 
 
-def token_logprobs(vocab: Vocab, logprobs: np.ndarray, token: int, k: int) -> tuple[float, list[dict[str, Any]]]:
+def token_logprobs(vocab: Vocab, logprobs: np.ndarray, token: int, k: int) -> tuple[float, list[ops.TopLogprob]]:
     """The chosen token's log-probability and the ``k`` best alternatives as protocol entries."""
-    top = [{"token": int(t), "text": vocab.piece(int(t)).decode("utf-8", errors="replace"),
+    top: list[ops.TopLogprob] = [{"token": int(t), "text": vocab.piece(int(t)).decode("utf-8", errors="replace"),
             "bytes": list(vocab.piece(int(t))), "logprob": float(logprobs[t])} for t in top_ids(logprobs, k)]
     return float(logprobs[token]), top

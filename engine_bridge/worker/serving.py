@@ -25,7 +25,8 @@ import llama_cpp
 import numpy as np
 from pydantic import ValidationError
 
-from engine_bridge.errors import EngineError
+from engine_bridge import ops
+from engine_bridge.errors import EngineCode, EngineError
 from engine_bridge.ops import GenerateArgs
 from engine_bridge.params import EngineParams
 from engine_bridge.worker.grammar import GrammarSampler
@@ -50,13 +51,13 @@ MIN_PARK_TOKENS = 32
 class Sink(Protocol):
     """Where the engine sends what a request produces (the worker writes it to the protocol)."""
 
-    def event(self, key: int, event: dict[str, Any]) -> None:
+    def event(self, key: int, event: ops.TokenEvent | ops.PrefillEvent) -> None:
         """One streamed event of request ``key``."""
 
     def done(self, key: int, result: dict[str, Any]) -> None:
         """The final result of request ``key``."""
 
-    def fail(self, key: int, code: str, message: str) -> None:
+    def fail(self, key: int, code: EngineCode, message: str) -> None:
         """Request ``key`` failed after it was admitted."""
 
 
@@ -272,7 +273,7 @@ class ServeEngine:
             self._finish(slot, "stop")
             return
         piece = self.vocab.piece(tok)
-        event: dict[str, Any] = {"type": "token", "token": tok, "text": req.decoder.decode(piece),
+        event: ops.TokenEvent = {"type": "token", "token": tok, "text": req.decoder.decode(piece),
                                  "logprob": None, "top_logprobs": []}
         if lp is not None:
             event["logprob"], event["top_logprobs"] = token_logprobs(self.vocab, lp, tok, req.args.top_logprobs)
@@ -309,7 +310,7 @@ class ServeEngine:
             "cached_tokens": req.cached, "prefill_ms": (t_first - req.t0) * 1e3, "decode_ms": (now - t_first) * 1e3,
             "text_tail": req.decoder.decode(b"", final=True)})
 
-    def _abort(self, slots: list[_Slot], code: str, message: str) -> None:
+    def _abort(self, slots: list[_Slot], code: EngineCode, message: str) -> None:
         """Fail the requests of ``slots`` and forget their KV (its content is no longer known)."""
         log.error("%s: %s", code, message)
         for slot in slots:
@@ -319,7 +320,7 @@ class ServeEngine:
             if req is not None:
                 self.sink.fail(req.key, code, message)
 
-    def fail_all(self, code: str, message: str) -> None:
+    def fail_all(self, code: EngineCode, message: str) -> None:
         """Fail every running request (the engine hit an unexpected error)."""
         self._abort([s for s in self.slots if s.req is not None], code, message)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 from typing import Any, BinaryIO
 
-from engine_bridge.errors import EngineError
+from engine_bridge import ops
+from engine_bridge.errors import EngineCode, EngineError
 from engine_bridge.protocol import encode
 
 
@@ -30,7 +31,7 @@ class Worker:
             self.out.write(data)
             self.out.flush()
 
-    def event(self, key: int, event: dict[str, Any]) -> None:
+    def event(self, key: int, event: ops.TokenEvent | ops.PrefillEvent) -> None:
         """One streamed event of request ``key``."""
         self.send({"id": key, "event": event})
 
@@ -38,7 +39,7 @@ class Worker:
         """The final result of request ``key``."""
         self.send({"id": key, "ok": True, "result": result})
 
-    def fail(self, key: int, code: str, message: str) -> None:
+    def fail(self, key: int, code: EngineCode, message: str) -> None:
         """The final error of request ``key``."""
         self.send({"id": key, "ok": False, "error": {"code": code, "message": message}})
 
