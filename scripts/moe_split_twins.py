@@ -1,4 +1,5 @@
-"""Write the twins and FLUX_MOE_SPLIT values that scripts/moe_split_check.sh races (run on the GPU machine).
+"""Write the twins and FLUX_MOE_SPLIT values of the per-expert split's H200 diagnosis (patches/llama.cpp/README.md),
+for llama.cpp's own llama-bench and llama-perplexity on a GPU machine.
 
     python3 scripts/moe_split_twins.py OUT_DIR
 
