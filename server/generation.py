@@ -44,13 +44,26 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class SamplingArgs:
+    """A request's sampling, every field decided (llama-server's defaults for what the request left out)."""
+
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
 class GenSpec:
     """What to generate, as admitted."""
 
     rid: str
     prompt: list[int]
     max_tokens: int
-    sampling: dict[str, Any]
+    sampling: SamplingArgs
     stops: list[str]
     logprobs: bool
     top_logprobs: int
@@ -253,7 +266,9 @@ class Generation:
         s = self.spec
         return ops.GenerateArgs.model_construct(
             rid=s.rid, prompt=s.prompt, max_tokens=s.max_tokens, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
-            grammar=s.grammar, **s.sampling).model_dump(exclude_defaults=True)
+            grammar=s.grammar, temperature=s.sampling.temperature, top_p=s.sampling.top_p, top_k=s.sampling.top_k,
+            min_p=s.sampling.min_p, seed=s.sampling.seed, presence_penalty=s.sampling.presence_penalty,
+            frequency_penalty=s.sampling.frequency_penalty).model_dump(exclude_defaults=True)
 
     async def _pump(self) -> ops.GenerateResult:
         """Consume the worker's events until its result; returns the result."""

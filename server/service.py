@@ -33,7 +33,7 @@ from server.errors import (
     from_engine,
 )
 from server.formats import BUILDERS, Kind
-from server.generation import GenContext, Generation, GenSpec
+from server.generation import GenContext, Generation, GenSpec, SamplingArgs
 from server.journal import Journal, RequestIdInUse
 from server.metrics import Metrics, Snapshot
 from server.prompts import prompt_tokens, reply_tokens
@@ -48,9 +48,6 @@ log = logging.getLogger(__name__)
 GIB = 2**30
 PARK_MAX_BYTES = 1 * GIB
 MIN_TOP_P = 1e-6  # a cut between two pieces can change the tokens near it by this many
-# llama-server's defaults for what a request leaves out.
-SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05,
-                                     "presence_penalty": 0.0, "frequency_penalty": 0.0}
 _RID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
@@ -304,12 +301,17 @@ class FluxService:
         return {"id": rid, "object": "request", "status": "completed", "cancelled": False}
 
     @staticmethod
-    def _sampling(req: Sampling) -> dict[str, Any]:
-        given = {k: getattr(req, k) for k in SAMPLING_DEFAULTS if getattr(req, k) is not None}
+    def _sampling(req: Sampling) -> SamplingArgs:
+        d = SamplingArgs()
         seed = req.seed if req.seed is not None else secrets.randbits(32)
-        out = {**SAMPLING_DEFAULTS, **given, "seed": seed % 2**32}
-        out["top_p"] = max(out["top_p"], MIN_TOP_P)  # OpenAI allows 0 (= only the top token); llama.cpp wants > 0
-        return out
+        return SamplingArgs(
+            temperature=d.temperature if req.temperature is None else req.temperature,
+            # OpenAI allows top_p 0 (= only the top token); llama.cpp wants > 0
+            top_p=max(d.top_p if req.top_p is None else req.top_p, MIN_TOP_P),
+            top_k=d.top_k if req.top_k is None else req.top_k, min_p=d.min_p if req.min_p is None else req.min_p,
+            presence_penalty=d.presence_penalty if req.presence_penalty is None else req.presence_penalty,
+            frequency_penalty=d.frequency_penalty if req.frequency_penalty is None else req.frequency_penalty,
+            seed=seed % 2**32)
 
     # -- reports --------------------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:
