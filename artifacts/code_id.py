@@ -2,7 +2,7 @@
 
 The backend build id covers llama.cpp (pin, patches, built libraries); this covers Flux's own planner and
 worker: the planning stages and the cost model (``tasks/`` minus the bench suites), the worker and its
-protocol (``engine_bridge/``), the flow's composition and workload sizing (``flows/`` planning modules), the
+protocol (``engine_bridge/``), the flow's composition (``flows/`` planning modules), the
 model reader (``artifacts/`` GGUF and model-info modules) and the records the stages pass on and their keys
 (``artifacts/records/``). Every stage key and every plan key include it, so an upgraded Flux whose enumerate,
 cost model or worker changed computes new stage results and new plans instead of reusing stale ones,
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PLANNER_SOURCES: tuple[tuple[str, str], ...] = (
     ("tasks", "**/*.py"),
     ("engine_bridge", "**/*.py"),
-    ("flows", "plan_model.py"), ("flows", "stages.py"), ("flows", "workload.py"), ("flows", "request.py"),
+    ("flows", "plan_model.py"), ("flows", "stages.py"), ("flows", "request.py"),
     ("artifacts", "gguf_header.py"), ("artifacts", "model_info.py"), ("artifacts", "ids.py"),
     ("artifacts", "code_id.py"), ("artifacts", "records/**/*.py"),
 )

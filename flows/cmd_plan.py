@@ -61,6 +61,7 @@ def default_model(settings: Settings) -> Path:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Plan a model (reusing a matching saved plan unless --replan) and print the plan id."""
     from flows import stages
+    from tasks import pipeline
 
     settings: Settings = args.settings
     model = Path(args.model) if args.model else default_model(settings)
@@ -71,9 +72,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     pctx = stages.context(req, settings)
     check_for_model(req, pctx.info.n_ctx_train)
     if not req.replan and not req.reprobe:
-        found = stages.existing_plan(pctx)
+        found = pipeline.existing_plan(pctx)
         if found:
-            stages.remember_model_path(pctx)
+            pipeline.remember_model_path(pctx)
             con.print(f"reusing saved plan {found[:12]} (same model bytes, machine, backend and flags; --replan to "
                       "measure again)")
             console().print(found)

@@ -1,7 +1,8 @@
 """The ``plan-model`` Prefect flow: probe → route → enumerate → prune → reference → measure → validate → persist.
 
-This module only composes the stages in ``tasks/``; :mod:`flows.stages` wraps each as a Prefect task
-that returns its stored output when the inputs hash to one (the task's state message says so).
+This module only composes the stages declared in ``tasks/`` (:mod:`tasks.pipeline`); :func:`flows.stages.run`
+runs each as a Prefect task that returns its stored output when the inputs hash to one (the task's state
+message says so).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from prefect import flow, get_run_logger
 from artifacts.config import load_settings
 from flows import stages
 from flows.request import plan_request
+from tasks import pipeline as p
 
 
 @flow(name="plan-model", log_prints=False, persist_result=False)
@@ -24,20 +26,21 @@ def plan_model(model: str, ctx: int | None = None, concurrency: int = 1, kv: str
     req = plan_request(settings, model, ctx=ctx, concurrency=concurrency, kv=kv, budget_s=budget_s,
                        gpu_mem_budget_gib=gpu_mem_budget_gib, allow_storage_streaming=allow_storage_streaming,
                        workload=workload, seed=seed)
-    ctx_ = stages.context(req, settings)
+    ctx_ = stages.context(req, settings, reprobe=reprobe)
     ctx_.clock.say = log.info
-    stages.remember_model_path(ctx_)
+    p.remember_model_path(ctx_)
     if not replan:
-        existing = stages.existing_plan(ctx_)
+        existing = p.existing_plan(ctx_)
         if existing:
             log.info("plan %s matches this model, machine, build and flags: reused (--replan measures again)",
                      existing[:12])
             return existing
-    hw = stages.probe_stage(ctx_, reprobe)
-    routing = stages.route_stage(ctx_, hw)
-    space = stages.enumerate_stage(ctx_, hw, routing)
-    finalists = stages.prune_stage(ctx_, hw, space)
-    ref = stages.reference_stage(ctx_, hw, finalists)
-    measured = stages.measure_stage(ctx_, hw, finalists, ref)
-    report = stages.validate_stage(ctx_, hw, finalists, measured, ref)
-    return stages.persist_stage(ctx_, hw, space, finalists, measured, report, routing)
+    hw = stages.run(p.PROBE, ctx_)
+    routing = stages.run(p.ROUTE, ctx_, hw)
+    space = stages.run(p.ENUMERATE, ctx_, hw, routing)
+    finalists = stages.run(p.PRUNE, ctx_, hw, space)
+    ref = stages.run(p.REFERENCE, ctx_, hw, finalists)
+    measured = stages.run(p.MEASURE, ctx_, hw, finalists, ref)
+    report = stages.run(p.VALIDATE, ctx_, hw, finalists, measured, ref)
+    plan = stages.run(p.PERSIST, ctx_, hw, space, finalists, measured, report, routing)
+    return str(plan.id)

@@ -3,7 +3,7 @@
 ``--budget-s B`` is the flow's wall time after probing: the routing trace and reference outputs a model's
 first plan makes once, enumerating and pruning, reading reused results back, measuring and validating all
 count inside it, so every plan ends about B after its probe (a probe is reused after a machine's first plan).
-Measuring keeps at least half of B whatever came before it (:func:`flows.workload.measure_budget`). Each
+Measuring keeps at least half of B whatever came before it (:func:`tasks.workload.measure_budget`). Each
 stage reports its time and an estimate of what is left; the plan records every stage's seconds.
 """
 

@@ -1,7 +1,7 @@
 """Reference: what the quality gate compares finalists with, computed once per model, machine and build.
 
 ``reference(...) -> ReferenceOutputs``. The validation sequences (agent conversations and held-out prompts,
-each cut to :data:`flows.workload.VALIDATION_CAP` tokens) get the reference's greedy continuation and its
+each cut to :data:`tasks.workload.VALIDATION_CAP` tokens) get the reference's greedy continuation and its
 log-probabilities of it. The reference is the plainest correct configuration that holds the whole model on
 one device (:func:`reference_placement`: a GPU that holds it, else the CPU in llama.cpp's plain layout;
 f16 KV, no flash attention); the noise-floor variants (other correct kernels: the CPU, its repacked layout,
@@ -24,8 +24,8 @@ from pydantic import BaseModel, ConfigDict
 
 from artifacts.ids import content_id
 from artifacts.model_info import ModelInfo
+from artifacts.records.hardware import HardwareReport
 from engine_bridge.params import EngineParams
-from tasks.plan_types import HardwareReport
 from tasks.quality_gate import FloorResult, Gate
 from tasks.validate import Cache, floor_results, reference_continuations, reference_params, validation_context
 

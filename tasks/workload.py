@@ -55,7 +55,7 @@ MIN_MEASURE_SHARE = 0.5
 
 def measure_budget(budget_s: float, spent_s: float) -> float:
     """Seconds the measure stage may use: what ``--budget-s`` has left after the stages before it (all but the
-    probe, :class:`flows.progress.StageClock`), at least MIN_MEASURE_SHARE of it."""
+    probe, :class:`tasks.clock.StageClock`), at least MIN_MEASURE_SHARE of it."""
     return max(budget_s - spent_s, MIN_MEASURE_SHARE * budget_s)
 
 

@@ -28,7 +28,7 @@ def _edit(path: Path) -> None:
 
 
 @pytest.mark.parametrize("source", ["tasks/enumerate.py", "tasks/costmodel.py", "engine_bridge/worker/load.py",
-                                    "flows/stages.py", "flows/workload.py", "artifacts/model_info.py"])
+                                    "flows/stages.py", "tasks/workload.py", "artifacts/model_info.py"])
 def test_editing_a_planner_source_is_a_new_code_id(copy: Path, source: str) -> None:
     before = planner_code_id(copy)
     assert before == code_id()  # the copy is this installation's code

@@ -7,8 +7,8 @@ import time
 
 from artifacts.records.search import Candidate, Finalists, Placement, Prediction
 from engine_bridge.params import EngineParams
-from flows import workload as wl
-from flows.progress import StageClock
+from tasks import workload as wl
+from tasks.clock import StageClock
 
 
 def test_every_stage_after_the_probe_counts_inside_the_budget() -> None:

@@ -12,6 +12,8 @@ from bench_support import bench_settings, session_cache
 from artifacts.records.plan import PlanRequest
 from artifacts.records.routing import RoutingProfile
 from flows import stages
+from tasks.pipeline import ROUTE, PlanContext
+from tasks.probing.route import traces_routing
 from tasks.testing import h200_report
 
 
@@ -23,16 +25,15 @@ def _outside_a_flow_run(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(logging.getLogger(name), "disabled", True)
 
 
-def _ctx(tmp_path_factory: pytest.TempPathFactory, tiny_moe: Path) -> stages.PlanContext:
+def _ctx(tmp_path_factory: pytest.TempPathFactory, tiny_moe: Path) -> PlanContext:
     st, _ = bench_settings(tmp_path_factory.mktemp("route"), session_cache(tmp_path_factory))
     return stages.context(PlanRequest(model=str(tiny_moe)), st)
 
 
 def test_a_trace_is_recorded_and_stored(tmp_path_factory: pytest.TempPathFactory, tiny_moe: Path) -> None:
     ctx = _ctx(tmp_path_factory, tiny_moe)
-    state = stages.traced_routing(ctx, h200_report(), logging.getLogger("test"))
-    prof = state.result()
-    assert isinstance(prof, RoutingProfile) and prof.n_tokens > 0
+    prof, message, computed = stages.compute(ROUTE, ctx, logging.getLogger("test"), h200_report())
+    assert isinstance(prof, RoutingProfile) and prof.n_tokens > 0 and computed and "stored" in str(message)
     assert ctx.store.has("routing", prof.trace_id), "the trace is a table in the store"
 
 
@@ -42,7 +43,7 @@ def test_a_trace_whose_worker_dies_plans_without_per_expert_placement(
     ctx = _ctx(tmp_path_factory, tiny_moe)
     monkeypatch.setenv("FLUX_WORKER_FAULT", "abort-on-trace")  # the tracing worker aborts like a native crash
     with caplog.at_level(logging.WARNING):
-        got = stages.traced_routing(ctx, h200_report(), logging.getLogger("test"))
+        got, _, _ = stages.compute(ROUTE, ctx, logging.getLogger("test"), h200_report())
     assert got is None
     assert "the routing trace failed" in caplog.text and "planning without per-expert placement" in caplog.text
 
@@ -53,10 +54,10 @@ def test_an_architecture_the_split_does_not_support_is_not_traced(tmp_path_facto
     trace, so no per-expert candidate that the patched llama.cpp would refuse at load; qwen3next and qwen35moe
     (a gated shared expert beside the routed ones) are traced."""
     ctx = _ctx(tmp_path_factory, tiny_moe)
-    assert stages._traces_routing(ctx, h200_report())
-    other = stages.PlanContext(**{**vars(ctx), "info": ctx.info.model_copy(update={"architecture": "deepseek2"})})
-    assert not stages._traces_routing(other, h200_report())
+    assert traces_routing(ctx, h200_report())
+    other = PlanContext(**{**vars(ctx), "info": ctx.info.model_copy(update={"architecture": "deepseek2"})})
+    assert not traces_routing(other, h200_report())
     for arch in ("qwen3next", "qwen35moe"):
-        hybrid = stages.PlanContext(**{**vars(ctx), "info": ctx.info.model_copy(update={"architecture": arch})})
-        assert stages._traces_routing(hybrid, h200_report()), arch
-    assert not stages._traces_routing(ctx, h200_report(n_gpus=0)), "no GPU: no per-expert placement"
+        hybrid = PlanContext(**{**vars(ctx), "info": ctx.info.model_copy(update={"architecture": arch})})
+        assert traces_routing(hybrid, h200_report()), arch
+    assert not traces_routing(ctx, h200_report(n_gpus=0)), "no GPU: no per-expert placement"

@@ -1,6 +1,11 @@
 """The layering the architecture promises, checked on the source (imports parsed, nothing run).
 
 - flows/ composes; no module of tasks/, artifacts/, engine_bridge/ or server/ imports flows;
+- flows/ decides nothing about planning: from tasks/ it imports only the stage declarations (``tasks.stage``,
+  ``tasks.pipeline``, the role packages ``tasks.probing``, ``tasks.search``, ``tasks.measurement``,
+  ``tasks.validation``, ``tasks.recording``), the clock, the typed errors and the bench suites' registry;
+- every planning stage is declared once (one ``Stage(...)`` per module, in a role package, names unique), listed
+  in ``tasks.pipeline.STAGES``, and run by the flow (flows/plan_model.py) once each, in that order;
 - the server reads plans, it never plans: server/ imports nothing from tasks/ (the records both share are
   artifacts.records'); artifacts/ and engine_bridge/, which both import, import neither tasks/ nor server/;
 - only the worker-side package engine_bridge.worker imports llama_cpp (the worker process links llama.cpp),
@@ -119,3 +124,66 @@ def test_no_import_cycles() -> None:
     for m in sorted(graph):
         if m not in seen and (cycle := dfs(m)):
             raise AssertionError("import cycle: " + " -> ".join(cycle))
+
+
+ROLES = ("probing", "search", "measurement", "validation", "recording")
+# What flows/ may import from tasks/: declarations, the clock, typed errors, the bench suites (their own registry).
+FLOWS_MAY_IMPORT = ("tasks", "tasks.stage", "tasks.pipeline", "tasks.clock", "tasks.errors")
+FLOWS_MAY_IMPORT_UNDER = ("tasks.bench", *(f"tasks.{r}" for r in ROLES))
+# Re-exports kept for importers outside the planner (scripts/quality_floor.py); each goes when its importer moves.
+SHIMS = {"flows.workload": {"tasks.workload", "tasks.workload.validation_prompts"}}
+
+
+@pytest.mark.parametrize("mod", sorted(m for m in MODS if m.startswith("flows")))
+def test_flows_imports_only_stage_declarations_from_tasks(mod: str) -> None:
+    found = {i for i in imports(mod, MODS[mod], False) if i.split(".")[0] == "tasks"}
+    bad = sorted(i for i in found - SHIMS.get(mod, set()) if i not in FLOWS_MAY_IMPORT and not any(
+        i == u or i.startswith(u + ".") for u in FLOWS_MAY_IMPORT_UNDER) and not i.startswith(
+        tuple(f"{a}." for a in ("tasks.stage", "tasks.pipeline", "tasks.clock", "tasks.errors"))))
+    assert not bad, (f"{mod} imports {bad}: planning decisions live in a stage (tasks/<role>/<stage>.py); "
+                     "flows/ only composes the declarations")
+
+
+def _declarations() -> dict[str, list[str]]:
+    """Module -> the ``name=`` of each ``Stage(...)`` it calls."""
+    out: dict[str, list[str]] = {}
+    for m, path in MODS.items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Stage":
+                name = next((k.value for k in node.keywords if k.arg == "name"), None)
+                out.setdefault(m, []).append(ast.literal_eval(name) if name is not None else "?")
+    return out
+
+
+def test_every_stage_is_declared_once_in_its_role_package() -> None:
+    from tasks.pipeline import STAGES
+
+    decl = _declarations()
+    assert all(len(v) == 1 for v in decl.values()), f"one stage per module: {decl}"
+    assert all(m.split(".")[:2] in (["tasks", r] for r in ROLES) for m in decl), f"outside a role package: {decl}"
+    names = [v[0] for v in decl.values()]
+    assert len(names) == len(set(names)), f"a stage name declared twice: {sorted(names)}"
+    listed = [s.name for s in STAGES]
+    assert len(listed) == len(set(listed)) and set(listed) == set(names), (listed, names)
+
+
+def test_the_flow_runs_every_declared_stage_once_in_order() -> None:
+    from tasks import pipeline
+
+    tree = ast.parse(MODS["flows.plan_model"].read_text())
+    ran = [getattr(pipeline, c.args[0].attr) for c in ast.walk(tree) if isinstance(c, ast.Call)
+           and isinstance(c.func, ast.Attribute) and c.func.attr == "run" and isinstance(c.func.value, ast.Name)
+           and c.func.value.id == "stages" and c.args and isinstance(c.args[0], ast.Attribute)]
+    assert ran == list(pipeline.STAGES), [s.name for s in ran]
+
+
+def test_the_architecture_page_shows_every_stage() -> None:
+    from tasks.pipeline import STAGES
+
+    page = (REPO / "docs" / "architecture.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in page.splitlines() if line.startswith("| ")}
+    for s in STAGES:
+        row = rows.get(s.name, "")
+        assert f"| {s.version} |" in row and f"| {s.result.__name__} |" in row, (
+            f"docs/architecture.md's stage table has no row for {s.name} v{s.version} -> {s.result.__name__}")
+        assert all(t in row for t in s.tables), f"{s.name}'s row misses its tables {s.tables}"

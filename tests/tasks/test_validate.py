@@ -10,9 +10,9 @@ from artifacts.records.evidence import MeasureSummary
 from artifacts.records.search import Candidate, Placement
 from engine_bridge.errors import EngineError
 from engine_bridge.params import EngineParams, TensorOverride
-from flows.workload import validation_prompts
 from tasks.quality_gate import Gate
 from tasks.validate import Cache, rank_measured, reference_params, validate
+from tasks.workload import validation_prompts
 
 PARAMS = EngineParams(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1, n_threads_batch=1)
 # A device this machine does not have: the worker cannot load the finalist (as a broken GPU placement).

@@ -1,0 +1,24 @@
+"""The planning stages in the order ``plan-model`` runs them: probe → route → enumerate → prune → reference →
+measure → validate → persist. Each is declared once, in its own module (:class:`tasks.stage.Stage`); a new
+stage is a module with a ``STAGE``, listed here and composed in ``flows/plan_model.py``
+(``tests/layout/test_layering.py`` checks that every stage listed is run by the flow, once)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tasks.measurement.measure import STAGE as MEASURE
+from tasks.probing.probe import STAGE as PROBE
+from tasks.probing.route import STAGE as ROUTE
+from tasks.recording.persist import STAGE as PERSIST
+from tasks.recording.persist import existing_plan, remember_model_path
+from tasks.search.enumerate import STAGE as ENUMERATE
+from tasks.search.prune import STAGE as PRUNE
+from tasks.stage import PlanContext, Stage
+from tasks.validation.reference import STAGE as REFERENCE
+from tasks.validation.validate import STAGE as VALIDATE
+
+STAGES: tuple[Stage[Any], ...] = (PROBE, ROUTE, ENUMERATE, PRUNE, REFERENCE, MEASURE, VALIDATE, PERSIST)
+
+__all__ = ["ENUMERATE", "MEASURE", "PERSIST", "PROBE", "PRUNE", "REFERENCE", "ROUTE", "STAGES", "VALIDATE",
+           "PlanContext", "Stage", "existing_plan", "remember_model_path"]

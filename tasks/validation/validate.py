@@ -1,0 +1,51 @@
+"""The validate stage: the fastest measured finalists against the reference placement, within the noise floor
+of correct kernels; the winner is the fastest that matches. Its key holds the flow run's id (as measure's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from artifacts.ids import content_id
+from artifacts.records.evidence import MeasureResults, ValidationReport
+from artifacts.records.hardware import HardwareReport
+from artifacts.records.kinds import VALIDATION
+from artifacts.records.search import Finalists
+from tasks.errors import NoMeasurement
+from tasks.reference import ReferenceOutputs, floor_variants
+from tasks.stage import PlanContext, Stage
+from tasks.validate import rank_measured, validate
+from tasks.validation.reference import gate
+
+
+def _key(ctx: PlanContext, hw: HardwareReport, fin: Finalists, measured: MeasureResults,
+         ref: ReferenceOutputs) -> dict[str, Any]:
+    return {"stage": "validate", "measured": content_id(measured), "run": ctx.run_id, "code": ctx.code}
+
+
+def _run(ctx: PlanContext, log: Any, hw: HardwareReport, fin: Finalists, measured: MeasureResults,
+         ref: ReferenceOutputs) -> ValidationReport:
+    ok = rank_measured(measured.summaries, fin.finalists)
+    if not ok:
+        raise NoMeasurement("; ".join(f"{s.candidate_id}: {s.error}" for s in measured.summaries))
+    by_id = {c.id: c for c in fin.finalists}
+    ranked = [by_id[s.candidate_id] for s in ok]
+    log.info("validate: measured order %s", ", ".join(
+        f"{s.candidate_id} {s.workload_s:.2f} s" + (f" (ctx {by_id[s.candidate_id].params.n_ctx})" if len(
+            {c.params.n_ctx for c in ranked}) > 1 else "") for s in ok))
+    return validate(ranked, ctx.model, ref.prompts, ref.held_out, n_tokens=ctx.settings.plan.validate_tokens,
+                    gate=gate(ctx.settings), quality_profile=ctx.req.quality_profile, log_path=ctx.worker_log,
+                    timeout_s=ctx.settings.plan.measure_timeout_s, reference=ref.reference,
+                    floor_variants=floor_variants(ctx.info, hw, ref.reference), cache=ref.cache, progress=log.info,
+                    scored_dir=Path(measured.scored_dir) if measured.scored_dir else None)
+
+
+def _report(ctx: PlanContext, log: Any, report: ValidationReport, *inputs: Any) -> None:
+    log.info("validate: chose %s, the fastest measured finalist that matches the reference (limits: mean KL %s, "
+             "top-1 %s)", report.winner_id, f"{report.kl_limit:.2e}" if report.kl_limit is not None else "?",
+             f"{report.top1_limit:.3f}" if report.top1_limit is not None else "?")
+
+
+STAGE: Stage[ValidationReport] = Stage(
+    name="validate", version=1, result=ValidationReport, run=_run, kind=VALIDATION, key=_key,
+    inputs=("measure results", "flow run id", "code"), report=_report, faults=True)
