@@ -134,12 +134,21 @@ FLOWS_MAY_IMPORT_UNDER = ("tasks.bench", *(f"tasks.{r}" for r in ROLES))
 SHIMS = {"flows.workload": {"tasks.workload", "tasks.workload.validation_prompts"}}
 
 
+def flows_may_import(name: str) -> bool:
+    """Whether a flows module may import ``name`` (a module of tasks/ or a name in one)."""
+    return name in FLOWS_MAY_IMPORT or any(name.startswith(f"{a}.") for a in FLOWS_MAY_IMPORT if a != "tasks") or any(
+        name == u or name.startswith(f"{u}.") for u in FLOWS_MAY_IMPORT_UNDER)
+
+
+def test_the_flows_rule_refuses_the_work_of_a_stage() -> None:
+    assert flows_may_import("tasks.pipeline.PROBE") and flows_may_import("tasks.probing.route.traces_routing")
+    assert not flows_may_import("tasks.workload") and not flows_may_import("tasks.costmodel.roofline_decode")
+
+
 @pytest.mark.parametrize("mod", sorted(m for m in MODS if m.startswith("flows")))
 def test_flows_imports_only_stage_declarations_from_tasks(mod: str) -> None:
     found = {i for i in imports(mod, MODS[mod], False) if i.split(".")[0] == "tasks"}
-    bad = sorted(i for i in found - SHIMS.get(mod, set()) if i not in FLOWS_MAY_IMPORT and not any(
-        i == u or i.startswith(u + ".") for u in FLOWS_MAY_IMPORT_UNDER) and not i.startswith(
-        tuple(f"{a}." for a in ("tasks.stage", "tasks.pipeline", "tasks.clock", "tasks.errors"))))
+    bad = sorted(i for i in found - SHIMS.get(mod, set()) if not flows_may_import(i))
     assert not bad, (f"{mod} imports {bad}: planning decisions live in a stage (tasks/<role>/<stage>.py); "
                      "flows/ only composes the declarations")
 
@@ -187,3 +196,9 @@ def test_the_architecture_page_shows_every_stage() -> None:
         assert f"| {s.version} |" in row and f"| {s.result.__name__} |" in row, (
             f"docs/architecture.md's stage table has no row for {s.name} v{s.version} -> {s.result.__name__}")
         assert all(t in row for t in s.tables), f"{s.name}'s row misses its tables {s.tables}"
+
+
+def test_the_flow_module_defines_only_the_flow() -> None:
+    tree = ast.parse(MODS["flows.plan_model"].read_text())
+    defs = [n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)]
+    assert defs == ["plan_model"], f"flows/plan_model.py composes the stages and defines nothing else: {defs}"
