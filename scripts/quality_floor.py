@@ -40,8 +40,8 @@ from artifacts.synth import synthesize  # noqa: E402
 from engine_bridge import ops  # noqa: E402
 from engine_bridge.client import WorkerClient  # noqa: E402
 from engine_bridge.params import EngineParams  # noqa: E402
-from flows.workload import validation_prompts  # noqa: E402
 from tasks.quality_gate import Gate, compare_all  # noqa: E402
+from tasks.workload import validation_prompts  # noqa: E402
 
 
 def twin(cache: Path, preset: str, sets: dict[str, str], quant: str, tag: str = "") -> Path:

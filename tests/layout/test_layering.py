@@ -130,8 +130,8 @@ ROLES = ("probing", "search", "measurement", "validation", "recording")
 # What flows/ may import from tasks/: declarations, the clock, typed errors, the bench suites (their own registry).
 FLOWS_MAY_IMPORT = ("tasks", "tasks.stage", "tasks.pipeline", "tasks.clock", "tasks.errors")
 FLOWS_MAY_IMPORT_UNDER = ("tasks.bench", *(f"tasks.{r}" for r in ROLES))
-# Re-exports kept for importers outside the planner (scripts/quality_floor.py); each goes when its importer moves.
-SHIMS = {"flows.workload": {"tasks.workload", "tasks.workload.validation_prompts"}}
+# Re-exports kept for importers outside the planner; each goes when its importer moves (none left).
+SHIMS: dict[str, set[str]] = {}
 
 
 def flows_may_import(name: str) -> bool:
