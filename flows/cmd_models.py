@@ -20,7 +20,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("synth", help="write a shape-faithful random-weight twin of a real model",
                        description="Write a GGUF with a real model's tensor shapes and random weights "
                                    "(realistic MoE routing), for what-if planning, tests and benchmarks.")
-    p.add_argument("--like", required=True, choices=sorted(PRESETS), help="the model shape to copy")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--like", choices=sorted(PRESETS), help="the model shape to copy")
+    what.add_argument("--draft-of", type=Path, metavar="TARGET.gguf",
+                      help="write a draft model of TARGET (its first --layers layers, head and tokenizer) and "
+                           "measure how often its greedy token is the target's")
+    p.add_argument("--layers", type=int, default=1, help="with --draft-of: the draft's layer count (default 1)")
     p.add_argument("--quant", default="Q4_0", choices=QUANTS, help="weight type (default Q4_0)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a shape field, e.g. --set n_layer=4 (repeatable)")
@@ -51,7 +56,9 @@ def _overrides(items: list[str]) -> dict[str, str]:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    """Write a synthetic twin and report its size and speed."""
+    """Write a synthetic twin and report its size and speed (or a draft of a model and its acceptance)."""
+    if args.draft_of is not None:
+        return _draft(args)
     try:
         overrides = _overrides(args.overrides)
         if args.routing != "uniform":
@@ -62,6 +69,26 @@ def cmd_synth(args: argparse.Namespace) -> int:
     mb_s = res.file_bytes / 1e6 / max(res.seconds, 1e-9)
     console().print(f"wrote {res.path}: {args.like} {args.quant}, {res.n_tensors} tensors, "
                     f"{res.file_bytes / 1e9:.3f} GB in {res.seconds:.1f} s ({mb_s:,.0f} MB/s)")
+    return 0
+
+
+def _draft(args: argparse.Namespace) -> int:
+    from artifacts.synth_draft import draft_twin
+    from tasks.measurement.draft import agreement
+
+    if not args.draft_of.is_file():
+        raise FluxError(f"flux synth --draft-of: {args.draft_of} is not a file; give the target model's .gguf")
+    try:
+        res = draft_twin(args.draft_of, args.output, args.layers)
+    except ValueError as exc:
+        raise FluxError(f"flux synth --draft-of: {exc}") from exc
+    con = console()
+    con.print(f"wrote {res.path}: the first {res.n_layer} of {res.target_layers} layers of {args.draft_of.name}, "
+              f"{res.n_tensors} tensors, {res.file_bytes / 1e6:.1f} MB in {res.seconds:.1f} s")
+    settings = args.settings
+    got = agreement(args.draft_of, res.path, log_path=settings.logs_dir / "draft.log")
+    con.print(f"acceptance: the draft's greedy token is the target's at {got.acceptance:.0%} of {got.positions} "
+              f"positions ({got.prompts} validation prompts); {got.mean_run:.1f} tokens accepted in a row on average")
     return 0
 
 

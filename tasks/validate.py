@@ -96,7 +96,7 @@ def _logprobs(w: WorkerClient, seqs: Seqs, tmp: Path, tag: str, timeout_s: float
     return out
 
 
-def _scored(model: Path, params: EngineParams, seqs: Seqs, tmp: Path, tag: str, log_path: Path,
+def scored(model: Path, params: EngineParams, seqs: Seqs, tmp: Path, tag: str, log_path: Path,
             timeout_s: float) -> list[np.ndarray]:
     """Log-probabilities of ``seqs`` under ``params``, in a fresh worker."""
     with WorkerClient(log_path=log_path, env=params.environment()) as w:
@@ -153,7 +153,7 @@ def floor_results(model: Path, variants: Sequence[tuple[str, EngineParams]], seq
     def lane(items: list[tuple[int, str, EngineParams]], d: Path) -> None:
         for i, name, params in items:
             try:
-                stats = compare_all(ref, _scored(model, params, seqs, d, f"floor{i}", log_path, timeout_s))
+                stats = compare_all(ref, scored(model, params, seqs, d, f"floor{i}", log_path, timeout_s))
             except EngineError as exc:  # a variant that cannot run here (no room on the GPU) samples nothing
                 progress(f"validate: noise floor {name}: not measured ({exc})")
                 continue

@@ -140,3 +140,15 @@ def test_version_prints_build_id(flux) -> None:
 ])
 def test_bad_plan_flags_are_one_line(flux, tiny_moe: Path, flags: list[str], needle: str) -> None:
     one_line_error(flux("plan", str(tiny_moe), *flags), needle)
+
+
+def test_synth_a_draft_and_its_acceptance(flux, tiny_moe: Path, tmp_path: Path) -> None:
+    r = flux("synth", "--draft-of", str(tiny_moe), "--layers", "1", "-o", str(tmp_path / "d.gguf"))
+    assert r.returncode == 0, r.stderr
+    assert "the first 1 of 4 layers" in r.stdout and "acceptance: the draft's greedy token is the target's at" in r.stdout
+    missing = flux("synth", "--draft-of", str(tmp_path / "nope.gguf"), "-o", str(tmp_path / "d2.gguf"))
+    assert missing.returncode == 2 and "is not a file" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+    deep = flux("synth", "--draft-of", str(tiny_moe), "--layers", "4", "-o", str(tmp_path / "d3.gguf"))
+    assert deep.returncode == 2 and "takes 1 to 3 of its 4 layers" in deep.stderr
+    both = flux("synth", "--draft-of", str(tiny_moe), "--like", "tiny-moe", "-o", str(tmp_path / "d4.gguf"))
+    assert both.returncode == 2
