@@ -134,6 +134,27 @@ class GreedyResult(_Msg):
     text: str
 
 
+class SpecGreedyArgs(_Msg):
+    """Greedy speculative decoding on the loaded model, drafted by another model sharing its tokenizer."""
+
+    prompt: list[int] = Field(min_length=1)
+    n_gen: int = Field(ge=1)
+    draft_model: str = Field(min_length=1, description="the draft's .gguf (loaded once, kept with the model)")
+    n_draft: int = Field(4, ge=1, le=64, description="tokens the draft proposes per verification")
+    stop_eog: bool = False
+
+
+class SpecGreedyResult(_Msg):
+    """The tokens (the loaded model's greedy continuation) and what drafting did."""
+
+    tokens: list[int]
+    drafted: int
+    accepted: int
+    steps: int
+    prompt_ms: float
+    gen_ms: float
+
+
 class LogprobsArgs(_Msg):
     prompt: list[int] = Field(min_length=1)
     continuation: list[int]
@@ -302,6 +323,7 @@ TOKENIZE = OpSpec("tokenize", TokenizeArgs, TokenizeResult, reader=True)
 DETOKENIZE = OpSpec("detokenize", DetokenizeArgs, DetokenizeResult, reader=True)
 TIMED_RUN = OpSpec("timed_run", TimedRunArgs, Timing)
 GREEDY = OpSpec("greedy", GreedyArgs, GreedyResult)
+SPEC_GREEDY = OpSpec("spec_greedy", SpecGreedyArgs, SpecGreedyResult)
 LOGPROBS = OpSpec("logprobs", LogprobsArgs, LogprobsResult)
 CHAT = OpSpec("chat", ChatArgs, ChatResult)
 SERVE_LOAD = OpSpec("serve_load", ServeLoadArgs, ServeInfo)
@@ -313,5 +335,5 @@ ABORT = OpSpec("abort", NoArgs, Empty)
 SHUTDOWN = OpSpec("shutdown", NoArgs, Empty)
 
 OPS: dict[str, OpSpec[Any, Any]] = {s.name: s for s in (
-    HELLO, DEVICES, LOAD, TOKENIZE, DETOKENIZE, TIMED_RUN, GREEDY, LOGPROBS, CHAT, SERVE_LOAD, GENERATE, CANCEL,
+    HELLO, DEVICES, LOAD, TOKENIZE, DETOKENIZE, TIMED_RUN, GREEDY, SPEC_GREEDY, LOGPROBS, CHAT, SERVE_LOAD, GENERATE, CANCEL,
     SERVE_STATS, ROUTING_COUNTS, ABORT, SHUTDOWN)}

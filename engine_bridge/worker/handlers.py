@@ -78,6 +78,25 @@ def greedy(w: Worker, a: ops.GreedyArgs) -> ops.GreedyResult:
     return ops.GreedyResult(tokens=toks, text=m.detokenize(toks))
 
 
+def spec_greedy(w: Worker, a: ops.SpecGreedyArgs) -> ops.SpecGreedyResult:
+    """Greedy speculative decoding: the loaded model's greedy tokens, drafted by ``a.draft_model`` (loaded with
+    the model's parameters the first time, then kept with it)."""
+    from engine_bridge.worker.native import NativeModel
+    from engine_bridge.worker.speculative import speculative_greedy
+
+    m = w.need_model()
+    if not isinstance(m, NativeModel):
+        raise EngineError("not_loaded", "spec_greedy needs a model's weights: send 'load' without vocab_only")
+    draft = m.drafts.get(a.draft_model)
+    if draft is None:
+        if not Path(a.draft_model).is_file():
+            raise EngineError("model_missing", f"the draft model {a.draft_model} is not a file")
+        draft = m.drafts[a.draft_model] = NativeModel(Path(a.draft_model), m.params)
+    run = speculative_greedy(m, draft, a.prompt, a.n_gen, a.n_draft, a.stop_eog)
+    return ops.SpecGreedyResult(tokens=run.tokens, drafted=run.drafted, accepted=run.accepted, steps=run.steps,
+                                prompt_ms=run.prompt_ms, gen_ms=run.gen_ms)
+
+
 def logprobs(w: Worker, a: ops.LogprobsArgs) -> ops.LogprobsResult:
     """Write the log-softmax rows before each continuation token to an .npy file (too big for JSON)."""
     lp = w.need_model().logprobs(a.prompt, a.continuation)
@@ -138,7 +157,8 @@ def abort(w: Worker, a: ops.NoArgs) -> ops.Empty:
 
 HANDLERS: dict[str, tuple[ops.OpSpec[Any, Any], Handler]] = {spec.name: (spec, fn) for spec, fn in (
     (ops.HELLO, hello), (ops.DEVICES, devices), (ops.LOAD, load), (ops.TOKENIZE, tokenize),
-    (ops.DETOKENIZE, detokenize), (ops.TIMED_RUN, timed_run), (ops.GREEDY, greedy), (ops.LOGPROBS, logprobs),
+    (ops.DETOKENIZE, detokenize), (ops.TIMED_RUN, timed_run), (ops.GREEDY, greedy), (ops.SPEC_GREEDY, spec_greedy),
+    (ops.LOGPROBS, logprobs),
     (ops.CHAT, chat), (ops.SERVE_LOAD, serve_load), (ops.CANCEL, cancel), (ops.SERVE_STATS, serve_stats),
     (ops.ROUTING_COUNTS, routing_counts), (ops.ABORT, abort))}
 STREAM_HANDLERS: dict[str, tuple[ops.OpSpec[Any, Any], StreamHandler]] = {ops.GENERATE.name: (ops.GENERATE, generate)}

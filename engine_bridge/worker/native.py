@@ -38,6 +38,7 @@ class NativeModel:
         self.n_batch = self.params.n_batch
         self._batch = SeqBatch(self.n_batch, 1)
         self._peer: Any = None
+        self.drafts: dict[str, NativeModel] = {}  # draft models loaded for speculative runs, by path
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         """Tokens of ``text`` (no BOS added)."""
@@ -148,6 +149,9 @@ class NativeModel:
         if self._peer is not None:
             self._peer.close()
             self._peer = None
+        for d in self.drafts.values():
+            d.close()
+        self.drafts.clear()
         llama_cpp.llama_free(self.ctx)
         llama_cpp.llama_model_free(self.model)
         self._keep.clear()
