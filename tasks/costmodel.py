@@ -175,15 +175,29 @@ def _host_attention_layers(cand: Candidate) -> int:
     return sum(1 for i, d in enumerate(devs) if d != "CPU" and (not p.offload_kqv or i < first_offloaded))
 
 
+def state_reads(info: ModelInfo, cand: Candidate) -> tuple[float, float]:
+    """(host, GPU) bytes of recurrent state one decoded token moves (hybrid models: each recurrent layer reads its
+    fixed-size state and writes it back, whatever the depth). The state lives with the layer's cache: on the
+    layer's device when the cache is offloaded, else on the host; spread evenly over the layers' devices."""
+    if not info.recurrent_state_bytes:
+        return 0.0, 0.0
+    moved = 2.0 * info.recurrent_state_bytes
+    devs = cand.placement.layer_device
+    on_gpu = sum(1 for d in devs if d != "CPU") / max(1, len(devs)) if cand.params.offload_kqv else 0.0
+    return moved * (1.0 - on_gpu), moved * on_gpu
+
+
 def decode_reads(info: ModelInfo, cand: Candidate, depth: float = 0.0) -> tuple[float, float]:
     """(host, GPU) bytes one decoded token reads under ``cand``: weights where the placement puts them, the
-    expert picks a per-expert split serves from GPU copies moved to the GPU, and the KV cache at ``depth``."""
+    expert picks a per-expert split serves from GPU copies moved to the GPU, the KV cache at ``depth`` and a
+    hybrid model's recurrent state."""
     per_dev = layer_bytes(info, cand.placement)
     cpu_read = per_dev.get("CPU", (0.0, 0.0))[0]
     gpu_read = sum(r for d, (r, _) in per_dev.items() if d != "CPU")
     kv_cpu, kv_gpu = kv_reads(info, cand, depth)
+    st_cpu, st_gpu = state_reads(info, cand)
     moved = split_reads(info, cand)
-    return cpu_read + kv_cpu - moved, gpu_read + kv_gpu + moved
+    return cpu_read + kv_cpu + st_cpu - moved, gpu_read + kv_gpu + st_gpu + moved
 
 
 def host_attention_ms(info: ModelInfo, hw: HardwareReport, cand: Candidate, kv_cpu_bytes: float,

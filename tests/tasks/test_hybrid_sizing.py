@@ -50,3 +50,27 @@ def test_a_plan_at_the_trained_context_fits_where_ram_holds_the_attention_layers
     assert resolve_context(info, small, PlanRequest(model="m"), 5) == (262144, False)
     four = resolve_context(info, small, PlanRequest(model="m", concurrency=4), 5)
     assert four[1] and four[0] < 262144, "four sequences' KV do not fit: capped by RAM"
+
+
+def test_a_decoded_token_moves_the_recurrent_state_where_the_layers_cache_is(tmp_path: Path) -> None:
+    """The 80B twin's 79 MB of delta-net state is read and written back each decoded token (2 x 79 MB), on the
+    GPU with the layers there, on the host with their cache on the host (-nkvo) or the layers there."""
+    from artifacts.records.search import Candidate, Placement
+    from engine_bridge.params import EngineParams
+    from tasks.costmodel import decode_reads, state_reads
+
+    info = _info(tmp_path)
+    state = info.recurrent_state_bytes
+
+    def cand(devs: list[str], offload_kqv: bool = True) -> Candidate:
+        return Candidate(id="c", family="t", placement=Placement(layer_device=devs), weights_bytes={}, kv_bytes={},
+                         compute_bytes={}, params=EngineParams(n_ctx=4096, n_gpu_layers=99, offload_kqv=offload_kqv))
+
+    assert state_reads(info, cand(["CUDA0"] * 48)) == (0.0, 2.0 * state)
+    assert state_reads(info, cand(["CUDA0"] * 48, offload_kqv=False)) == (2.0 * state, 0.0)
+    assert state_reads(info, cand(["CPU"] * 24 + ["CUDA0"] * 24)) == (state, state)
+    host, gpu = decode_reads(info, cand(["CUDA0"] * 48))
+    host0, gpu0 = decode_reads(info.model_copy(update={"recurrent_state_bytes": 0}), cand(["CUDA0"] * 48))
+    assert (host - host0, gpu - gpu0) == (0.0, 2.0 * state)
+    dense = model_info(header_only_twin("llama3-8b", tmp_path / "l.gguf"))
+    assert state_reads(dense, cand(["CUDA0"] * 32)) == (0.0, 0.0)
