@@ -320,7 +320,10 @@ class FluxService:
         meta = {"n_ctx": self.n_ctx, "n_seq_max": self.engine.info.n_seq_max, "n_vocab": self.engine.info.n_vocab,
                 "min_reply": self.min_reply, "plan_id": p.id, "model_path": str(self.model_path),
                 "model_hash": p.model_hash, "tool_call_format": self.tool_format.name,
-                "backend_build": p.backend_build, "quality_profile": p.quality_profile, "kv": p.request.kv}
+                "backend_build": p.backend_build, "quality_profile": p.quality_profile, "kv": p.request.kv,
+                # what the plan's conversations get: its KV cache per device (committed at load) and the RAM for
+                # parked conversations taken when the server started (`flux show` prints the same)
+                "page_budgets": {"kv_bytes": dict(p.candidate.kv_bytes), "park_bytes": self.engine.spec.park_bytes}}
         card = {"id": self.model_id, "object": "model", "created": int(self.started), "owned_by": "flux",
                 "context_length": self.n_ctx, "max_model_len": self.n_ctx, "meta": meta}
         return {"object": "list", "data": [card]}

@@ -55,6 +55,8 @@ def test_openai_client_lists_models(client: openai.OpenAI, plan: Plan) -> None:
     assert m["id"] == plan.model_name and m["owned_by"] == "flux"
     assert m["context_length"] == m["max_model_len"] == m["meta"]["n_ctx"] == 1024
     assert m["meta"]["plan_id"] == plan.id
+    pages = m["meta"]["page_budgets"]
+    assert pages["kv_bytes"] == plan.candidate.kv_bytes and pages["park_bytes"] >= 0
 
 
 def test_openai_client_chats_plain(client: openai.OpenAI, plan: Plan) -> None:
