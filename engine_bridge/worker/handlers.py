@@ -92,9 +92,7 @@ def spec_greedy(w: Worker, a: ops.SpecGreedyArgs) -> ops.SpecGreedyResult:
         if not Path(a.draft_model).is_file():
             raise EngineError("model_missing", f"the draft model {a.draft_model} is not a file")
         draft = m.drafts[a.draft_model] = NativeModel(Path(a.draft_model), m.params)
-    run = speculative_greedy(m, draft, a.prompt, a.n_gen, a.n_draft, a.stop_eog)
-    return ops.SpecGreedyResult(tokens=run.tokens, drafted=run.drafted, accepted=run.accepted, steps=run.steps,
-                                prompt_ms=run.prompt_ms, gen_ms=run.gen_ms)
+    return speculative_greedy(m, draft, a.prompt, a.n_gen, a.n_draft, a.stop_eog)
 
 
 def logprobs(w: Worker, a: ops.LogprobsArgs) -> ops.LogprobsResult:

@@ -12,25 +12,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import llama_cpp
 import numpy as np
 
+from engine_bridge import ops
 from engine_bridge.errors import EngineError
 from engine_bridge.worker.native import NativeModel
-
-
-@dataclass
-class SpecRun:
-    """A speculative greedy run: its tokens and what the draft did."""
-
-    tokens: list[int]
-    drafted: int
-    accepted: int
-    steps: int
-    prompt_ms: float
-    gen_ms: float
 
 
 def _cut(m: NativeModel, keep: int) -> None:
@@ -43,7 +31,7 @@ def _argmax(m: NativeModel, i: int = -1) -> int:
 
 
 def speculative_greedy(target: NativeModel, draft: NativeModel, prompt: Sequence[int], n_gen: int,
-                       n_draft: int, stop_eog: bool = False) -> SpecRun:
+                       n_draft: int, stop_eog: bool = False) -> ops.SpecGreedyResult:
     """``n_gen`` greedy tokens of ``target`` after ``prompt``, drafted ``n_draft`` at a time by ``draft``.
 
     Raises:
@@ -93,5 +81,5 @@ def speculative_greedy(target: NativeModel, draft: NativeModel, prompt: Sequence
     if stop_eog:
         end = next((j for j, t in enumerate(tokens) if target.vocab.is_eog(t)), None)
         tokens = tokens if end is None else tokens[:end]
-    return SpecRun(tokens=tokens, drafted=drafted, accepted=accepted, steps=steps, prompt_ms=(t1 - t0) * 1e3,
+    return ops.SpecGreedyResult(tokens=tokens, drafted=drafted, accepted=accepted, steps=steps, prompt_ms=(t1 - t0) * 1e3,
                    gen_ms=(time.perf_counter() - t1) * 1e3)
