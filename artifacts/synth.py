@@ -34,6 +34,7 @@ from numpy.typing import NDArray
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from artifacts.errors import ModelFileError
+from artifacts.gguf_encode import kv, kv_array, string
 from artifacts.ids import canonical_json
 from artifacts.synth_blocks import BLOCK_MAKERS
 from artifacts.synth_catalog import PRESETS
@@ -218,33 +219,6 @@ def _padded(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-# ---- GGUF container ----------------------------------------------------------------------------------
-
-_SCALAR_FMT = {VT.UINT32: "<I", VT.INT32: "<i", VT.UINT64: "<Q", VT.FLOAT32: "<f", VT.BOOL: "<?"}
-
-
-def _str(s: str) -> bytes:
-    b = s.encode("utf-8")
-    return struct.pack("<Q", len(b)) + b
-
-
-def _value(vt: VT, value: Any) -> bytes:
-    if vt == VT.STRING:
-        return _str(value)
-    return struct.pack(_SCALAR_FMT[vt], value)
-
-
-def _kv(key: str, vt: VT, value: Any) -> bytes:
-    return _str(key) + struct.pack("<I", vt) + _value(vt, value)
-
-
-def _kv_array(key: str, vt: VT, values: list[Any]) -> bytes:
-    head = _str(key) + struct.pack("<IIQ", VT.ARRAY, vt, len(values))
-    if vt == VT.INT32:
-        return head + np.asarray(values, dtype="<i4").tobytes()
-    return head + b"".join(_value(vt, v) for v in values)
-
-
 def _layout(
     spec: SynthSpec, plan: list[PlannedTensor], name: str, quant: Quant, seed: int
 ) -> tuple[bytes, list[int]]:
@@ -253,7 +227,7 @@ def _layout(
     infos, sizes, off = [], [], 0
     for t in plan:
         dims = struct.pack(f"<I{len(t.shape)}Q", len(t.shape), *t.shape)
-        infos.append(_str(t.name) + dims + struct.pack("<IQ", t.ggml_type, off))
+        infos.append(string(t.name) + dims + struct.pack("<IQ", t.ggml_type, off))
         sizes.append(t.nbytes)
         off += _padded(t.nbytes)
     header = b"GGUF" + struct.pack("<IQQ", 3, len(plan), len(kvs)) + b"".join(kvs) + b"".join(infos)
@@ -283,32 +257,32 @@ def _metadata(spec: SynthSpec, name: str, quant: Quant, seed: int) -> list[bytes
     if spec.arch in HYBRID_ARCHES:
         hparams |= _hybrid_hparams(spec)
     kvs = [
-        _kv("general.architecture", s, a),
-        _kv("general.name", s, f"flux-synth-{name}-{quant}"),
-        _kv("general.file_type", u32, _FILE_TYPE[quant]),
-        _kv("general.quantization_version", u32, 2),
-        *(_kv(f"{a}.{key}", u32, value) for key, value in hparams.items()),
-        _kv(f"{a}.rope.freq_base", f32, spec.rope_base),
-        _kv(f"{a}.attention.layer_norm_rms_epsilon", f32, spec.eps),
+        kv("general.architecture", s, a),
+        kv("general.name", s, f"flux-synth-{name}-{quant}"),
+        kv("general.file_type", u32, _FILE_TYPE[quant]),
+        kv("general.quantization_version", u32, 2),
+        *(kv(f"{a}.{key}", u32, value) for key, value in hparams.items()),
+        kv(f"{a}.rope.freq_base", f32, spec.rope_base),
+        kv(f"{a}.attention.layer_norm_rms_epsilon", f32, spec.eps),
         *_layer_arrays(spec),
         *_mup_scales(spec),
     ]
     tokens, types, merges = vocab(spec.n_vocab)
     bos, eos = spec.n_vocab - 3, spec.n_vocab - 1  # <|endoftext|>, <|im_end|>
     kvs += [
-        _kv("tokenizer.ggml.model", s, "gpt2"),
-        _kv("tokenizer.ggml.pre", s, "qwen2"),
-        _kv_array("tokenizer.ggml.tokens", s, tokens),
-        _kv_array("tokenizer.ggml.token_type", VT.INT32, types),
-        _kv_array("tokenizer.ggml.merges", s, merges),
-        _kv("tokenizer.ggml.bos_token_id", u32, bos),
-        _kv("tokenizer.ggml.eos_token_id", u32, eos),
-        _kv("tokenizer.ggml.padding_token_id", u32, bos),
-        _kv("tokenizer.ggml.add_bos_token", VT.BOOL, False),
-        _kv("tokenizer.chat_template", s, CHATML),
-        _kv("flux.synth.preset", s, name),
-        _kv("flux.synth.seed", VT.UINT64, seed),
-        _kv("flux.synth.spec", s, canonical_json(_spec_record(spec))),
+        kv("tokenizer.ggml.model", s, "gpt2"),
+        kv("tokenizer.ggml.pre", s, "qwen2"),
+        kv_array("tokenizer.ggml.tokens", s, tokens),
+        kv_array("tokenizer.ggml.token_type", VT.INT32, types),
+        kv_array("tokenizer.ggml.merges", s, merges),
+        kv("tokenizer.ggml.bos_token_id", u32, bos),
+        kv("tokenizer.ggml.eos_token_id", u32, eos),
+        kv("tokenizer.ggml.padding_token_id", u32, bos),
+        kv("tokenizer.ggml.add_bos_token", VT.BOOL, False),
+        kv("tokenizer.chat_template", s, CHATML),
+        kv("flux.synth.preset", s, name),
+        kv("flux.synth.seed", VT.UINT64, seed),
+        kv("flux.synth.spec", s, canonical_json(_spec_record(spec))),
     ]
     return kvs
 
@@ -320,8 +294,8 @@ def _layer_arrays(spec: SynthSpec) -> list[bytes]:
         return []
     recurrent = [spec.is_recurrent(i) for i in range(spec.n_layer)]
     return [
-        _kv_array(f"{spec.arch}.attention.recurrent_layers", VT.BOOL, recurrent),
-        _kv_array(f"{spec.arch}.rope.dimension_sections", VT.INT32, list(spec.rope_sections)),
+        kv_array(f"{spec.arch}.attention.recurrent_layers", VT.BOOL, recurrent),
+        kv_array(f"{spec.arch}.rope.dimension_sections", VT.INT32, list(spec.rope_sections)),
     ]
 
 
@@ -332,12 +306,12 @@ def _mup_scales(spec: SynthSpec) -> list[bytes]:
         return []
     a, f32 = spec.arch, VT.FLOAT32
     kvs = [
-        _kv(f"{a}.embedding_scale", f32, spec.scale_emb),
-        _kv(f"{a}.residual_scale", f32, spec.scale_depth / spec.n_layer**0.5),
-        _kv(f"{a}.logit_scale", f32, spec.n_embd / spec.dim_model_base),
+        kv(f"{a}.embedding_scale", f32, spec.scale_emb),
+        kv(f"{a}.residual_scale", f32, spec.scale_depth / spec.n_layer**0.5),
+        kv(f"{a}.logit_scale", f32, spec.n_embd / spec.dim_model_base),
     ]
     if spec.longrope:
-        kvs.append(_kv(f"{a}.rope.scaling.type", VT.STRING, "longrope"))
+        kvs.append(kv(f"{a}.rope.scaling.type", VT.STRING, "longrope"))
     return kvs
 
 
