@@ -27,7 +27,8 @@ from tasks import expert_select, layer_split
 from tasks.costmodel import EXPERT_PARTS, all_on, head_bytes, layer_bytes
 from tasks.errors import ImpossiblePlan
 from tasks.expert_hot import hot_placement, split_bytes
-from tasks.gpu_memory import DEFAULT_MARGIN, budget_problem, compute_bytes, correction, offloads_host_weights
+from tasks.gpu_budget import check_gpu_budgets, gpu_devices, gpu_limits
+from tasks.gpu_memory import DEFAULT_MARGIN, compute_bytes, correction, offloads_host_weights
 
 log = logging.getLogger(__name__)
 GIB = 2**30
@@ -298,45 +299,6 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest, 
              sum(rejected.values()), "/".join(str(c) for c in sorted({s.n_ctx for s in unique.values()}, reverse=True)))
     return PlacementSpace(candidates=cands, rejected=rejected, memory_limits=limits, n_ctx=n_ctx,
                           n_seq=req.concurrency, ctx_capped_by_ram=capped)
-
-
-def gpu_devices(hw: HardwareReport) -> list[tuple[str, int]]:
-    """(ggml device name, free bytes) of each GPU llama.cpp can use, in its own CUDA order.
-
-    NVML lists every GPU of the host; llama.cpp sees only those CUDA_VISIBLE_DEVICES leaves, numbered
-    from CUDA0. Placements name ggml devices, so the ggml list decides (on the H200 machine NVML saw two
-    GPUs while llama.cpp had one: budgeting the NVML list put a second GPU's share on the first).
-    """
-    out = []
-    for d in hw.ggml_devices:
-        if d.get("kind") == "gpu":
-            free = d.get("memory_free")
-            out.append((str(d["name"]), int(free) if isinstance(free, int) else 0))
-    if any(free == 0 for _, free in out):  # a probe without ggml memory figures: fall back to NVML's
-        out = [(name, hw.gpus[i].memory_free if i < len(hw.gpus) else 0) for i, (name, _) in enumerate(out)]
-    return out
-
-
-def check_gpu_budgets(info: ModelInfo, hw: HardwareReport, req: PlanRequest, n_ctx: int) -> None:
-    """Refuse a ``--gpu-mem-budget`` no plan can use (:func:`tasks.gpu_memory.budget_problem`), in one line."""
-    budgets = req.gpu_mem_budget_gib or []
-    devices = gpu_devices(hw)
-    for i, (name, free) in enumerate(devices):
-        b = budgets[i] if i < len(budgets) else (budgets[-1] if budgets else None)
-        problem = budget_problem(info, int(b * GIB), free, n_ctx, req.concurrency, req.kv, hw, name,
-                                 len(devices)) if b else None
-        if problem:
-            raise ImpossiblePlan(*problem)
-
-
-def gpu_limits(hw: HardwareReport, req: PlanRequest) -> list[int]:
-    """Bytes each GPU llama.cpp sees may hold: its budget (``--gpu-mem-budget``), at most its free memory."""
-    budgets = req.gpu_mem_budget_gib or []
-    out = []
-    for i, (_, free) in enumerate(gpu_devices(hw)):
-        b = budgets[i] if i < len(budgets) else (budgets[-1] if budgets else None)
-        out.append(int(min(free, b * GIB)) if b is not None else free)
-    return out
 
 
 def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, shape: _Shape,

@@ -66,7 +66,7 @@ class ReferenceOutputs(BaseModel):
 
 
 def _gpus(hw: HardwareReport) -> list[tuple[str, int]]:
-    from tasks.enumerate import gpu_devices
+    from tasks.gpu_budget import gpu_devices
 
     return gpu_devices(hw)
 

@@ -17,7 +17,7 @@ from artifacts.records.hardware import HardwareReport
 from artifacts.records.kinds import MEASURED, TRIALS_RAW_TABLE
 from artifacts.records.search import Finalists
 from tasks import workload as wl
-from tasks.enumerate import gpu_limits
+from tasks.gpu_budget import gpu_limits
 from tasks.gpu_memory import predicted_gpu_bytes
 from tasks.measure import Scoring, measure
 from tasks.reference import ReferenceOutputs

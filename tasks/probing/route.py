@@ -17,7 +17,7 @@ from engine_bridge.expert_split import SPLIT_ARCHITECTURES
 from engine_bridge.routing_trace import routing_table
 from tasks import route
 from tasks import workload as wl
-from tasks.enumerate import gpu_devices
+from tasks.gpu_budget import gpu_devices
 from tasks.stage import PlanContext, Stage
 
 

@@ -1,0 +1,56 @@
+"""The GPUs a plan may use and how much of each: llama.cpp's devices with their free memory, and the budget
+``--gpu-mem-budget`` gives each (one value per GPU; the last repeats for the rest)."""
+
+from __future__ import annotations
+
+from artifacts.model_info import ModelInfo
+from artifacts.records.hardware import HardwareReport
+from artifacts.records.plan import PlanRequest
+from tasks.errors import ImpossiblePlan
+from tasks.gpu_memory import budget_problem
+
+GIB = 2**30
+
+
+def _budget_gib(budgets: list[float], i: int) -> float | None:
+    """GPU ``i``'s budget in GiB: its own value, else the last one given, else none."""
+    return budgets[i] if i < len(budgets) else (budgets[-1] if budgets else None)
+
+
+def gpu_devices(hw: HardwareReport) -> list[tuple[str, int]]:
+    """(ggml device name, free bytes) of each GPU llama.cpp can use, in its own CUDA order.
+
+    NVML lists every GPU of the host; llama.cpp sees only those CUDA_VISIBLE_DEVICES leaves, numbered
+    from CUDA0. Placements name ggml devices, so the ggml list decides (on the H200 machine NVML saw two
+    GPUs while llama.cpp had one: budgeting the NVML list put a second GPU's share on the first).
+    """
+    out = []
+    for d in hw.ggml_devices:
+        if d.get("kind") == "gpu":
+            free = d.get("memory_free")
+            out.append((str(d["name"]), int(free) if isinstance(free, int) else 0))
+    if any(free == 0 for _, free in out):  # a probe without ggml memory figures: fall back to NVML's
+        out = [(name, hw.gpus[i].memory_free if i < len(hw.gpus) else 0) for i, (name, _) in enumerate(out)]
+    return out
+
+
+def check_gpu_budgets(info: ModelInfo, hw: HardwareReport, req: PlanRequest, n_ctx: int) -> None:
+    """Refuse a ``--gpu-mem-budget`` no plan can use (:func:`tasks.gpu_memory.budget_problem`), in one line."""
+    budgets = req.gpu_mem_budget_gib or []
+    devices = gpu_devices(hw)
+    for i, (name, free) in enumerate(devices):
+        b = _budget_gib(budgets, i)
+        problem = budget_problem(info, int(b * GIB), free, n_ctx, req.concurrency, req.kv, hw, name,
+                                 len(devices)) if b else None
+        if problem:
+            raise ImpossiblePlan(*problem)
+
+
+def gpu_limits(hw: HardwareReport, req: PlanRequest) -> list[int]:
+    """Bytes each GPU llama.cpp sees may hold: its budget (``--gpu-mem-budget``), at most its free memory."""
+    budgets = req.gpu_mem_budget_gib or []
+    out = []
+    for i, (_, free) in enumerate(gpu_devices(hw)):
+        b = _budget_gib(budgets, i)
+        out.append(int(min(free, b * GIB)) if b is not None else free)
+    return out
