@@ -10,7 +10,7 @@
 #    stops the build and names the patch);
 # 3. builds a wheel, cached under $XDG_CACHE_HOME/flux/backend/<key>, key = hash(pin, patches, CMAKE_ARGS),
 #    and installs it;
-# 4. builds llama.cpp's own llama-server (web UI off, static) from the same patched source into that dir;
+# 4. builds llama.cpp's own llama-server, llama-bench and rpc-server (web UI off, static) from the same patched source into that dir;
 # 5. writes third_party/architectures.txt, the architectures the pinned llama.cpp implements.
 # A second run with nothing changed finds the key in the cache and only checks the install.
 #
@@ -87,7 +87,7 @@ COMMIT=$(pin_value LLAMA_CPP_COMMIT)
 [ -n "$VERSION" ] && [ -n "$SHA256" ] && [ -n "$COMMIT" ] || die "$PIN_FILE must set LLAMA_CPP_PYTHON_VERSION, LLAMA_CPP_PYTHON_SHA256 and LLAMA_CPP_COMMIT"
 
 # -- what this build is: cmake flags + key -------------------------------------------------------------
-FLAGS="-DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+FLAGS="-DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_RPC=ON"
 if [ -n "${CUDA_ARCHS:-}" ]; then
   FLAGS="$FLAGS -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHS}"
 fi
@@ -197,11 +197,11 @@ build_server() {
     cmake -S "$src/vendor/llama.cpp" -B "$bdir" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_APP=OFF \
     $FLAGS
-  step "building llama-server and llama-bench (a second llama.cpp compile)" server \
-    cmake --build "$bdir" --target llama-server llama-bench -j "$JOBS"
+  step "building llama-server, llama-bench and rpc-server (a second llama.cpp compile)" server \
+    cmake --build "$bdir" --target llama-server llama-bench ggml-rpc-server -j "$JOBS"
   mkdir -p "$OUT/bin"
-  for exe in llama-bench llama-server; do
-    cp "$bdir/bin/$exe" "$OUT/bin/$exe.tmp" && mv "$OUT/bin/$exe.tmp" "$OUT/bin/$exe"
+  for exe in llama-bench llama-server ggml-rpc-server; do
+    cp "$bdir/bin/$exe" "$OUT/bin/$exe.tmp" && mv "$OUT/bin/$exe.tmp" "$OUT/bin/${exe#ggml-}"
   done
   rm -rf "$bdir"
 }
@@ -215,12 +215,13 @@ build_shared() {
     cmake -S "$src/vendor/llama.cpp" -B "$bdir" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
     -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_APP=OFF $FLAGS
-  step "building llama.cpp, llama-server and llama-bench" shared \
-    cmake --build "$bdir" --target llama llama-server llama-bench -j "$JOBS"
+  step "building llama.cpp, llama-server, llama-bench and rpc-server" shared \
+    cmake --build "$bdir" --target llama llama-server llama-bench ggml-rpc-server -j "$JOBS"
   # lib/ holds the shared libraries once; bin/'s executables find them through links (their RPATH is $ORIGIN).
   rm -rf "$OUT/lib.tmp" "$OUT/bin.tmp"; mkdir -p "$OUT/lib.tmp" "$OUT/bin.tmp"
   cp -a "$bdir"/bin/lib*.so* "$OUT/lib.tmp/"
   cp -a "$bdir/bin/llama-server" "$bdir/bin/llama-bench" "$OUT/bin.tmp/"
+  cp -a "$bdir/bin/ggml-rpc-server" "$OUT/bin.tmp/rpc-server"
   for f in "$OUT"/lib.tmp/lib*.so*; do ln -s "../lib/$(basename "$f")" "$OUT/bin.tmp/$(basename "$f")"; done
   rm -rf "$OUT/lib" "$OUT/bin"; mv "$OUT/lib.tmp" "$OUT/lib"; mv "$OUT/bin.tmp" "$OUT/bin"
   # The Python package: its own CMake builds nothing (LLAMA_BUILD=OFF); install_wheel puts $OUT/lib in it.

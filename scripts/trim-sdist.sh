@@ -18,7 +18,7 @@ V="$OUT/vendor/llama.cpp"
 rm -rf "$OUT/docs" "$OUT/examples" "$OUT/tests" "$OUT/docker" "$V/models" "$V/docs" "$V/tests" "$V/benches" \
        "$V/examples" "$V/conversion" "$V/media" "$OUT/.git" "$V/gguf-py" "$V/pocs" "$V/app" "$V/skills"
 rm -f "$V/.git"  # a submodule's pointer to $OUT/.git, gone above: git apply (the patches) fails on a dangling one
-for b in blas cann et hexagon hip metal musa opencl openvino rpc sycl virtgpu vulkan webgpu zdnn zendnn; do
+for b in blas cann et hexagon hip metal musa opencl openvino sycl virtgpu vulkan webgpu zdnn zendnn; do
   rm -rf "$V/ggml/src/ggml-$b"
 done
 echo "$SHA (trimmed by scripts/trim-sdist.sh)" > "$OUT/FLUX_SDIST_SHA256"
