@@ -14,6 +14,7 @@ EngineCode = Literal[
     "busy", "not_loaded",  # not ready for it
     "decode_failed", "sampling_failed", "load_failed", "model_missing", "probe_failed", "validation_failed",
     "routing_unreadable", "routing_mismatch", "expert_split_mismatch", "unknown_op", "internal",  # failures
+    "rpc_unavailable",  # an RPC server of the plan does not answer (or the build has no RPC)
     "worker_died", "worker_timeout", "protocol_mismatch", "llama_server", "engine_error",  # the process around it
 ]
 ENGINE_CODES: frozenset[str] = frozenset(get_args(EngineCode))

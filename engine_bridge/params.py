@@ -150,6 +150,9 @@ class EngineParams(BaseModel):
         "tensors on the host (place them there with tensor_overrides)"))
     expert_host_sync: bool = Field(False, description=(
         "FLUX_MOE_HOST_SYNC: a split layer's host experts wait for its GPU experts instead of running meanwhile"))
+    rpc_servers: tuple[str, ...] = Field((), description=(
+        "llama.cpp RPC servers (host:port) whose devices the model may use (--rpc); their devices come first in "
+        "llama.cpp's device list, named RPC0, RPC1, ... in this order, so tensor_split lists them first"))
     seed: int = 0
 
     @model_validator(mode="after")
@@ -182,6 +185,8 @@ class EngineParams(BaseModel):
             args.append("--no-op-offload")
         for o in self.tensor_overrides:
             args += ["-ot", o.as_flag()]
+        if self.rpc_servers:
+            args += ["--rpc", ",".join(self.rpc_servers)]
         return args
 
     def environment(self) -> dict[str, str]:

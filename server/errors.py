@@ -132,7 +132,7 @@ EngineAnswer = Literal["invalid", "context", "unavailable", "died", "timeout", "
 ENGINE_HTTP: dict[EngineCode, EngineAnswer] = {
     "bad_request": "invalid", "bad_grammar": "invalid", "bad_params": "failed", "bad_override": "failed",
     "context_overflow": "context",
-    "busy": "unavailable", "not_loaded": "unavailable",
+    "busy": "unavailable", "not_loaded": "unavailable", "rpc_unavailable": "unavailable",
     "worker_died": "died", "worker_timeout": "timeout",
     "decode_failed": "failed", "sampling_failed": "failed", "load_failed": "failed", "model_missing": "failed",
     "probe_failed": "failed", "validation_failed": "failed", "routing_unreadable": "failed",

@@ -22,7 +22,7 @@ from typing import Any
 
 import llama_cpp
 import numpy as np
-from llama_cpp._ggml import libggml
+from llama_cpp._ggml import libggml as _python_libggml
 
 from artifacts.model_info import model_info
 from engine_bridge.errors import EngineError, ExpertSplitMismatch
@@ -38,6 +38,17 @@ _LOG_WARN, _LOG_ERROR, _LOG_CONT = 3, 4, 5  # ggml_log_level of the pinned ggml.
 _last_level = [0]
 # The latest error lines, so a failed load can say why (llama.cpp returns only NULL).
 RECENT_ERRORS: deque[str] = deque(maxlen=16)
+
+
+def _llama_libggml() -> ctypes.CDLL:
+    """The copy of libggml that libllama links (``libggml.so.0`` beside it): the wheel ships the library's names as
+    separate files, and each file the loader opens is a library of its own, with its own device registry. RPC
+    devices registered in another copy would be invisible to llama.cpp's loads."""
+    linked = Path(_python_libggml._name).with_name("libggml.so.0")
+    return ctypes.CDLL(str(linked)) if linked.is_file() else _python_libggml
+
+
+libggml = _llama_libggml()
 
 
 class _BuftOverride(ctypes.Structure):
@@ -57,6 +68,9 @@ def _declare_ggml() -> None:
         ("ggml_backend_dev_memory", None, [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)]),
         ("ggml_backend_dev_buffer_type", vp, [vp]),
         ("ggml_backend_cpu_buffer_type", vp, []),
+        ("ggml_backend_reg_by_name", vp, [cp]),
+        ("ggml_backend_reg_get_proc_address", vp, [vp, cp]),
+        ("ggml_backend_register", None, [vp]),
     ):
         fn = getattr(libggml, name)
         fn.restype, fn.argtypes = res, args
@@ -79,6 +93,43 @@ def list_devices() -> list[Device]:
             kind=_DEV_TYPES.get(libggml.ggml_backend_dev_type(dev), "other"),
             memory_free=free.value, memory_total=total.value))
     return out
+
+
+_RPC_ADD_SERVER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)
+_RPC_REGISTERED: dict[str, int] = {}
+
+
+def add_rpc_servers(endpoints: tuple[str, ...]) -> None:
+    """Register each llama.cpp RPC server's devices with ggml (llama.cpp's --rpc), once per process.
+
+    Their devices join the device list as RPC0, RPC1, ... in registration order, and llama.cpp puts them first
+    among a model's devices. Raises EngineError ``rpc_unavailable`` when the build has no RPC backend or a
+    server does not answer.
+    """
+    for endpoint in endpoints:
+        if endpoint in _RPC_REGISTERED:
+            continue
+        reg = libggml.ggml_backend_reg_by_name(b"RPC")
+        fn = libggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_add_server") if reg else None
+        if not fn:
+            raise EngineError("rpc_unavailable", "this backend build has no RPC support: rebuild it with "
+                              "scripts/build-backend.sh (GGML_RPC)")
+        server = _RPC_ADD_SERVER(fn)(endpoint.encode())
+        if not server:
+            raise EngineError("rpc_unavailable", f"RPC server {endpoint} did not answer: start it with "
+                              f"`flux rpc-server --port {endpoint.rsplit(':', 1)[-1]}` there")
+        libggml.ggml_backend_register(server)
+        _RPC_REGISTERED[endpoint] = int(server)
+
+
+def _rpc_devices(endpoint: str) -> list[int]:
+    """The ggml devices of a registered RPC server, in its order."""
+    libggml.ggml_backend_reg_dev_count.restype, libggml.ggml_backend_reg_dev_count.argtypes = (
+        ctypes.c_size_t, [ctypes.c_void_p])
+    libggml.ggml_backend_reg_dev_get.restype, libggml.ggml_backend_reg_dev_get.argtypes = (
+        ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t])
+    reg = _RPC_REGISTERED[endpoint]
+    return [int(libggml.ggml_backend_reg_dev_get(reg, i)) for i in range(libggml.ggml_backend_reg_dev_count(reg))]
 
 
 def _buffer_type(device: str) -> int:
@@ -111,6 +162,15 @@ def _model_params(p: EngineParams, keep: list[Any]) -> Any:
         mp.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p)
         keep += [arr, patterns]
     mp.no_host, mp.use_extra_bufts = p.no_host, p.repack
+    if _RPC_REGISTERED:  # a worker that met RPC servers gives each load exactly its own: RPC first, then local GPUs
+        devs = [libggml.ggml_backend_dev_get(i) for i in range(libggml.ggml_backend_dev_count())]
+        rpc = {int(libggml.ggml_backend_dev_get(i)) for i in range(libggml.ggml_backend_dev_count())
+               if (libggml.ggml_backend_dev_name(libggml.ggml_backend_dev_get(i)) or b"").startswith(b"RPC")}
+        own = [d for e in p.rpc_servers for d in _rpc_devices(e)]
+        local = [d for d in devs if int(d) not in rpc and libggml.ggml_backend_dev_type(d) in (1, 2)]
+        devices = (ctypes.c_void_p * (len(own) + len(local) + 1))(*own, *local, None)
+        mp.devices = ctypes.cast(devices, ctypes.c_void_p)
+        keep.append(devices)
     return mp
 
 
@@ -237,6 +297,7 @@ def load_model_and_context(path: Path, p: EngineParams, eval_callback: Any = Non
         raise EngineError("model_missing", f"{path}: no such model file")
     if p.n_batch < p.n_seq_max:
         raise EngineError("bad_params", f"n_batch ({p.n_batch}) must be at least n_seq_max ({p.n_seq_max})")
+    add_rpc_servers(p.rpc_servers)
     keep: list[Any] = []
     mp = _model_params(p, keep)
     RECENT_ERRORS.clear()
