@@ -92,6 +92,12 @@ class EngineSettings(_Section):
     architectures: list[str] = []
 
 
+class RpcSettings(_Section):
+    """``[rpc]``: llama.cpp RPC servers (``flux rpc-server``) that ``flux plan`` may place layers on."""
+
+    servers: list[str] = Field(default_factory=list, description="host:port of each server (flux plan --rpc)")
+
+
 class FileSettings(_Section):
     """What a flux.toml may contain (all optional)."""
 
@@ -102,6 +108,7 @@ class FileSettings(_Section):
     plan: PlanSettings = PlanSettings()
     serve: ServeSettings = ServeSettings()
     engines: dict[str, EngineSettings] = {}
+    rpc: RpcSettings = RpcSettings()
 
 
 class Settings(_Section):
@@ -115,6 +122,7 @@ class Settings(_Section):
     plan: PlanSettings
     serve: ServeSettings
     engines: dict[str, EngineSettings]
+    rpc: RpcSettings = RpcSettings()
     log_filter: str = "info"
     native_log: str = "warn"
     fault_inject: str | None = Field(None, description="FLUX_FAULT_INJECT, e.g. fail-once:validate:/tmp/marker")
@@ -215,6 +223,7 @@ def _settings(fs: FileSettings, path: Path | None, env: Mapping[str, str]) -> Se
         plan=fs.plan,
         serve=fs.serve,
         engines=fs.engines,
+        rpc=fs.rpc,
         log_filter=env.get("FLUX_LOG", "info"),
         native_log=env.get("FLUX_NATIVE_LOG", "warn"),
         fault_inject=env.get("FLUX_FAULT_INJECT") or None,

@@ -19,6 +19,7 @@ from pydantic.fields import FieldInfo
 from artifacts.config import Settings
 from artifacts.errors import FluxError
 from artifacts.records.plan import PlanRequest
+from engine_bridge.rpc import parse_endpoints
 from tasks.errors import ImpossiblePlan
 
 
@@ -80,6 +81,13 @@ def plan_request(settings: Settings, model: str | Path, *, request: type[PlanReq
         elif (setting := extra(info).get("setting")) is not None:
             values[name] = getattr(settings.plan, setting)
     values["model"] = str(Path(model).expanduser().resolve())
+    rpc = values.get("rpc") or list(settings.rpc.servers) or None
+    servers = list(parse_endpoints([str(e) for e in rpc])) if isinstance(rpc, list) else []
+    values["rpc"] = servers or None
+    budgets = values.get("rpc_mem_budget_gib")
+    if isinstance(budgets, list) and len(budgets) > len(servers):
+        raise BadPlanFlag(f"--rpc-mem-budget {','.join(f'{b:g}' for b in budgets)}: {len(budgets)} budget(s) for "
+                          f"{len(servers)} RPC server(s); give one per --rpc server, in order")
     try:
         return request.model_validate(values)
     except ValidationError as exc:

@@ -29,6 +29,7 @@ from artifacts.records.machine import machine_facts
 from artifacts.records.plan import Plan, PlanRequest
 from artifacts.records.store import Records
 from artifacts.store import Store
+from engine_bridge import rpc
 from engine_bridge.backend import backend_info
 from tasks.clock import StageClock
 from tasks.pipeline import STAGES, PlanContext, Stage
@@ -42,11 +43,14 @@ def context(req: PlanRequest, settings: Settings, reprobe: bool = False) -> Plan
     from flows.cmd_models import inspect_model
 
     info = inspect_model(Path(req.model), settings.cache_dir, with_hash=False)
+    build = backend_info(settings.cache_dir).build_id
+    # RPC servers are asked who they are before anything is hashed or measured: one that does not answer or
+    # runs another build ends the run here, in one line
+    facts = machine_facts().model_copy(update={"rpc": [rpc.identify(e, build) for e in req.rpc or []]})
     mh = model_hash([Path(s) for s in info.shards], settings.cache_dir)
     return PlanContext(req=req, settings=settings, store=Store(settings.data_dir), info=info.model_copy(
-        update={"content_hash": mh}), model_hash=mh, backend_build=backend_info(settings.cache_dir).build_id,
-        facts=machine_facts(), code=code_id(), clock=StageClock(req.budget_s), run_id=_flow_run_id(),
-        reprobe=reprobe)
+        update={"content_hash": mh}), model_hash=mh, backend_build=build, facts=facts, code=code_id(),
+        clock=StageClock(req.budget_s), run_id=_flow_run_id(), reprobe=reprobe)
 
 
 def _flow_run_id() -> str:

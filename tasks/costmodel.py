@@ -234,6 +234,8 @@ def predict(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: Workload
     per_dev = layer_bytes(info, cand.placement)
     gpu_bw, gpu_fixed = _gpu_bandwidth(hw)
     p = cand.params
+    if p.rpc_servers:
+        return _predict_remote(info, hw, cand, work, eff, prefill_ms_per_byte, probe_threads)
     cpu_read, gpu_read = decode_reads(info, cand, work.mean_prompt_tokens)
     kv_cpu = kv_reads(info, cand, work.mean_prompt_tokens)[0]
     decode_ms = (cpu_read - kv_cpu) / (cpu_bandwidth(hw, p.n_threads) * eff) * 1e3
@@ -246,6 +248,24 @@ def predict(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: Workload
     if gpu_read and p.flash_attn != _gpu_probe_fa(hw):  # flash attention: ~15% off a GPU step (notes)
         decode_ms *= 0.85 if p.flash_attn else 1 / 0.85
     prefill_ms = _prefill_ms(info, hw, cand, per_dev, prefill_ms_per_byte, probe_threads)
+    decode_tps, prefill_tps = 1e3 / max(decode_ms, 1e-6), 1e3 / max(prefill_ms, 1e-6)
+    score = work.prefill_tokens / prefill_tps + work.decode_tokens / decode_tps
+    return Prediction(candidate_id=cand.id, prefill_tps=prefill_tps, decode_tps=decode_tps, score_s=score)
+
+
+def _predict_remote(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: Workload, eff: float,
+                    ms_per_byte: float, probe_threads: int) -> Prediction:
+    """A placement over RPC servers: every layer priced at this host's CPU speed wherever it runs (an RPC
+    server's own speed is unknown before it is measured), plus what the links cost per decode step and per
+    prefill micro-batch (:func:`tasks.remote.link_ms`)."""
+    from tasks.remote import link_ms
+
+    p = cand.params
+    per_dev = layer_bytes(info, cand.placement)
+    read = sum(r for r, _ in per_dev.values()) + kv_reads(info, cand, work.mean_prompt_tokens)[0]
+    decode_ms = read / (cpu_bandwidth(hw, p.n_threads) * eff) * 1e3 + link_ms(info, hw, cand, 1)
+    scale = effective_cores(hw, probe_threads) / effective_cores(hw, p.n_threads_batch)
+    prefill_ms = read * ms_per_byte * scale + link_ms(info, hw, cand, p.n_ubatch) / p.n_ubatch
     decode_tps, prefill_tps = 1e3 / max(decode_ms, 1e-6), 1e3 / max(prefill_ms, 1e-6)
     score = work.prefill_tokens / prefill_tps + work.decode_tokens / decode_tps
     return Prediction(candidate_id=cand.id, prefill_tps=prefill_tps, decode_tps=decode_tps, score_s=score)

@@ -29,6 +29,7 @@ from tasks.errors import ImpossiblePlan
 from tasks.expert_hot import hot_placement, split_bytes
 from tasks.gpu_budget import check_gpu_budgets, gpu_devices, gpu_limits
 from tasks.gpu_memory import DEFAULT_MARGIN, compute_bytes, correction, offloads_host_weights
+from tasks.remote import remote_candidates, rpc_limits
 
 log = logging.getLogger(__name__)
 GIB = 2**30
@@ -266,6 +267,8 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest, 
     """
     n_ctx, capped = resolve_context(info, hw, req, reserve_percent)
     host = host_budget(hw, reserve_percent)
+    if req.host_mem_budget_gib is not None:
+        host = min(host, int(req.host_mem_budget_gib * GIB))
     check_gpu_budgets(info, hw, req, min(_contexts(n_ctx, req, len(gpu_devices(hw)))))
     per_gpu = gpu_limits(hw, req)
     gpus = [name for name, _ in gpu_devices(hw)]
@@ -293,6 +296,11 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest, 
             cands.append(Candidate(id=cid, family=shape.family, placement=shape.placement, params=params,
                                    weights_bytes=weights, kv_bytes=kv, compute_bytes=comp, hot_share=list(shape.hot_share),
                                    needs_storage_streaming=weights.get("CPU", 0) > host and params.load_mode == "mmap"))
+    if hw.rpc_servers:  # runs of the last layers on llama.cpp RPC servers (tasks.remote)
+        remote_limits = rpc_limits(hw, req, reserve_percent)
+        limits.update(remote_limits)
+        cands += remote_candidates(info, hw, req, n_ctx, kv_layer_bytes(info, req.kv, n_ctx, req.concurrency), host,
+                                   remote_limits, [hw.cpu.physical_cores], len(cands))
     if not cands:
         raise _explain(info, req, rejected, limits, n_ctx)
     log.info("enumerate: %d candidates (%d placements), %d rejected, n_ctx %s", len(cands), len(unique),

@@ -10,7 +10,7 @@ survives a reboot but not a RAM, GPU or driver change.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +18,10 @@ import psutil
 
 from artifacts.config import Settings
 from artifacts.model_info import ModelInfo, model_info
-from artifacts.records.hardware import GpuInfo, GpuMemoryFit, HardwareReport, KernelTiming
+from artifacts.records.hardware import GpuInfo, GpuMemoryFit, HardwareReport, KernelTiming, RpcServer
 from artifacts.records.keys import facts_fingerprint
 from artifacts.records.machine import machine_facts
-from engine_bridge import ops
+from engine_bridge import ops, rpc
 from engine_bridge.client import HIDE_GPUS, WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.gpu_inventory import nvml_inventory
@@ -165,7 +165,8 @@ def engine_probe(model_path: Path, info: ModelInfo, threads: int,
     return devices, [cpu, *kernels], fits
 
 
-def probe(model_path: Path, model_hash: str, settings: Settings, backend_build: str) -> HardwareReport:
+def probe(model_path: Path, model_hash: str, settings: Settings, backend_build: str,
+          rpc_servers: Sequence[RpcServer] = ()) -> HardwareReport:
     """Measure this machine for planning ``model_path``.
 
     Args:
@@ -173,6 +174,7 @@ def probe(model_path: Path, model_hash: str, settings: Settings, backend_build: 
         model_hash: the model's content hash (recorded in the report).
         settings: the process's settings (worker logs and timeouts).
         backend_build: the backend build id (recorded in the report).
+        rpc_servers: the llama.cpp RPC servers the plan may use (identified): their links are measured.
 
     Returns:
         CPU, RAM, storage, GPUs, ggml devices and kernel timings, with the hardware fingerprint.
@@ -182,7 +184,7 @@ def probe(model_path: Path, model_hash: str, settings: Settings, backend_build: 
         EngineError: the engine worker could not load or run the model on the CPU.
     """
     info = model_info(model_path)
-    facts = machine_facts()
+    facts = machine_facts().model_copy(update={"rpc": list(rpc_servers)})
     cpu = facts.cpu
     vm = psutil.virtual_memory()
     ram = ram_read_bandwidth(int(vm.available), threads=usable_cpus())
@@ -195,7 +197,7 @@ def probe(model_path: Path, model_hash: str, settings: Settings, backend_build: 
         ram_total=facts.ram_total, ram_available=int(vm.available), ram_read_gbs=ram.gbs,
         ram_read_gbs_1thread=ram.gbs_1thread, storage_read_gbs=storage.gbs, storage_method=storage.method,
         gpus=gpus, driver=facts.driver, ggml_devices=devices, kernels=kernels, model_hash=model_hash,
-        backend_build=backend_build, gpu_memory=fits)
+        backend_build=backend_build, gpu_memory=fits, rpc_servers=[rpc.measure(r) for r in rpc_servers])
     log.info("probe: fingerprint %s (%s, %d cores, %d GiB, %d GPU(s))", report.fingerprint[:12], cpu.model,
              cpu.logical_cores, round(vm.total / GIB), len(gpus))
     return report

@@ -32,6 +32,38 @@ class GpuInfo(Record):
     uuid: str | None = None
 
 
+class RpcDevice(Record):
+    """One device of a llama.cpp RPC server (llama.cpp names it RPC<n>, n counting over every server in order)."""
+
+    index: int
+    memory_free: int
+    memory_total: int
+
+
+class RpcLink(Record):
+    """The link to an RPC server, measured with the messages a step sends (``engine_bridge.rpc``)."""
+
+    rtt_ms: float = Field(description="median round trip of an empty command")
+    up_small_ms: float = Field(description="writing a decode step's hidden state (16 KiB) to the server")
+    down_small_ms: float = Field(description="reading 16 KiB back")
+    up_gbs: float = Field(description="bandwidth to the server at 8 MiB (a prefill batch's activations)")
+    down_gbs: float = Field(description="bandwidth from the server at 8 MiB")
+
+
+class RpcServer(Record):
+    """A llama.cpp RPC server a plan may use: its identity (facts) and, once probed, its link."""
+
+    endpoint: str
+    build_id: str
+    protocol: str
+    devices: list[RpcDevice]
+    link: RpcLink | None = None
+
+    def identity(self) -> dict[str, object]:
+        """What keys plans to it: the endpoint, the build and each device's size (not free memory or speed)."""
+        return {"endpoint": self.endpoint, "build": self.build_id, "devices": [d.memory_total for d in self.devices]}
+
+
 class MachineFacts(Record):
     """What identifies this machine, read cheaply before anything is measured (no CUDA context).
 
@@ -46,6 +78,8 @@ class MachineFacts(Record):
     driver: str | None
     cuda_driver: str | None = Field(None, description="CUDA version the driver supports (NVML)")
     cuda_runtime: str | None = Field(None, description="the libcudart a CUDA build loads (file name)")
+    rpc: list[RpcServer] = Field(default_factory=list, description=(
+        "the llama.cpp RPC servers the plan may use (flux plan --rpc), identified before anything is measured"))
 
 
 class KernelTiming(Record):
@@ -93,3 +127,5 @@ class HardwareReport(Record):
     backend_build: str
     gpu_memory: list[GpuMemoryFit] = Field(default_factory=list, description=(
         "per GPU, the memory model's correction measured by the probe (none: the fixed margin)"))
+    rpc_servers: list[RpcServer] = Field(default_factory=list, description=(
+        "the RPC servers the plan may use, with their links measured"))

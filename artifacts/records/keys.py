@@ -34,8 +34,10 @@ def hardware_fingerprint(cpu: CpuInfo, ram_total: int, gpus: Sequence[GpuInfo], 
 
 
 def facts_fingerprint(facts: MachineFacts) -> str:
-    """The hardware fingerprint of ``facts`` (see :func:`hardware_fingerprint`)."""
-    return hardware_fingerprint(facts.cpu, facts.ram_total, facts.gpus, facts.driver)
+    """The hardware fingerprint of ``facts`` (see :func:`hardware_fingerprint`); with RPC servers, their
+    identities too (endpoint, build, device sizes): a plan spanning them is valid only with them."""
+    local = hardware_fingerprint(facts.cpu, facts.ram_total, facts.gpus, facts.driver)
+    return content_id({"local": local, "rpc": [s.identity() for s in facts.rpc]}) if facts.rpc else local
 
 
 def probe_key(facts: MachineFacts, model_hash: str, backend_build: str, code: str | None = None) -> dict[str, Any]:
@@ -52,7 +54,8 @@ def probe_key(facts: MachineFacts, model_hash: str, backend_build: str, code: st
         "cpus": facts.cpu.logical_cores, "ram_gib": round(facts.ram_total / GIB),
         "gpus": [{"name": g.name, "uuid": g.uuid, "memory_total": g.memory_total,
                   "compute_capability": g.compute_capability} for g in facts.gpus],
-        "driver": facts.driver, "cuda_driver": facts.cuda_driver, "cuda_runtime": facts.cuda_runtime}}
+        "driver": facts.driver, "cuda_driver": facts.cuda_driver, "cuda_runtime": facts.cuda_runtime}} | (
+        {"rpc": [s.identity() for s in facts.rpc]} if facts.rpc else {})
 
 
 def plan_key(model_hash: str, hw: HardwareReport, backend_build: str, req: PlanRequest,
@@ -66,6 +69,9 @@ def plan_key(model_hash: str, hw: HardwareReport, backend_build: str, req: PlanR
     flags = req.model_dump(exclude={"model"})
     if flags["workload"] == "agent":  # the default before there was a choice: plans saved then still match
         del flags["workload"]
+    for name in ("host_mem_budget_gib", "rpc", "rpc_mem_budget_gib"):  # unset: plans saved before them still match
+        if flags.get(name) is None:
+            flags.pop(name, None)
     key = {"model_hash": model_hash, "hardware": hw.fingerprint, "backend_build": backend_build,
            "driver": hw.driver, "flags": flags, "settings": settings_view}
     if code is not None:

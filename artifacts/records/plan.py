@@ -43,6 +43,15 @@ class PlanRequest(Record):
     workload: Literal["agent", "chat"] = Field("agent", description=(
         "what the plan is timed on: agent (long prompts, short replies; the default) or chat (a short message on "
         "a cached history, a long reply: decode-heavy)"))
+    host_mem_budget_gib: float | None = Field(None, gt=0, description=(
+        "GiB of this machine's RAM the plan may hold (default: available RAM minus the host reserve)"),
+        json_schema_extra={"flag": "--host-mem-budget"})
+    rpc: list[str] | None = Field(None, description=(
+        "llama.cpp RPC servers host:port,... (started with `flux rpc-server`) whose devices the plan may use "
+        "(default [rpc] servers)"))
+    rpc_mem_budget_gib: list[float] | None = Field(None, description=(
+        "GiB the plan may hold on each RPC server, in --rpc order (default: what each reports free)"),
+        json_schema_extra={"flag": "--rpc-mem-budget"})
     replan: bool = Field(False, exclude=True, description="measure again even if a matching plan exists")
     reprobe: bool = Field(False, exclude=True, description="measure the hardware again")
     finalists: int = Field(6, ge=1, json_schema_extra={"flag": None, "setting": "finalists"})

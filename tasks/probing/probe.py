@@ -16,7 +16,7 @@ def _key(ctx: PlanContext) -> dict[str, Any]:
 
 
 def _run(ctx: PlanContext, log: Any) -> HardwareReport:
-    return probe(ctx.model, ctx.model_hash, ctx.settings, ctx.backend_build)
+    return probe(ctx.model, ctx.model_hash, ctx.settings, ctx.backend_build, ctx.facts.rpc)
 
 
 STAGE: Stage[HardwareReport] = Stage(

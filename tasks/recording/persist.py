@@ -19,6 +19,7 @@ from tasks.costmodel import all_gpu_decode, roofline_decode
 from tasks.persist import find_plan, persist, plan_notes
 from tasks.probing import probe as probe_stage
 from tasks.probing import route as route_stage
+from tasks.remote import rpc_notes
 from tasks.search.prune import workload_for
 from tasks.stage import PlanContext, Stage
 
@@ -62,7 +63,8 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport, space: PlacementSpace, 
                    roofline_decode_tps=roofline_decode(ctx.info, hw, winner),
                    all_gpu_decode=all_gpu_decode(hw),
                    memory_limits=space.memory_limits, prefill_share=work.prefill_share,
-                   notes=plan_notes(space, fin, measured, report), stage_seconds=ctx.clock.record())
+                   notes=plan_notes(space, fin, measured, report) + rpc_notes(hw, winner),
+                   stage_seconds=ctx.clock.record())
 
 
 def _report(ctx: PlanContext, log: Any, plan: Plan, *inputs: Any) -> None:

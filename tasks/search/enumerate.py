@@ -14,11 +14,13 @@ from tasks.enumerate import enumerate_placements
 from tasks.stage import PlanContext, Stage
 
 # The request's fields that shape the space (the rest shape measuring, validating or nothing).
-SPACE_FLAGS = {"ctx", "concurrency", "kv", "gpu_mem_budget_gib", "allow_storage_streaming", "seed"}
+SPACE_FLAGS = {"ctx", "concurrency", "kv", "gpu_mem_budget_gib", "allow_storage_streaming", "seed",
+               "host_mem_budget_gib", "rpc", "rpc_mem_budget_gib"}
 
 
 def _key(ctx: PlanContext, hw: HardwareReport, routing: RoutingProfile | None = None) -> dict[str, Any]:
-    flags = ctx.req.model_dump(include=SPACE_FLAGS)
+    flags = {k: v for k, v in ctx.req.model_dump(include=SPACE_FLAGS).items()
+             if v is not None or k not in ("host_mem_budget_gib", "rpc", "rpc_mem_budget_gib")}
     key = {"stage": "enumerate", "probe": content_id(hw), "model": ctx.model_hash, "flags": flags,
            "reserve": ctx.settings.host_reserve_percent, "code": ctx.code}
     return {**key, "routing": routing.trace_id} if routing is not None else key

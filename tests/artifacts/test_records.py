@@ -86,7 +86,8 @@ def test_a_record_of_another_model_is_refused(records: Records) -> None:
 
 
 def test_an_ambiguous_prefix_lists_the_candidates(records: Records) -> None:
-    a, b = _plan(model_path="/a.gguf"), _plan(model_path="/b.gguf")
+    plans = [_plan(model_path=f"/m{i}.gguf") for i in range(40)]  # two of them share their first character
+    a, b = next((x, y) for i, x in enumerate(plans) for y in plans[i + 1:] if x.id[0] == y.id[0])
     for p in (a, b):
         records.put(PLAN, p, key=p.id)
     common = next(i for i in range(64) if a.id[i] != b.id[i])

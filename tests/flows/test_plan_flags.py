@@ -11,15 +11,17 @@ import pytest
 from pydantic import Field
 
 from artifacts.config import Settings, load_settings
+from artifacts.records.keys import plan_key
 from artifacts.records.plan import PlanRequest
 from flows.cli import OneLineParser, build_parser
 from flows.request import BadPlanFlag, check_for_model, flow_params, plan_request
 from flows.request_flags import add_plan_flags, flag_fields, request_from_args
 from tasks.errors import ImpossiblePlan
+from tasks.testing import h200_report
 
 # every flag `flux plan --help` listed when its flags were written by hand: none may go missing or be renamed
 FLAGS = ["--ctx", "--concurrency", "--kv", "--budget-s", "--gpu-mem-budget", "--allow-storage-streaming",
-         "--workload", "--replan", "--reprobe", "--seed"]
+         "--workload", "--host-mem-budget", "--rpc", "--rpc-mem-budget", "--replan", "--reprobe", "--seed"]
 
 
 @pytest.fixture
@@ -45,7 +47,8 @@ def test_the_flags_are_the_ones_flux_plan_always_had() -> None:
     assert options == FLAGS
     assert [a.dest for a in p._actions if not a.option_strings] == ["model"]
     assert list(flag_fields()) == ["model", "ctx", "concurrency", "kv", "budget_s", "gpu_mem_budget_gib",
-                                   "allow_storage_streaming", "workload", "replan", "reprobe", "seed"]
+                                   "allow_storage_streaming", "workload", "host_mem_budget_gib", "rpc",
+                                   "rpc_mem_budget_gib", "replan", "reprobe", "seed"]
 
 
 def test_help_comes_from_the_field_descriptions() -> None:
@@ -73,7 +76,11 @@ def test_left_out_flags_keep_the_request_and_its_serialized_form(settings: Setti
     want = PlanRequest(model=str(Path("m.gguf").resolve()), budget_s=42.0, finalists=2, repeats=5)
     assert req == want
     assert set(req.model_dump()) == {"model", "ctx", "concurrency", "kv", "budget_s", "gpu_mem_budget_gib",
-                                     "allow_storage_streaming", "workload", "finalists", "repeats", "seed"}
+                                     "allow_storage_streaming", "workload", "finalists", "repeats", "seed",
+                                     "host_mem_budget_gib", "rpc", "rpc_mem_budget_gib"}
+    # the fields added with RPC servers are left out of the plan key while unset: plans saved before match
+    key = plan_key("h", h200_report(), "b", req, {})
+    assert not {"host_mem_budget_gib", "rpc", "rpc_mem_budget_gib"} & set(key["flags"])  # type: ignore[arg-type]
     assert PlanRequest(model="m", replan=True, reprobe=True).model_dump() == PlanRequest(model="m").model_dump()
 
 
