@@ -17,7 +17,7 @@ from artifacts.logs import console, setup_logging
 
 Handler = Callable[[argparse.Namespace], int]
 COMMAND_MODULES = ("flows.cmd_models", "flows.cmd_plan", "flows.cmd_serve", "flows.cmd_bench", "flows.cmd_backend",
-                   "flows.cmd_sql")
+                   "flows.cmd_sql", "flows.cmd_rpc")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -22,6 +22,7 @@ from artifacts.records.kinds import MODEL_PATH, PLAN, ROUTING_TABLE
 from artifacts.records.machine import machine_facts
 from artifacts.records.plan import Plan, plan_id
 from artifacts.records.store import Records
+from engine_bridge import rpc
 from engine_bridge.backend import backend_info
 
 log = logging.getLogger(__name__)
@@ -70,9 +71,12 @@ def _model_hash(model: Path, settings: Settings) -> str | None:
 def current_facts(plan: Plan, settings: Settings, model: Path | None = None) -> dict[str, object]:
     """This machine's values of the fields a plan is keyed by (cheap: no measurement); the model's hash is
     that of ``model`` when given, else of the plan's own model path."""
-    facts = machine_facts()
+    build = backend_info(settings.cache_dir).build_id
+    # a plan over RPC servers is keyed by them too: each must answer, with this build (one line otherwise)
+    facts = machine_facts().model_copy(update={"rpc": [rpc.identify(e, build)
+                                                       for e in plan.candidate.params.rpc_servers]})
     return {
-        "backend_build": backend_info(settings.cache_dir).build_id,
+        "backend_build": build,
         "driver": facts.driver,
         "hardware_fingerprint": facts_fingerprint(facts),
         "model_hash": _model_hash(model or Path(plan.model_path), settings),

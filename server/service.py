@@ -21,6 +21,7 @@ import psutil
 
 from artifacts.config import Settings
 from artifacts.records.plan import Plan
+from engine_bridge import rpc
 from engine_bridge.errors import EngineError
 from server.chat import ChatTemplate, TemplateInfo
 from server.errors import (
@@ -330,8 +331,16 @@ class FluxService:
 
     def health(self) -> dict[str, Any]:
         """``/health``."""
-        return {"status": "ok" if self.engine.alive else "unavailable", "plan_id": self.plan.id,
-                "worker": {"alive": self.engine.alive, "pid": self.engine.pid, "restarts": self.engine.restarts}}
+        body: dict[str, Any] = {
+            "status": "ok" if self.engine.alive else "unavailable", "plan_id": self.plan.id,
+            "worker": {"alive": self.engine.alive, "pid": self.engine.pid, "restarts": self.engine.restarts}}
+        servers = self.plan.candidate.params.rpc_servers
+        if servers:  # a TCP connect each: a server busy with this plan's worker still accepts one
+            up = {e: rpc.reachable(e, timeout_s=0.5) for e in servers}
+            body["rpc_servers"] = {e: "up" if ok else "down" for e, ok in up.items()}
+            if not all(up.values()):
+                body["status"] = "unavailable"
+        return body
 
     async def stats(self) -> dict[str, Any]:
         """``/flux/stats``."""
