@@ -22,6 +22,16 @@ WORDS = ("the harbour bridge library budget tram winter steel baker fountain jaz
          "lighthouse committee engineers rain").split()
 
 
+def split_value(preset: str, hot: int, device: str = "CUDA0") -> tuple[str, float]:
+    """FLUX_MOE_SPLIT putting each layer's `hot` busiest experts (skewed profile, the twins' seed) on `device`,
+    and the share of the picks they take."""
+    spec = PRESETS[preset]
+    _, expected = router_scales(spec.n_expert, spec.n_expert_used, spec.routing_top_half)
+    items = [(f"{device}|" if il == 0 else "") + f"{il}:" + ",".join(map(str, np.flatnonzero(
+        layer_ranks(spec.n_expert, il, seed=0) < hot))) for il in range(spec.n_layer)]
+    return ";".join(items), float(np.sort(expected)[::-1][:hot].sum())
+
+
 def main(out: Path) -> None:
     """Write the files (existing twins are kept)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -32,16 +42,12 @@ def main(out: Path) -> None:
             r = synthesize(preset, path, overrides={"routing": routing} if routing != "uniform" else None)
             sys.stdout.write(f"{path.name}: {r.file_bytes / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s\n")
     for preset in ("qwen3moe-small", "qwen3-30b-a3b"):
-        spec = PRESETS[preset]
-        _, expected = router_scales(spec.n_expert, spec.n_expert_used, spec.routing_top_half)
         for h in (8, 16, 32, 64):
-            if h >= spec.n_expert:
+            if h >= PRESETS[preset].n_expert:
                 continue
-            items = [("CUDA0|" if il == 0 else "") + f"{il}:" + ",".join(map(str, np.flatnonzero(
-                layer_ranks(spec.n_expert, il, seed=0) < h))) for il in range(spec.n_layer)]
-            (out / f"split-{preset}-{h}.env").write_text(";".join(items))
-            share = np.sort(expected)[::-1][:h].sum()
-            sys.stdout.write(f"{preset}: {h} of {spec.n_expert} experts hot per layer, {share:.3f} of the picks\n")
+            value, share = split_value(preset, h)
+            (out / f"split-{preset}-{h}.env").write_text(value)
+            sys.stdout.write(f"{preset}: {h} of {PRESETS[preset].n_expert} experts hot per layer, {share:.3f} of the picks\n")
     (out / "text.txt").write_text(" ".join(np.random.default_rng(0).choice(WORDS, size=6000)))
 
 
