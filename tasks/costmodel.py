@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from artifacts.model_info import KV_TYPES, ModelInfo
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.search import Candidate, Placement, Prediction
+from tasks.rpc_link import link_ms
 
 EXPERT_PARTS = ("gate", "up", "down")
 GPU_HBM_GBS = 3000.0  # used only until a GPU kernel timing calibrates it (H200: 4.8 TB/s nominal)
@@ -258,8 +259,6 @@ def _predict_remote(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: 
     """A placement over RPC servers: every layer priced at this host's CPU speed wherever it runs (an RPC
     server's own speed is unknown before it is measured), plus what the links cost per decode step and per
     prefill micro-batch (:func:`tasks.remote.link_ms`)."""
-    from tasks.remote import link_ms
-
     p = cand.params
     per_dev = layer_bytes(info, cand.placement)
     read = sum(r for r, _ in per_dev.values()) + kv_reads(info, cand, work.mean_prompt_tokens)[0]
