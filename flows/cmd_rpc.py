@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
+import sys
 from pathlib import Path
 
 from artifacts.errors import FluxError
@@ -49,7 +49,7 @@ def rpc_server_path(cache_dir: Path) -> Path:
 
 
 def cmd_rpc_server(args: argparse.Namespace) -> int:
-    """Run rpc-server in the foreground with this build's id; its exit code is this command's."""
+    """Become rpc-server, in the foreground, with this build's id (its exit code is this command's)."""
     if not 0 < args.port < 65536:
         raise FluxError(f"--port {args.port}: expected 1-65535")
     if args.threads is not None and args.threads < 1:
@@ -69,11 +69,6 @@ def cmd_rpc_server(args: argparse.Namespace) -> int:
     if args.cache:
         cmd.append("--cache")
     err.print(f"flux rpc-server: build {build} on {args.host}:{args.port} (Ctrl-C stops it)")
-    env = {**os.environ, "FLUX_BUILD_ID": build}
-    with subprocess.Popen(cmd, env=env) as proc:
-        try:
-            return proc.wait()
-        except KeyboardInterrupt:
-            proc.terminate()
-            proc.wait(timeout=10)
-            return 130
+    sys.stderr.flush()
+    # the server replaces this process: a signal (Ctrl-C, SIGTERM from a supervisor) reaches it, not a wrapper
+    os.execve(exe, cmd, {**os.environ, "FLUX_BUILD_ID": build})

@@ -14,7 +14,8 @@ GIB = 2**30
 def _placement_lines(plan: Plan) -> list[str]:
     c = plan.candidate
     p = c.placement
-    lines = [f"family {c.family}; layers on GPU {p.gpu_layers()}/{len(p.layer_device)}; output on {p.output_device}"]
+    where = "RPC servers' devices" if c.params.rpc_servers else "GPU"
+    lines = [f"family {c.family}; layers on {where} {p.gpu_layers()}/{len(p.layer_device)}; output on {p.output_device}"]
     if p.expert_device:
         parts: dict[str, int] = {}
         for ex in p.expert_device:
@@ -44,7 +45,8 @@ def kv_line(plan: Plan) -> str:
     where = ", ".join(f"{d} {b / GIB:.2f} GiB" for d, b in sorted(c.kv_bytes.items()) if b) or "none"
     mode = ("every layer's with its attention on the GPU" if c.params.offload_kqv and c.params.n_gpu_layers > len(
         c.placement.layer_device) else "on the host (attention computed by the CPU)" if not c.params.offload_kqv or
-        not c.placement.gpus() else f"the {c.params.n_gpu_layers - 1} offloaded layers' on the GPU, the rest on the host")
+        not c.placement.gpus() else f"the {c.params.n_gpu_layers - 1} offloaded layers' on "
+        f"{'their remote devices' if c.params.rpc_servers else 'the GPU'}, the rest on the host")
     return (f"KV cache: {total / GIB:.2f} GiB for {c.params.n_ctx} tokens x {c.params.n_seq_max} sequence(s), "
             f"{c.params.type_k}: {where} ({mode})")
 

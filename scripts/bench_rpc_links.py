@@ -5,7 +5,8 @@
 Each server (`flux rpc-server`) runs in its own network namespace, joined to this one by a veth pair whose two
 ends are shaped with a token-bucket filter (`tc qdisc ... tbf rate R`): unshaped (the servers on 127.0.0.1, no
 namespace), 1 Gbit/s and 100 Mbit/s. For each link, `flux plan TWIN --rpc A,B --host-mem-budget H --replan`
-(the product path: the Prefect flow, its probe of the links, its measurement) makes a plan; the script reads
+(the product path: the Prefect flow, its probe of the links, its measurement; --reprobe: the link changed,
+not the servers) makes a plan; the script reads
 the plan back (`flux show --json`) and writes one row per link: the measured link, the layers the plan left on
 this machine, its measured decode and prefill. Latency is not shaped: this kernel has no `sch_netem`.
 Writes OUT_DIR/rpc-links.json and OUT_DIR/rpc-links.md.
@@ -89,7 +90,7 @@ def one_link(name: str, rate: str | None, twin: Path, host_gib: float, budget_s:
     try:
         t0 = time.monotonic()
         planned = flux("plan", str(twin), "--ctx", "512", "--budget-s", str(budget_s), "--rpc", ",".join(endpoints),
-                       "--host-mem-budget", f"{host_gib:.6f}", "--replan")
+                       "--host-mem-budget", f"{host_gib:.6f}", "--replan", "--reprobe")
         if planned.returncode != 0:
             return {"link": name, "error": planned.stderr.strip().splitlines()[-1:]}
         plan_id = planned.stdout.strip().splitlines()[-1]

@@ -163,9 +163,10 @@ async def metrics(request: AnyRequest) -> Response[bytes]:
 
 @get("/health")
 async def health(request: AnyRequest) -> Response[dict[str, Any]]:
-    """Liveness: 200 with the worker's state and plan id; 503 while the worker is down."""
+    """Liveness: 200 with the worker's state and plan id; 503 while the worker (or an RPC server of the plan)
+    is down."""
     body = _svc(request).health()
-    return Response(body, status_code=200 if body["worker"]["alive"] else 503)
+    return Response(body, status_code=200 if body["status"] == "ok" else 503)
 
 
 def api_key_guard(key: str | None) -> Any:

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine_bridge import ops
+from engine_bridge import ops, rpc
 from engine_bridge.aclient import AsyncWorkerClient
-from engine_bridge.errors import EngineError
+from engine_bridge.errors import EngineError, WorkerDied
 from engine_bridge.params import EngineParams
 from server.errors import QueueFull, Unavailable
 
@@ -196,9 +196,22 @@ class WorkerSupervisor:
                        timeout: float) -> AsyncGenerator[dict[str, Any], None]:
         """Events of one generation, then ``{"result": ...}`` (the worker batches concurrent ones)."""
         worker = await self.ready(wait_s)
-        async with contextlib.aclosing(worker.generate(args, timeout=timeout)) as events:
-            async for msg in events:
-                yield msg
+        try:
+            async with contextlib.aclosing(worker.generate(args, timeout=timeout)) as events:
+                async for msg in events:
+                    yield msg
+        except WorkerDied as exc:
+            raise self._named_rpc_loss(exc) from None
+
+    def _named_rpc_loss(self, exc: WorkerDied) -> WorkerDied:
+        """A worker of a plan over RPC servers dies when one of them goes (llama.cpp aborts on a broken link):
+        name the servers that no longer answer in the request's error (the worker restarts, and loads again
+        once they are back)."""
+        down = [e for e in self.spec.params.rpc_servers if not rpc.reachable(e, timeout_s=0.5)]
+        if not down:
+            return exc
+        return WorkerDied(exc.returncode, f"RPC server {', '.join(down)} does not answer (lost mid-request); "
+                                          "the worker loads again once it is back")
 
     async def cancel(self, rid: str) -> None:
         """Stop a running generation at once (its stream then ends with finish_reason 'cancelled')."""

@@ -54,9 +54,10 @@ def modelled(cand: Candidate, device: str) -> int:
 
 
 def predicted_gpu_bytes(cand: Candidate, hw: HardwareReport | None) -> dict[str, int]:
-    """Per GPU the candidate uses: modelled bytes plus this machine's correction."""
+    """Per GPU the candidate uses: modelled bytes plus this machine's correction (an RPC server's devices are
+    another machine's memory: not here)."""
     off = offloads_host_weights(cand.params, cand.weights_bytes)
-    devices = {d for d in (*cand.weights_bytes, *cand.kv_bytes) if d != "CPU"}
+    devices = {d for d in (*cand.weights_bytes, *cand.kv_bytes) if d != "CPU" and not d.startswith("RPC")}
     return {d: modelled(cand, d) + correction(hw, d, off) for d in sorted(devices)}
 
 

@@ -27,6 +27,7 @@ from tasks.gpu_memory import compute_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 2**30
+RUNNING: dict[str, subprocess.Popen[str]] = {}
 
 
 def _flux(env: ServeEnv, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -74,6 +75,7 @@ def env(tmp_path: Path) -> ServeEnv:
 
 @pytest.fixture()
 def servers(env: ServeEnv) -> Iterator[list[str]]:
+    """Two `flux rpc-server` endpoints (their processes in ``RUNNING``, by endpoint, so a test can stop one)."""
     pytest.importorskip("llama_cpp")
     try:
         from flows.cmd_rpc import rpc_server_path
@@ -82,12 +84,13 @@ def servers(env: ServeEnv) -> Iterator[list[str]]:
     except Exception as exc:  # noqa: BLE001 - a build without rpc-server: nothing to test against
         pytest.skip(str(exc))
     ports = [free_port(), free_port()]
-    procs = [_start_rpc(env, p) for p in ports]
+    RUNNING.update({f"127.0.0.1:{p}": _start_rpc(env, p) for p in ports})
     try:
         yield [f"127.0.0.1:{p}" for p in ports]
     finally:
-        for p in procs:
+        for p in RUNNING.values():
             _stop(p)
+        RUNNING.clear()
 
 
 def test_a_server_says_its_build_and_its_link_is_measured(env: ServeEnv, servers: list[str]) -> None:
@@ -148,5 +151,21 @@ def test_a_twin_too_large_for_this_host_is_planned_across_two_servers_and_served
         assert reply.usage is not None and reply.usage.completion_tokens >= 1
         health = httpx.get(f"{srv.base}/health", timeout=10).json()
         assert health["rpc_servers"] == {servers[0]: "up", servers[1]: "up"}
+        # a server lost: the request ends with an error naming it, /health says which one is down
+        _stop(RUNNING[servers[1]])
+        with pytest.raises(openai.APIStatusError) as lost:
+            client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "Again"}],
+                                           max_tokens=12, temperature=0)
+        assert lost.value.status_code == 502 and f"RPC server {servers[1]} does not answer" in str(lost.value)
+        down = httpx.get(f"{srv.base}/health", timeout=10)
+        assert down.status_code == 503 and down.json()["rpc_servers"][servers[1]] == "down"
+        # it comes back on its port: the restarted worker loads again and answers
+        RUNNING[servers[1]] = _start_rpc(env, int(servers[1].rsplit(":", 1)[1]))
+        deadline = time.monotonic() + 90
+        while httpx.get(f"{srv.base}/health", timeout=10).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        again = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "Hello"}],
+                                               max_tokens=12, temperature=0)
+        assert again.choices[0].message.content == reply.choices[0].message.content
     finally:
         stop_server(srv)
