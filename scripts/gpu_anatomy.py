@@ -34,7 +34,7 @@ FIELDS = ("host_experts_ms", "host_expert_splits", "overlapped_splits", "wait_ms
 def bench_binary() -> Path:
     """llama-bench of the installed backend build (backend/current)."""
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flux" / "backend" / "current" / "bin"
-    exe = cache / "llama-bench"
+    exe = Path(os.environ.get("FLUX_LLAMA_BENCH") or cache / "llama-bench")  # another build of it, for a quick A/B
     if not exe.exists():
         sys.exit(f"gpu_anatomy: no {exe}: build the backend first (scripts/build-backend.sh)")
     return exe
@@ -62,17 +62,23 @@ def run_variant(exe: Path, twin: Path, args: list[str], env: dict[str, str], thr
     return row
 
 
-def variants(preset: str, hots: list[int]) -> list[tuple[str, list[str], dict[str, str], float]]:
-    """(name, llama-bench args, environment, share of picks on the GPU)."""
+def variants(preset: str, hots: list[int], quick: bool = False) -> list[tuple[str, list[str], dict[str, str], float]]:
+    """(name, llama-bench args, environment, share of picks on the GPU); ``quick``: the skip's A/B only."""
     out: list[tuple[str, list[str], dict[str, str], float]] = [
         ("all on GPU", [], {}, 1.0),
         ("every expert on the host", ["-ot", "exps=CPU"], {}, 0.0),
         ("stock --n-cpu-moe 19", ["-ncmoe", "19"], {}, float("nan")),
     ]
+    if quick:
+        out = out[:1]
     for h in hots:
         value, share = split_value(preset, h)
         base = {"FLUX_MOE_SPLIT": value}
         tag = f"split {h} hot"
+        if quick:
+            out += [(f"{tag}, idle skip (default)", ["-ot", "exps=CPU"], base, share),
+                    (f"{tag}, no idle skip", ["-ot", "exps=CPU"], {**base, "FLUX_MOE_SKIP_IDLE": "0"}, share)]
+            continue
         out += [
             (f"{tag}, idle skip (default)", ["-ot", "exps=CPU"], base, share),
             (f"{tag}, no idle skip", ["-ot", "exps=CPU"], {**base, "FLUX_MOE_SKIP_IDLE": "0"}, share),
@@ -109,11 +115,12 @@ def main() -> None:
     ap.add_argument("--hot", default="64,96")
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="only all-on-GPU and the idle skip's A/B per hot count")
     ns = ap.parse_args()
     ns.out.mkdir(parents=True, exist_ok=True)
     exe = bench_binary()
     rows: list[dict] = []
-    for name, args, env, share in variants(ns.preset, [int(h) for h in ns.hot.split(",")]):
+    for name, args, env, share in variants(ns.preset, [int(h) for h in ns.hot.split(",")], ns.quick):
         row = {"name": name, "share": share, **run_variant(exe, ns.twin, args, env, ns.threads, ns.reps)}
         rows.append(row)
         sys.stdout.write(f"{name}: {row.get('tok_s', 'failed')} tok/s {row.get('profile', '')}\n")
