@@ -20,6 +20,8 @@ import pytest
 from support import ServeEnv, free_port, serve_env, start_server, stop_server
 
 from artifacts.model_info import model_info
+from artifacts.records.kinds import PLAN
+from artifacts.records.store import Records
 from engine_bridge import rpc
 from engine_bridge.backend import backend_info
 from tasks.enumerate import kv_at
@@ -119,8 +121,7 @@ def test_bad_rpc_input_is_one_line_exit_2_and_no_plan(env: ServeEnv, servers: li
         assert out.returncode == 2 and "2 budget(s) for 1 RPC server(s)" in out.stderr, out.stderr
     finally:
         _stop(impostor)
-    assert "plan" not in _flux(env, "plans").stdout.lower().split("\n", 1)[-1] or not list(
-        (env.root / "data" / "flux").rglob("*plan*.json"))
+    assert not Records.at(env.settings.data_dir).all(PLAN), "a refused request saved a plan"
 
 
 def test_a_twin_too_large_for_this_host_is_planned_across_two_servers_and_served(
