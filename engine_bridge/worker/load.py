@@ -71,6 +71,8 @@ def _declare_ggml() -> None:
         ("ggml_backend_reg_by_name", vp, [cp]),
         ("ggml_backend_reg_get_proc_address", vp, [vp, cp]),
         ("ggml_backend_register", None, [vp]),
+        ("ggml_backend_reg_dev_count", sz, [vp]),
+        ("ggml_backend_reg_dev_get", vp, [vp, sz]),
     ):
         fn = getattr(libggml, name)
         fn.restype, fn.argtypes = res, args
@@ -124,10 +126,6 @@ def add_rpc_servers(endpoints: tuple[str, ...]) -> None:
 
 def _rpc_devices(endpoint: str) -> list[int]:
     """The ggml devices of a registered RPC server, in its order."""
-    libggml.ggml_backend_reg_dev_count.restype, libggml.ggml_backend_reg_dev_count.argtypes = (
-        ctypes.c_size_t, [ctypes.c_void_p])
-    libggml.ggml_backend_reg_dev_get.restype, libggml.ggml_backend_reg_dev_get.argtypes = (
-        ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t])
     reg = _RPC_REGISTERED[endpoint]
     return [int(libggml.ggml_backend_reg_dev_get(reg, i)) for i in range(libggml.ggml_backend_reg_dev_count(reg))]
 
@@ -163,11 +161,10 @@ def _model_params(p: EngineParams, keep: list[Any]) -> Any:
         keep += [arr, patterns]
     mp.no_host, mp.use_extra_bufts = p.no_host, p.repack
     if _RPC_REGISTERED:  # a worker that met RPC servers gives each load exactly its own: RPC first, then local GPUs
-        devs = [libggml.ggml_backend_dev_get(i) for i in range(libggml.ggml_backend_dev_count())]
-        rpc = {int(libggml.ggml_backend_dev_get(i)) for i in range(libggml.ggml_backend_dev_count())
-               if (libggml.ggml_backend_dev_name(libggml.ggml_backend_dev_get(i)) or b"").startswith(b"RPC")}
+        remote = {d for e in _RPC_REGISTERED for d in _rpc_devices(e)}
         own = [d for e in p.rpc_servers for d in _rpc_devices(e)]
-        local = [d for d in devs if int(d) not in rpc and libggml.ggml_backend_dev_type(d) in (1, 2)]
+        local = [d for i in range(libggml.ggml_backend_dev_count())
+                 if (d := int(libggml.ggml_backend_dev_get(i))) not in remote and libggml.ggml_backend_dev_type(d) in (1, 2)]
         devices = (ctypes.c_void_p * (len(own) + len(local) + 1))(*own, *local, None)
         mp.devices = ctypes.cast(devices, ctypes.c_void_p)
         keep.append(devices)
