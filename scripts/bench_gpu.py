@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """GPU benchmark record, on the path a user runs: `flux plan` → the persisted plan → `flux serve` / `flux bench`.
 
-For each ``MODEL:BUDGET[@CTX]`` pair (GiB per GPU, 0 = the whole cards; CTX = ``--ctx``, else the model's
-trained context):
+For each ``MODEL:BUDGET[@CTX][~WORKLOAD]`` pair (GiB per GPU, 0 = the whole cards; CTX = ``--ctx``, else the
+model's trained context; WORKLOAD = ``flux plan --workload``, agent unless given):
 
 1. ``flux plan <twin> --gpu-mem-budget BUDGET [--ctx CTX] --budget-s S`` — the Prefect flow with its store,
    exactly as a user runs it; the plan id it prints is the plan raced below, and its wall time is
@@ -60,15 +60,18 @@ def flux(*args: str, out: Path, name: str, timeout_s: float = 3600) -> subproces
     return proc
 
 
-def parse_pair(text: str) -> tuple[str, str, float, int | None]:
-    """``MODEL[/ROUTING]:BUDGET[@CTX]`` → (model, routing, budget GiB, ctx or None)."""
+def parse_pair(text: str) -> tuple[str, str, float, int | None, str]:
+    """``MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD]`` → (model, routing, budget GiB, ctx or None, workload or "")."""
+    text, _, workload = text.partition("~")
+    if workload not in ("", "agent", "chat"):
+        raise SystemExit(f"--pairs {text}~{workload}: the workload must be agent or chat (flux plan --workload)")
     model, _, rest = text.partition(":")
     model, _, routing = model.partition("/")
     budget, _, ctx = rest.partition("@")
     if routing not in ("", "uniform", "skewed"):
         raise SystemExit(f"--pairs {text!r}: routing must be uniform or skewed, e.g. qwen3-30b-a3b/skewed:10")
     try:
-        return model, routing or "uniform", float(budget or 0), int(ctx) if ctx else None
+        return model, routing or "uniform", float(budget or 0), int(ctx) if ctx else None, workload
     except ValueError:
         raise SystemExit(f"--pairs {text!r}: expected MODEL[/ROUTING]:BUDGET[@CTX], e.g. qwen3-30b-a3b/skewed:12@8192") from None
 
@@ -111,7 +114,7 @@ def plan_facts(plan_id: str) -> dict[str, Any]:
 
     plan = Records.at(load_settings().data_dir).find_by_prefix(PLAN, plan_id)
     c = plan.candidate
-    return {**whole_tensor_facts(plan), "plan_family": c.family, "plan_flags": " ".join(c.params.cli_args()), "ctx": c.params.n_ctx,
+    return {**whole_tensor_facts(plan), "plan_family": c.family, "workload": plan.request.workload, "plan_flags": " ".join(c.params.cli_args()), "ctx": c.params.n_ctx,
             "plan_prefill_tps": plan.measured.prefill_tps, "plan_decode_tps": plan.measured.decode_tps,
             "plan_workload_s": plan.measured.workload_s, "plan_workload_iqr": plan.measured.workload_iqr,
             "plan_rounds": plan.measured.n_rounds, "plan_kv_gpu_gib": sum(b for d, b in c.kv_bytes.items() if d != "CPU") / GIB,
@@ -257,11 +260,11 @@ def main() -> int:
         return 0
     args.model_dir.mkdir(parents=True, exist_ok=True)
     for text in args.pairs.split(","):
-        preset, routing, budget, ctx = parse_pair(text)
+        preset, routing, budget, ctx, workload = parse_pair(text)
         model = twin(args.model_dir, preset, routing, args.synth.split(), args.out)
-        tag = f"{preset}-{routing}-{budget:g}" + (f"@{ctx}" if ctx else "")
+        tag = f"{preset}-{routing}-{budget:g}" + (f"@{ctx}" if ctx else "") + (f"-{workload}" if workload else "")
         plan_args = ["plan", str(model), *(["--gpu-mem-budget", f"{budget:g}"] if budget else []),
-                     *(["--ctx", str(ctx)] if ctx else []),
+                     *(["--ctx", str(ctx)] if ctx else []), *(["--workload", workload] if workload else []),
                      *(["--budget-s", f"{args.plan_budget_s:g}"] if args.plan_budget_s else [])]
         t0 = time.monotonic()
         proc = flux(*plan_args, out=args.out, name=f"plan-{tag}")
