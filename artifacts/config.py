@@ -87,9 +87,12 @@ class ServeSettings(_Section):
 class EngineSettings(_Section):
     """``[engines.NAME]``: any OpenAI-compatible engine; ``{port}``, ``{model}``, ``{ctx}`` are substituted."""
 
-    command: list[str]
+    command: list[str] = Field(min_length=1, description="argv template of a process answering OpenAI's "
+                               "/v1/completions on 127.0.0.1:{port}")
     args: list[str] = []
     architectures: list[str] = []
+    start_timeout_s: float = Field(120.0, gt=0, description="longest wait for it to answer after its start")
+    grammar: bool = Field(False, description="it takes llama.cpp's `grammar` field (tools and structured output)")
 
 
 class RpcSettings(_Section):

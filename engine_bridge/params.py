@@ -17,6 +17,7 @@ KvType = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "
 KV_TYPE_IDS: dict[str, int] = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
                                "iq4_nl": 20, "bf16": 30}
 LoadMode = Literal["mmap", "load", "mlock"]
+_CLI_LOAD_MODES: dict[str, str] = {"mmap": "mmap", "load": "none", "mlock": "mlock"}  # llama.cpp's -lm names
 _DEVICE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # what FLUX_MOE_SPLIT can carry between its | ; : , separators
 
 
@@ -171,10 +172,8 @@ class EngineParams(BaseModel):
                 "-sm", self.split_mode, "-mg", str(self.main_gpu)]
         if self.tensor_split:
             args += ["-ts", ",".join(f"{x:g}" for x in self.tensor_split)]
-        if self.load_mode != "mmap":
-            args.append("--no-mmap")
-        if self.load_mode == "mlock":
-            args.append("--mlock")
+        if self.load_mode != "mmap":  # the pin's --load-mode (it has no --no-mmap/--mlock)
+            args += ["-lm", _CLI_LOAD_MODES[self.load_mode]]
         if self.no_host:
             args.append("--no-host")
         if not self.repack:

@@ -19,6 +19,9 @@ from pydantic.fields import FieldInfo
 from artifacts.config import Settings
 from artifacts.errors import FluxError
 from artifacts.records.plan import PlanRequest
+from engine_bridge.backend import llama_server_path
+from engine_bridge.engines.registry import EngineRefused, resolve
+from engine_bridge.engines.spec import EngineSpec
 from engine_bridge.rpc import parse_endpoints
 from tasks.errors import ImpossiblePlan
 
@@ -89,13 +92,28 @@ def plan_request(settings: Settings, model: str | Path, *, request: type[PlanReq
         raise BadPlanFlag(f"--rpc-mem-budget {','.join(f'{b:g}' for b in budgets)}: {len(budgets)} budget(s) for "
                           f"{len(servers)} RPC server(s); give one per --rpc server, in order")
     try:
-        return request.model_validate(values)
+        req = request.model_validate(values)
     except ValidationError as exc:
         err = exc.errors()[0]
         field = str(err["loc"][0]) if err["loc"] else ""
         flag = flag_name(field, request) if field in request.model_fields else None
         raise BadPlanFlag(f"{flag or field} {err.get('input')!r}: {err['msg'].lower()}; "
                           f"see `flux plan --help`") from None
+    engine_specs(settings, req)
+    return req
+
+
+def engine_specs(settings: Settings, req: PlanRequest) -> list[EngineSpec]:
+    """The engines ``req`` names (``--engines``), resolved against the configured ones.
+
+    Raises:
+        BadPlanFlag: an unknown engine, one named twice, a bad command template, llama-server not built.
+    """
+    try:
+        return resolve(req.engines, settings.engines, llama_server_path(settings.cache_dir) if
+                       "llama-server" in req.engines else None, settings.plan.measure_timeout_s)
+    except EngineRefused as exc:
+        raise BadPlanFlag(f"--engines {','.join(req.engines)}: {exc}") from None
 
 
 def check_for_model(req: PlanRequest, n_ctx_train: int | None) -> None:

@@ -31,6 +31,9 @@ from artifacts.records.store import Records
 from artifacts.store import Store
 from engine_bridge import rpc
 from engine_bridge.backend import backend_info
+from engine_bridge.engines.preflight import preflight
+from engine_bridge.params import EngineParams
+from flows.request import engine_specs
 from tasks.clock import StageClock
 from tasks.pipeline import STAGES, PlanContext, Stage
 from tasks.stage import Artifact
@@ -47,10 +50,15 @@ def context(req: PlanRequest, settings: Settings, reprobe: bool = False) -> Plan
     # RPC servers are asked who they are before anything is hashed or measured: one that does not answer or
     # runs another build ends the run here, in one line
     facts = machine_facts().model_copy(update={"rpc": [rpc.identify(e, build) for e in req.rpc or []]})
+    # so is every engine other than the worker: started once, it must answer and stream logprobs and usage
+    engines = engine_specs(settings, req)
+    for spec in engines:
+        preflight(spec, Path(req.model), EngineParams(n_ctx=min(info.n_ctx_train or 512, 512)),
+                  settings.logs_dir / "engines.log")
     mh = model_hash([Path(s) for s in info.shards], settings.cache_dir)
     return PlanContext(req=req, settings=settings, store=Store(settings.data_dir), info=info.model_copy(
         update={"content_hash": mh}), model_hash=mh, backend_build=build, facts=facts, code=code_id(),
-        clock=StageClock(req.budget_s), run_id=_flow_run_id(), reprobe=reprobe)
+        clock=StageClock(req.budget_s), run_id=_flow_run_id(), reprobe=reprobe, engines=tuple(engines))
 
 
 def _flow_run_id() -> str:

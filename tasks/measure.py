@@ -12,7 +12,7 @@ import logging
 import random
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,9 +23,12 @@ from artifacts.records.evidence import MeasureSummary
 from artifacts.records.search import Candidate
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient
+from engine_bridge.engines.process import peak_rss
+from engine_bridge.engines.spec import NATIVE, EngineSpec
 from engine_bridge.errors import EngineError
 from engine_bridge.gpumem import GpuMemoryMeter, over_budget
-from tasks.validate import score_loaded
+from tasks.engines import engine_visit, spec_of
+from tasks.validate import score_loaded, scored_path
 
 log = logging.getLogger(__name__)
 MIN_VISIT_TIMEOUT_S = 30.0
@@ -39,17 +42,6 @@ TRIAL_SCHEMA = pa.schema([
 ])
 
 
-def _peak_rss(pid: int | None) -> int | None:
-    """VmHWM of a process (its peak resident set), from /proc."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 @dataclass(frozen=True)
 class Scoring:
     """What a finalist's first visit scores while it is loaded, for validation (tasks.validate.score_loaded)."""
@@ -57,6 +49,7 @@ class Scoring:
     seqs: list[tuple[list[int], list[int]]]
     held_out: list[list[int]]
     directory: Path
+    n_vocab: int = 0  # the width of a scored row (an engine's scores are built from its top alternatives)
 
 
 def _visit(cand: Candidate, model: Path, prompts: list[list[int]], n_gen: int, rnd: int, timeout_s: float,
@@ -85,7 +78,7 @@ def _visit(cand: Candidate, model: Path, prompts: list[list[int]], n_gen: int, r
                          "prompt_ms": t.prompt_ms, "gen_tokens": t.gen_tokens, "gen_ms": t.gen_ms,
                          "prefill_tps": t.prefill_tps if t.prompt_ms else None,
                          "decode_tps": t.decode_tps if t.gen_ms else None,
-                         "load_ms": load_ms, "peak_rss_bytes": _peak_rss(w.pid), "error": None})
+                         "load_ms": load_ms, "peak_rss_bytes": peak_rss(w.pid), "error": None})
         reading = meter.read(w.pid)
         if scoring is not None and not over_budget(reading.per_gpu if reading else None, gpu_budgets):
             score_loaded(w, cand.id, scoring.seqs, scoring.held_out, scoring.directory, timeout_s)
@@ -109,9 +102,12 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
             repeats: int, timeout_s: float, log_path: Path, seed: int = 0, progress: Progress | None = None,
             worker_env: Mapping[str, Mapping[str, str]] | None = None,
             gpu_budgets: list[int] | None = None, predicted_gpu: Mapping[str, int] | None = None,
-            scoring: Scoring | None = None,
+            scoring: Scoring | None = None, engines: Sequence[EngineSpec] = (),
             predicted_visit_s: Mapping[str, float] | None = None) -> tuple[list[MeasureSummary], pa.Table, float, bool]:
     """Time every finalist; return (summaries, trials table, seconds spent, stopped by budget).
+
+    A finalist on an engine other than the worker (``engine``, one of ``engines``) is visited through that
+    engine (:func:`tasks.engines.engine_visit`), in the same rounds and under the same budget.
 
     ``gpu_budgets`` (bytes per GPU) turns a finalist whose measured GPU memory exceeds them into an error;
     ``predicted_gpu`` (bytes on every GPU, by candidate id) is recorded beside the measured bytes. The budget
@@ -156,8 +152,14 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
             # no request of a visit may wait past the budget's end (at least MIN_VISIT_TIMEOUT_S): a finalist
             # that hangs or crawls becomes a timeout row instead of holding the plan for measure_timeout_s
             wait_s = min(timeout_s, max(MIN_VISIT_TIMEOUT_S, budget_s - spent))
-            got = _visit(cand, model, prompts, n_gen, rnd, wait_s, log_path, (worker_env or {}).get(cand.id, {}),
-                         gpu_budgets, scoring if rnd == 0 else None)
+            if cand.engine != NATIVE:
+                score = scoring if rnd == 0 else None
+                got = engine_visit(cand, spec_of(engines, cand.engine), model, prompts, n_gen, rnd, wait_s, log_path,
+                                   (score.seqs, score.held_out, score.n_vocab, scored_path(score.directory, cand.id))
+                                   if score else None)
+            else:
+                got = _visit(cand, model, prompts, n_gen, rnd, wait_s, log_path,
+                             (worker_env or {}).get(cand.id, {}), gpu_budgets, scoring if rnd == 0 else None)
             visit_s.append(time.monotonic() - v0)
             first_visit.setdefault(cand.id, visit_s[-1])
             rows.extend(got)

@@ -24,6 +24,7 @@ from artifacts.records.routing import RoutingProfile
 from artifacts.records.search import Candidate, Finalists, PlacementSpace
 from artifacts.records.store import Records
 from artifacts.store import Store
+from engine_bridge.engines.spec import EngineSpec
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,8 @@ def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: s
             req: PlanRequest, finalists: Finalists, measured: MeasureResults, trials: pa.Table,
             validation: ValidationReport, roofline_decode_tps: float | None, memory_limits: dict[str, int],
             prefill_share: float, notes: list[str], routing: RoutingProfile | None = None,
-            all_gpu_decode: tuple[str, float] | None = None, stage_seconds: dict[str, float] | None = None) -> Plan:
+            all_gpu_decode: tuple[str, float] | None = None, stage_seconds: dict[str, float] | None = None,
+            engine: EngineSpec | None = None) -> Plan:
     """Write the plan and its trials; returns the plan (its id is a content hash of the whole plan)."""
     by_id = {c.id: c for c in finalists.finalists}
     summaries = measured.summaries
@@ -144,6 +146,7 @@ def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: s
         "decode_by_depth": decode_by_depth(trials, win), "notes": notes,
         "kl_limit": validation.kl_limit, "top1_limit": validation.top1_limit, "routing_trace": routing.trace_id if routing else None,
         "routing_coverage": {f"{f:.0%}": routing.coverage(f) for f in (0.1, 0.25, 0.5)} if routing else {},
+        "engine": engine.model_dump(mode="json") if engine is not None else None,
     }
     plan = seal(body)
     Records(store).put(PLAN, plan, key=plan.id, meta={"key_id": kid, "model": model_name, "created_at": created})

@@ -21,6 +21,7 @@ from artifacts.records.kinds import Kind
 from artifacts.records.plan import PlanRequest
 from artifacts.records.store import Records
 from artifacts.store import Store
+from engine_bridge.engines.spec import NATIVE_SPEC, EngineSpec
 from tasks.clock import StageClock
 
 R = TypeVar("R")
@@ -41,6 +42,7 @@ class PlanContext:
     clock: StageClock = field(default_factory=lambda: StageClock(0.0))
     run_id: str = "no-run"  # the flow run's id: measure and validate are per run (a retry of the run reuses them)
     reprobe: bool = False
+    engines: tuple[EngineSpec, ...] = (NATIVE_SPEC,)  # the engines the finalists are measured on (--engines)
 
     @property
     def model(self) -> Path:

@@ -39,6 +39,7 @@ Progress = Callable[[str], None]
 # A finalist holding less than the largest measured context must be this much faster to be chosen:
 # a shorter context is a loss for the user, worth it only for a real speed-up, not for noise.
 SHORTER_CONTEXT_GAIN = 0.05
+UNSCORED_KL = 1e30  # a finalist that could not be scored: finite, so its row has a canonical JSON form
 
 
 def reference_params(n_ctx: int, threads: int, seed: int = 0) -> EngineParams:
@@ -187,6 +188,12 @@ def _held_out_speeds(timings: Sequence[ops.Timing]) -> tuple[float | None, float
     return pre, dec
 
 
+def scored_positions(ref: list[np.ndarray], cand: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The positions a candidate has rows for: an engine reports no logprobs for some tokens (NaN rows)."""
+    keep = [~np.isnan(c).any(axis=1) for c in cand]
+    return [r[k] for r, k in zip(ref, keep, strict=True)], [c[k] for c, k in zip(cand, keep, strict=True)]
+
+
 def scored_path(directory: Path, cand_id: str) -> Path:
     """Where a finalist's scores of the reference's continuations are kept (written while it was measured)."""
     return directory / f"{cand_id}.npz"
@@ -257,14 +264,17 @@ def validate(ranked: list[Candidate], model: Path, prompts: list[list[int]], hel
             try:
                 if kept is not None and kept.exists():
                     lps, pre, dec = _from_measurement(kept, len(seqs))
+                elif cand.engine != "native":
+                    raise EngineError("validation_failed", f"{cand.id}: not scored while it was measured on "
+                                                           f"{cand.engine}")
                 else:
                     lps, pre, dec = _candidate(cand, model, seqs, held_out, tmp, log_path, timeout_s)
             except EngineError as exc:
                 progress(f"validate: {cand.id} failed: {exc}")
-                results.append(ValidationResult(candidate_id=cand.id, mean_kl=float("inf"), max_kl=float("inf"),
+                results.append(ValidationResult(candidate_id=cand.id, mean_kl=UNSCORED_KL, max_kl=UNSCORED_KL,
                                                 top1_agreement=0.0, n_tokens=0, passed=False, reason=str(exc)))
                 continue
-            stats = compare_all(ref, lps)
+            stats = compare_all(*scored_positions(ref, lps))
             ok, why = gate.verdict(stats, floor)
             if quality_profile != "reference":
                 ok, why = True, f"{why}; recorded, not enforced (quality profile {quality_profile})"

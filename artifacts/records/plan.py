@@ -15,6 +15,7 @@ from artifacts.ids import content_id
 from artifacts.records.base import Record
 from artifacts.records.evidence import MeasureSummary, ValidationResult
 from artifacts.records.search import Candidate, DeviceName, Prediction
+from engine_bridge.engines.spec import EngineSpec
 from engine_bridge.params import KvType
 
 
@@ -52,6 +53,9 @@ class PlanRequest(Record):
     rpc_mem_budget_gib: list[float] | None = Field(None, description=(
         "GiB the plan may hold on each RPC server, in --rpc order (default: what each reports free)"),
         json_schema_extra={"flag": "--rpc-mem-budget"})
+    engines: list[str] = Field(["native"], min_length=1, description=(
+        "engines the finalists' placements are measured on, e.g. native,llama-server (a configured "
+        "[engines.NAME] too); the fastest that passes validation serves the plan"))
     replan: bool = Field(False, exclude=True, description="measure again even if a matching plan exists")
     reprobe: bool = Field(False, exclude=True, description="measure the hardware again")
     finalists: int = Field(6, ge=1, json_schema_extra={"flag": None, "setting": "finalists"})
@@ -105,6 +109,8 @@ class Plan(Record):
         "wall seconds of each planning stage of the run that made the plan, and the total"))
     routing_coverage: dict[str, float] = Field(default_factory=dict, description=(
         "share of picks that each layer's busiest 10/25/50% of experts take (median over layers)"))
+    engine: EngineSpec | None = Field(None, description=(
+        "the engine that serves the plan, as it was measured (its command template); None: the native worker"))
 
 
 def plan_id(body: Mapping[str, Any]) -> str:

@@ -47,6 +47,8 @@ class Candidate(Record):
     kv_bytes: dict[DeviceName, int]
     compute_bytes: dict[DeviceName, int]
     needs_storage_streaming: bool = False
+    engine: str = Field("native", description="the engine it runs on: 'native' (the worker), 'llama-server', or a "
+                                              "configured [engines.NAME]")
     hot_share: list[float] = Field(default_factory=list, description=(
         "per layer, the share of its router's picks that hit an expert copied to the GPU (params.expert_split)"))
 

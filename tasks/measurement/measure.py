@@ -17,6 +17,7 @@ from artifacts.records.hardware import HardwareReport
 from artifacts.records.kinds import MEASURED, TRIALS_RAW_TABLE
 from artifacts.records.search import Finalists
 from tasks import workload as wl
+from tasks.engines import on_engines
 from tasks.gpu_budget import gpu_limits
 from tasks.gpu_memory import predicted_gpu_bytes
 from tasks.measure import Scoring, measure
@@ -25,8 +26,9 @@ from tasks.stage import PlanContext, Stage
 
 
 def _key(ctx: PlanContext, hw: HardwareReport, fin: Finalists, ref: ReferenceOutputs) -> dict[str, Any]:
-    return {"stage": "measure", "finalists": content_id(fin), "run": ctx.run_id, "budget": ctx.req.budget_s,
-            "code": ctx.code}
+    key = {"stage": "measure", "finalists": content_id(fin), "run": ctx.run_id, "budget": ctx.req.budget_s,
+           "code": ctx.code}
+    return key if ctx.req.engines == ["native"] else {**key, "engines": [e.model_dump() for e in ctx.engines]}
 
 
 def scored_dir(ctx: PlanContext, key: dict[str, Any]) -> Path:
@@ -53,8 +55,9 @@ def _sized(ctx: PlanContext, log: Any, hw: HardwareReport,
 
 
 def _run(ctx: PlanContext, log: Any, hw: HardwareReport, fin: Finalists, ref: ReferenceOutputs) -> MeasureResults:
-    budget, rates, lengths, n_gen, kept = _sized(ctx, log, hw, fin)
     key = _key(ctx, hw, fin, ref)
+    fin = on_engines(fin, ctx.engines)
+    budget, rates, lengths, n_gen, kept = _sized(ctx, log, hw, fin)
     score_tokens = sum(len(p) + len(c) for p, c in ref.seqs())
     prompts = wl.tune_prompts(ctx.model, lengths, ctx.req.seed, ctx.worker_log)
     summaries, table, used, stopped = measure(
@@ -62,7 +65,7 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport, fin: Finalists, ref: Re
         timeout_s=ctx.settings.plan.measure_timeout_s, log_path=ctx.worker_log, seed=ctx.req.seed,
         progress=log.info, gpu_budgets=gpu_limits(hw, ctx.req) if ctx.req.gpu_mem_budget_gib else None,
         predicted_gpu={c.id: sum(predicted_gpu_bytes(c, hw).values()) for c in kept.finalists},
-        scoring=Scoring(ref.seqs(), ref.held_out, scored_dir(ctx, key)),
+        scoring=Scoring(ref.seqs(), ref.held_out, scored_dir(ctx, key), ctx.info.n_vocab), engines=ctx.engines,
         predicted_visit_s={c.id: wl.visit_seconds(c, p, lengths, n_gen, rates, score_tokens)
                            for c, p in zip(kept.finalists, kept.predictions, strict=True)})
     tid = content_id({"measure": content_id(key), "rows": table.num_rows})

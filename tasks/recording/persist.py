@@ -14,8 +14,10 @@ from artifacts.records.kinds import MODEL_PATH, PLAN, PROBE, ROUTING_PROFILE, TR
 from artifacts.records.plan import ModelPath, Plan
 from artifacts.records.routing import RoutingProfile
 from artifacts.records.search import Finalists, PlacementSpace
+from engine_bridge.engines.spec import NATIVE
 from tasks import workload as wl
 from tasks.costmodel import all_gpu_decode, roofline_decode
+from tasks.engines import engine_notes, on_engines, spec_of
 from tasks.persist import find_plan, persist, plan_notes
 from tasks.probing import probe as probe_stage
 from tasks.probing import route as route_stage
@@ -53,6 +55,7 @@ def remember_model_path(ctx: PlanContext) -> None:
 
 def _run(ctx: PlanContext, log: Any, hw: HardwareReport, space: PlacementSpace, fin: Finalists,
          measured: MeasureResults, report: ValidationReport, routing: RoutingProfile | None = None) -> Plan:
+    fin = on_engines(fin, ctx.engines)
     trials = ctx.store.get_table(TRIALS_RAW_TABLE, measured.trials_table)
     work = wl.workload(measured.lengths, measured.n_gen) if measured.lengths else workload_for(ctx, space)
     winner = next(c for c in fin.finalists if c.id == report.winner_id)
@@ -63,7 +66,9 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport, space: PlacementSpace, 
                    roofline_decode_tps=roofline_decode(ctx.info, hw, winner),
                    all_gpu_decode=all_gpu_decode(hw),
                    memory_limits=space.memory_limits, prefill_share=work.prefill_share,
-                   notes=plan_notes(space, fin, measured, report) + rpc_notes(hw, winner),
+                   notes=plan_notes(space, fin, measured, report) + rpc_notes(hw, winner) + engine_notes(
+                       {s.candidate_id: s for s in measured.summaries}, ctx.engines, winner),
+                   engine=None if winner.engine == NATIVE else spec_of(ctx.engines, winner.engine),
                    stage_seconds=ctx.clock.record())
 
 

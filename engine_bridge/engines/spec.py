@@ -1,0 +1,102 @@
+"""What a plan records of the engine that runs it, and the command that starts that engine.
+
+``native`` is Flux's own worker (``python -m engine_bridge.worker``); every other engine is a process that
+answers OpenAI's ``/v1/completions`` on a loopback port: llama.cpp's ``llama-server``, started with the
+placement's flags (:meth:`EngineParams.cli_args`) and environment (``FLUX_MOE_SPLIT``), or a configured
+``[engines.NAME]`` whose command template names ``{port}``, ``{model}`` and ``{ctx}``.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine_bridge.params import EngineParams
+
+EngineKind = Literal["native", "llama-server", "command"]
+NATIVE = "native"
+LLAMA_SERVER = "llama-server"
+TEMPLATE_FIELDS = frozenset({"port", "model", "ctx"})
+HOST = "127.0.0.1"
+
+
+class BadEngineTemplate(ValueError):
+    """A command template naming a field other than ``{port}``, ``{model}`` or ``{ctx}`` (or malformed)."""
+
+
+class EngineSpec(BaseModel):
+    """One engine a plan can be measured and served on."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str = Field(min_length=1)
+    kind: EngineKind
+    command: tuple[str, ...] = Field((), description="argv template ({port}, {model}, {ctx}); empty for native")
+    start_timeout_s: float = Field(120.0, gt=0, description="longest wait for the engine to answer after its start")
+    grammar: bool = Field(False, description="takes a GBNF grammar (llama.cpp's `grammar` field): tools and "
+                                             "structured output")
+
+    @property
+    def native(self) -> bool:
+        """True for Flux's own worker."""
+        return self.kind == "native"
+
+
+NATIVE_SPEC = EngineSpec(name=NATIVE, kind="native", grammar=True)
+
+
+def template_fields(command: tuple[str, ...] | list[str]) -> set[str]:
+    """The ``{fields}`` a command template names.
+
+    Raises:
+        BadEngineTemplate: a malformed template (an unclosed brace, a positional or formatted field).
+    """
+    found: set[str] = set()
+    for part in command:
+        try:
+            parsed = list(string.Formatter().parse(part))
+        except ValueError as exc:
+            raise BadEngineTemplate(f"{part!r}: {exc}") from None
+        for _, name, spec, conv in parsed:
+            if name is None:
+                continue
+            if not name or spec or conv:
+                raise BadEngineTemplate(f"{part!r}: write fields as {{port}}, {{model}} or {{ctx}}")
+            found.add(name)
+    return found
+
+
+def check_template(command: tuple[str, ...] | list[str]) -> None:
+    """Refuse a template with a field other than ``{port}``, ``{model}``, ``{ctx}``, or without ``{port}``.
+
+    Raises:
+        BadEngineTemplate: what is wrong, in words.
+    """
+    if not command:
+        raise BadEngineTemplate("the command is empty")
+    names = template_fields(command)
+    unknown = sorted(names - TEMPLATE_FIELDS)
+    if unknown:
+        raise BadEngineTemplate(f"unknown template field(s) {', '.join('{' + n + '}' for n in unknown)}: only "
+                                "{port}, {model} and {ctx} are substituted")
+    if "port" not in names:
+        raise BadEngineTemplate("the command does not name {port}: Flux picks the port the engine listens on")
+
+
+def launch(spec: EngineSpec, model: str, params: EngineParams, port: int) -> tuple[list[str], dict[str, str]]:
+    """The argv and extra environment that start ``spec`` on ``model`` with the placement ``params``.
+
+    llama-server holds ``n_seq_max`` slots of ``n_ctx`` tokens each (its ``-c`` is split among ``-np`` slots);
+    a configured engine gets its template with ``{ctx}`` the context per sequence.
+    """
+    ctx = params.n_ctx
+    env = params.environment()
+    if spec.kind == "llama-server":
+        args = params.cli_args()
+        i = args.index("-c")
+        args[i + 1] = str(ctx * params.n_seq_max)
+        return [*spec.command, "-m", model, *args, "-np", str(params.n_seq_max), "--host", HOST,
+                "--port", str(port), "--no-webui"], env
+    values = {"port": str(port), "model": model, "ctx": str(ctx)}
+    return [part.format(**values) for part in spec.command], env
