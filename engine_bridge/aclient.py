@@ -22,7 +22,7 @@ import itertools
 import os
 import signal
 import sys
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -46,12 +46,14 @@ class AsyncWorkerClient:
     """One engine worker subprocess driven from asyncio."""
 
     def __init__(self, log_path: Path | None, env: Mapping[str, str] | None = None,
-                 hello_timeout_s: float = 30.0, python: str = sys.executable, write_timeout_s: float = 30.0) -> None:
+                 hello_timeout_s: float = 30.0, python: str = sys.executable, write_timeout_s: float = 30.0,
+                 argv: Sequence[str] = ("-m", "engine_bridge.worker")) -> None:
         self.log_path = log_path
         self.extra_env = dict(env or {})
         self.hello_timeout_s = hello_timeout_s
         self.write_timeout_s = write_timeout_s
         self.python = python
+        self.argv = tuple(argv)  # what runs behind the protocol: the worker, or an engine's host
         self.proc: asyncio.subprocess.Process | None = None
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Queue[Any]] = {}
@@ -74,7 +76,7 @@ class AsyncWorkerClient:
             log = self.log_path.open("ab")
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                self.python, "-m", "engine_bridge.worker", stdin=asyncio.subprocess.PIPE,
+                self.python, *self.argv, stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=log if log is not None else asyncio.subprocess.DEVNULL,
                 env=env, cwd=str(REPO_ROOT), start_new_session=True, limit=_LINE_LIMIT)
         finally:

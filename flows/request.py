@@ -109,6 +109,8 @@ def engine_specs(settings: Settings, req: PlanRequest) -> list[EngineSpec]:
     Raises:
         BadPlanFlag: an unknown engine, one named twice, a bad command template, llama-server not built.
     """
+    if req.prefer_engine is not None and req.prefer_engine not in req.engines:
+        raise BadPlanFlag(f"--prefer-engine {req.prefer_engine}: not one of --engines {','.join(req.engines)}")
     try:
         return resolve(req.engines, settings.engines, llama_server_path(settings.cache_dir) if
                        "llama-server" in req.engines else None, settings.plan.measure_timeout_s)

@@ -25,6 +25,7 @@ from typing import Any
 
 from engine_bridge import ops, rpc
 from engine_bridge.aclient import AsyncWorkerClient
+from engine_bridge.engines.spec import EngineSpec
 from engine_bridge.errors import EngineError, WorkerDied
 from engine_bridge.params import EngineParams
 from server.errors import QueueFull, Unavailable
@@ -47,6 +48,13 @@ class LoadSpec:
     load_s: float
     rpc_s: float
     write_s: float = 30.0
+    engine: EngineSpec | None = None  # the plan's engine; None: the native worker
+
+    def argv(self) -> tuple[str, ...]:
+        """What runs behind the worker protocol: the native worker, or the host of the plan's engine."""
+        if self.engine is None or self.engine.native:
+            return ("-m", "engine_bridge.worker")
+        return ("-m", "engine_bridge.engines", self.engine.model_dump_json())
 
 
 @dataclass(frozen=True)
@@ -88,7 +96,8 @@ class WorkerSupervisor:
     async def _spawn(self) -> EngineInfo:
         """A fresh worker with the model loaded; made current only once loaded."""
         s = self.spec
-        worker = AsyncWorkerClient(s.log_path, env=dict(s.env), hello_timeout_s=s.hello_s, write_timeout_s=s.write_s)
+        worker = AsyncWorkerClient(s.log_path, env=dict(s.env), hello_timeout_s=s.hello_s, write_timeout_s=s.write_s,
+                                   argv=s.argv())
         try:
             await worker.start()
             got = await worker.request(ops.SERVE_LOAD, ops.ServeLoadArgs(model=s.model, params=s.params,

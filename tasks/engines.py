@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from artifacts.records.evidence import MeasureSummary
 from artifacts.records.search import Candidate, Finalists
 from engine_bridge.engines.process import EngineProcess, peak_rss
 from engine_bridge.engines.spec import NATIVE, EngineSpec
@@ -45,6 +46,14 @@ def on_engines(fin: Finalists, engines: Sequence[EngineSpec]) -> Finalists:
             if c.id in by_id:
                 preds.append(by_id[c.id].model_copy(update={"candidate_id": cid}))
     return fin.model_copy(update={"finalists": cands, "predictions": preds})
+
+
+def prefer(ranked: list[MeasureSummary], fin: Finalists, engine: str | None) -> list[MeasureSummary]:
+    """``ranked`` with the finalists on ``engine`` first (each group in its measured order): ``--prefer-engine``."""
+    if engine is None:
+        return ranked
+    on = {c.id for c in fin.finalists if c.engine == engine}
+    return [s for s in ranked if s.candidate_id in on] + [s for s in ranked if s.candidate_id not in on]
 
 
 def spec_of(engines: Sequence[EngineSpec], name: str) -> EngineSpec:

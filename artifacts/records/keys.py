@@ -69,7 +69,7 @@ def plan_key(model_hash: str, hw: HardwareReport, backend_build: str, req: PlanR
     flags = req.model_dump(exclude={"model"})
     if flags["workload"] == "agent":  # the default before there was a choice: plans saved then still match
         del flags["workload"]
-    for name in ("host_mem_budget_gib", "rpc", "rpc_mem_budget_gib"):  # unset: plans saved before them still match
+    for name in ("host_mem_budget_gib", "rpc", "rpc_mem_budget_gib", "prefer_engine"):  # unset: plans saved before them still match
         if flags.get(name) is None:
             flags.pop(name, None)
     if flags.get("engines") in (None, ["native"]):  # the default: plans saved before engines were a flag still match

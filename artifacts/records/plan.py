@@ -56,6 +56,9 @@ class PlanRequest(Record):
     engines: list[str] = Field(["native"], min_length=1, description=(
         "engines the finalists' placements are measured on, e.g. native,llama-server (a configured "
         "[engines.NAME] too); the fastest that passes validation serves the plan"))
+    prefer_engine: str | None = Field(None, description=(
+        "serve on this engine (one of --engines) when one of its finalists passes validation, even where another "
+        "engine measured faster (its features, say); every engine is still measured and recorded"))
     replan: bool = Field(False, exclude=True, description="measure again even if a matching plan exists")
     reprobe: bool = Field(False, exclude=True, description="measure the hardware again")
     finalists: int = Field(6, ge=1, json_schema_extra={"flag": None, "setting": "finalists"})

@@ -11,7 +11,7 @@ from artifacts.records.evidence import MeasureResults, ValidationReport
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.kinds import VALIDATION
 from artifacts.records.search import Finalists
-from tasks.engines import on_engines
+from tasks.engines import on_engines, prefer
 from tasks.errors import NoMeasurement
 from tasks.reference import ReferenceOutputs, floor_variants
 from tasks.stage import PlanContext, Stage
@@ -27,7 +27,7 @@ def _key(ctx: PlanContext, hw: HardwareReport, fin: Finalists, measured: Measure
 def _run(ctx: PlanContext, log: Any, hw: HardwareReport, fin: Finalists, measured: MeasureResults,
          ref: ReferenceOutputs) -> ValidationReport:
     fin = on_engines(fin, ctx.engines)
-    ok = rank_measured(measured.summaries, fin.finalists)
+    ok = prefer(rank_measured(measured.summaries, fin.finalists), fin, ctx.req.prefer_engine)
     if not ok:
         raise NoMeasurement("; ".join(f"{s.candidate_id}: {s.error}" for s in measured.summaries))
     by_id = {c.id: c for c in fin.finalists}
