@@ -179,6 +179,8 @@ class Host:
                         self.counters["tokens_generated"] += 1
                         self.send({"id": rid, "event": token_event(text, toks, a)})
         except httpx.HTTPError as exc:
+            if engine.exited(wait_s=2.0):  # the engine died under this request: so does its host (worker_died)
+                os._exit(ENGINE_EXIT)
             raise EngineError("engine_error", f"engine {self.spec.name}: {type(exc).__name__}: {exc}") from exc
         return ops.GenerateResult(finish_reason=finish, prompt_tokens=int(usage.get("prompt_tokens", len(a.prompt))),
                                   completion_tokens=int(usage.get("completion_tokens", n)),

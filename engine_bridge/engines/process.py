@@ -122,6 +122,16 @@ class EngineProcess:
         tail = " | ".join(line.strip() for line in text.splitlines()[-3:] if line.strip())
         return f"; log {self.log_path}: {tail}" if tail else ""
 
+    def exited(self, wait_s: float) -> bool:
+        """True when the process has exited, or exits within ``wait_s``."""
+        if self.proc is None:
+            return True
+        try:
+            self.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the process group: SIGTERM, then SIGKILL after ``timeout_s`` (idempotent)."""
         if self.proc is not None and self.proc.poll() is None:
