@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from artifacts.records.search import Candidate
 from engine_bridge.params import EngineParams, TensorOverride
 from tasks.bench.context import BenchContext, Progress
-from tasks.bench.engines import EngineSpec, llama_cpp_python_defaults, plan_engine
+from tasks.bench.engines import EngineSpec, llama_cpp_python_defaults, other_engine, plan_engine, server_spec
 from tasks.bench.host import load_avg
 from tasks.bench.record import BenchRun, SummaryRow
 from tasks.bench.registry import Suite
@@ -123,6 +123,9 @@ VARIANTS: dict[str, Variant] = {
 }
 
 
+OTHER = "other-engine"  # the plan's placement on the other engine (llama-server for a native plan, and back)
+
+
 def variants(c: Candidate, cpu_count: int | None = None) -> dict[str, EngineParams | str]:
     """Every variant of the plan's candidate: its parameters, or why it is not measured."""
     defaults = llama_cpp_python_defaults(c.params, cpu_count)
@@ -131,7 +134,8 @@ def variants(c: Candidate, cpu_count: int | None = None) -> dict[str, EnginePara
 
 def _row(name: str, params: EngineParams, ctx: BenchContext, table: Any, opts: AblateOptions,
          common: dict[str, Any]) -> SummaryRow:
-    metrics = {**common, "variant": params.model_dump(mode="json"), "changed": _changes(ctx.params, params)}
+    changed = f"engine {plan_engine(ctx).kind} -> {other_engine(ctx).kind}" if name == OTHER else _changes(ctx.params, params)
+    metrics = {**common, "variant": params.model_dump(mode="json"), "changed": changed}
     err = engine_error(table, "plan") or engine_error(table, name)
     if err:
         return SummaryRow(baseline=name, verdict="info", detail=f"not compared: {err}", metrics=metrics)
@@ -150,8 +154,17 @@ def _changes(plan: EngineParams, variant: EngineParams) -> str:
 def bench_ablate(ctx: BenchContext, opts: AblateOptions, progress: Progress | None = None) -> BenchRun:
     """Race the plan against each variant that undoes one of its choices; one row per variant."""
     found = variants(ctx.plan.candidate)
-    specs = [EngineSpec(name=n, kind="worker", params=p, note=" ".join(p.cli_args()))
-             for n, p in found.items() if isinstance(p, EngineParams)]
+    on_server = ctx.plan.engine is not None and ctx.plan.engine.kind == "llama-server"
+    specs = [server_spec(n, p) if on_server else EngineSpec(name=n, kind="worker", params=p, note=" ".join(p.cli_args()))
+             for n, p in found.items() if isinstance(p, EngineParams)]  # each variant on the plan's own engine
+    if ctx.plan.engine is not None and ctx.plan.engine.kind == "command":
+        found[OTHER] = f"not measured: the plan's engine {ctx.plan.engine.name} is a configured command"
+    elif ctx.llama_server is None:
+        found[OTHER] = "not measured: llama-server is not built for this backend"
+    else:
+        other = other_engine(ctx, OTHER)
+        found[OTHER] = ctx.params
+        specs.append(other)
     lengths = prompt_lengths(ctx.params.n_ctx, opts.n_gen, opts.prompts)
     common: dict[str, Any] = {"options": opts.model_dump(mode="json"), "prompt_lengths": lengths,
                               "load_avg_start": load_avg(), "plan_engine": plan_engine(ctx).note}
@@ -169,8 +182,9 @@ def bench_ablate(ctx: BenchContext, opts: AblateOptions, progress: Progress | No
 
 SUITE = Suite(
     name="ablate", help="compare the full plan with variants that each undo one of its choices",
-    description="Threads, n_ubatch, flash attention, load mode, KV offload, offload threshold, expert placement: "
-                "each choice the plan made differently from the default is undone in one variant, raced in "
+    description="Threads, n_ubatch, flash attention, load mode, KV offload, offload threshold, expert placement, "
+                "engine: each choice the plan made differently from the default is undone in one variant (the "
+                "engine's: the same placement on the other engine, llama-server or the native worker), raced in "
                 "paired rounds; prints what each choice is worth.",
     options=AblateOptions, run=bench_ablate, flags=("rounds", "prompts", "n_gen", "seed"),
     help_text={"rounds": "paired rounds", "prompts": "corpus prompts per round", "n_gen": "tokens decoded per prompt"})

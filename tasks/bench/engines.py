@@ -125,8 +125,26 @@ def make_engine(spec: EngineSpec, ctx: BenchContext) -> Engine:
 
 
 def plan_engine(ctx: BenchContext) -> EngineSpec:
-    """The plan itself, through the native engine."""
+    """The plan itself, through its engine (the native worker, or llama-server with the plan's flags)."""
+    if ctx.plan.engine is not None and ctx.plan.engine.kind == "llama-server":
+        return server_spec("plan", ctx.params)
     return EngineSpec(name="plan", kind="worker", params=ctx.params, note=" ".join(ctx.params.cli_args()))
+
+
+def server_spec(name: str, params: EngineParams) -> EngineSpec:
+    """llama-server with a placement's flags and environment (FLUX_MOE_SPLIT), as ``flux plan --engines`` starts it."""
+    args = [*params.cli_args(), "-np", str(params.n_seq_max)]
+    args[args.index("-c") + 1] = str(params.n_ctx * params.n_seq_max)
+    return EngineSpec(name=name, kind="llama-server", params=params, args=tuple(args), env=params.environment(),
+                      note="llama-server " + " ".join(args))
+
+
+def other_engine(ctx: BenchContext, name: str = "other-engine") -> EngineSpec:
+    """The plan's placement on the engine it was not planned for: llama-server for a native plan, the native
+    worker for a llama-server plan."""
+    if ctx.plan.engine is not None and ctx.plan.engine.kind == "llama-server":
+        return EngineSpec(name=name, kind="worker", params=ctx.params, note="native worker, the plan's parameters")
+    return server_spec(name, ctx.params)
 
 
 def llama_cpp_python_defaults(params: EngineParams, cpu_count: int | None = None) -> EngineParams:
