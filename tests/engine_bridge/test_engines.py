@@ -58,8 +58,8 @@ def test_the_registry_resolves_and_refuses(tmp_path: Path) -> None:
 
 
 def test_the_default_engines_leave_the_plan_key_as_it_was() -> None:
-    from artifacts.records.keys import plan_key
     from artifacts.records.hardware import HardwareReport
+    from artifacts.records.keys import plan_key
 
     req = PlanRequest(model="/m.gguf")
     flags = req.model_dump(exclude={"model"})
