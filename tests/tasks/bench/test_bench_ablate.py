@@ -11,7 +11,7 @@ from bench_support import bench_settings, make_plan, session_cache
 
 from artifacts.records.search import Candidate, Placement
 from engine_bridge.params import EngineParams, TensorOverride
-from tasks.bench.ablate import EXPERTS_ON_CPU, VARIANTS, AblateOptions, bench_ablate, variants
+from tasks.bench.ablate import EXPERTS_ON_CPU, OTHER, VARIANTS, AblateOptions, bench_ablate, variants
 from tasks.bench.context import open_bench
 from tasks.bench.engines import llama_cpp_python_defaults
 from tasks.bench.record import save_run
@@ -74,7 +74,12 @@ def stored(tmp_path_factory: pytest.TempPathFactory, tiny_moe: Path) -> dict[str
 
 def test_ablation_races_only_the_choices_the_plan_made(stored: dict[str, Any]) -> None:
     rows = stored["rows"]
-    assert set(rows) == set(VARIANTS)
+    assert set(rows) == {*VARIANTS, OTHER}
+    other = rows.pop(OTHER)  # the plan's placement on llama-server, where the backend built it
+    if other["ratio_decode"] is None:
+        assert other["detail"] == "not measured: llama-server is not built for this backend"
+    else:
+        assert json.loads(other["metrics"])["changed"] == "engine worker -> llama-server"
     measured = {n for n, r in rows.items() if r["ratio_decode"] is not None}
     assert measured == {"flash-attn-default", "ubatch-512"}
     for name in set(VARIANTS) - measured:
@@ -86,5 +91,5 @@ def test_ablation_races_only_the_choices_the_plan_made(stored: dict[str, Any]) -
         assert json.loads(r["metrics"])["changed"] == {"flash-attn-default": "flash_attn True -> False",
                                                        "ubatch-512": "n_batch 256 -> 512, n_ubatch 128 -> 512"}[name]
     engines = {r["engine"] for r in stored["raw"]}
-    assert engines == {"plan", "flash-attn-default", "ubatch-512"}
+    assert engines - {OTHER} == {"plan", "flash-attn-default", "ubatch-512"}
     assert not [r for r in stored["raw"] if r["error"]]
