@@ -1,4 +1,5 @@
-"""The ``plan-model`` Prefect flow: probe → route → enumerate → prune → reference → measure → validate → persist.
+"""The ``plan-model`` Prefect flow: probe → route → enumerate → prune → measure → validate → persist, with the
+reference started after the probe and running beside route, enumerate and prune (it needs neither).
 
 This module only composes the stages declared in ``tasks/`` (:mod:`tasks.pipeline`); :func:`flows.stages.run`
 runs each as a Prefect task that returns its stored output when the inputs hash to one (the task's state
@@ -40,10 +41,11 @@ def plan_model(model: str, ctx: int | None = None, concurrency: int = 1, kv: str
                      existing[:12])
             return existing
     hw = stages.run(p.PROBE, ctx_)
+    reference = stages.start(p.REFERENCE, ctx_, hw)
     routing = stages.run(p.ROUTE, ctx_, hw)
     space = stages.run(p.ENUMERATE, ctx_, hw, routing)
     finalists = stages.run(p.PRUNE, ctx_, hw, space)
-    ref = stages.run(p.REFERENCE, ctx_, hw, finalists)
+    ref = reference.result()
     measured = stages.run(p.MEASURE, ctx_, hw, finalists, ref)
     report = stages.run(p.VALIDATE, ctx_, hw, finalists, measured, ref)
     plan = stages.run(p.PERSIST, ctx_, hw, space, finalists, measured, report, routing)

@@ -17,6 +17,7 @@ from prefect import Task, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
+from prefect.futures import PrefectFuture
 from prefect.states import Completed
 from pydantic import BaseModel
 
@@ -165,3 +166,8 @@ TASKS: dict[str, Task[..., Any]] = {s.name: _as_task(s) for s in STAGES}
 def run(stage: Stage[Any], ctx: PlanContext, *inputs: Any) -> Any:
     """Run a declared stage as its Prefect task (in a flow: its result)."""
     return TASKS[stage.name](ctx, *inputs)
+
+
+def start(stage: Stage[Any], ctx: PlanContext, *inputs: Any) -> PrefectFuture[Any]:
+    """Start a declared stage as its Prefect task beside the flow's next ones; ``.result()`` waits for it."""
+    return TASKS[stage.name].submit(ctx, *inputs)

@@ -3,6 +3,8 @@
 ``--budget-s B`` is the flow's wall time after probing: the routing trace and reference outputs a model's
 first plan makes once, enumerating and pruning, reading reused results back, measuring and validating all
 count inside it, so every plan ends about B after its probe (a probe is reused after a machine's first plan).
+The budget is wall time, not a sum of stage times: the reference runs beside the routing trace, enumeration
+and pruning (it needs none of them), and the seconds they overlap count once.
 Measuring keeps at least half of B whatever came before it (:func:`tasks.workload.measure_budget`). Each
 stage reports its time and an estimate of what is left; the plan records every stage's seconds.
 """
@@ -36,6 +38,7 @@ class StageClock:
     t0: float = field(default_factory=time.monotonic)
     seconds: dict[str, float] = field(default_factory=dict)
     computed: dict[str, bool] = field(default_factory=dict)
+    budget_t0: float | None = None  # when the budget began: the end of the probe
 
     @contextmanager
     def stage(self, name: str) -> Iterator[StageTimer]:
@@ -47,13 +50,16 @@ class StageClock:
         finally:
             self.seconds[name] = round(time.monotonic() - start, 2)
             self.computed[name] = timer.computed
+            if name in OUTSIDE_BUDGET:
+                self.budget_t0 = time.monotonic()
             if self.say is not None:
                 self.say(f"{name}: {self.seconds[name]:.0f} s ({'computed' if timer.computed else 'reused'}); "
                          f"{time.monotonic() - self.t0:.0f} s so far, about {self.left_s():.0f} s left")
 
     def in_budget_spent(self) -> float:
-        """Seconds of the budget used so far: every stage but the probe, computed or reused."""
-        return sum(s for n, s in self.seconds.items() if n not in OUTSIDE_BUDGET)
+        """Seconds of the budget used so far: the wall time since the probe ended (since the clock started when
+        no probe was timed), whatever ran in it, computed or reused, one stage or two at once."""
+        return time.monotonic() - (self.budget_t0 if self.budget_t0 is not None else self.t0)
 
     def left_s(self) -> float:
         """Estimated seconds until the plan is saved: what the budget has left, plus the tail."""

@@ -224,6 +224,19 @@ def gpu_overhead(info: ModelInfo, n_ctx: int, kv_bytes: float, margin: int = DEF
     return int(margin + compute_bytes(info, 512, n_ctx, True) + kv_bytes)
 
 
+def smallest_context(info: ModelInfo, hw: HardwareReport, req: PlanRequest, reserve_percent: float) -> int:
+    """The shortest context any candidate will hold, known before the search (what the validation prompts must
+    fit), after the refusals :func:`enumerate_placements` makes before it searches.
+
+    Raises:
+        ImpossiblePlan: the context or a GPU budget cannot work (the same line enumerate gives).
+    """
+    n_ctx, _ = resolve_context(info, hw, req, reserve_percent)
+    least = min(_contexts(n_ctx, req, len(gpu_devices(hw))))
+    check_gpu_budgets(info, hw, req, least)
+    return least
+
+
 def _contexts(n_ctx: int, req: PlanRequest, n_gpus: int) -> list[int]:
     """The contexts a plan may hold: the requested (or trained) one, and the workload's depth when shorter
     and unasked for (on GPUs, where a smaller KV cache leaves room for weights)."""

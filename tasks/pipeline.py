@@ -1,5 +1,5 @@
-"""The planning stages in the order ``plan-model`` runs them: probe → route → enumerate → prune → reference →
-measure → validate → persist. Each is declared once, in its own module (:class:`tasks.stage.Stage`); a new
+"""The planning stages in the order ``plan-model`` starts them: probe → reference (beside the next three) → route
+→ enumerate → prune → measure → validate → persist. Each is declared once, in its own module (:class:`tasks.stage.Stage`); a new
 stage is a module with a ``STAGE``, listed here and composed in ``flows/plan_model.py``
 (``tests/layout/test_layering.py`` checks that every stage listed is run by the flow, once)."""
 
@@ -18,7 +18,7 @@ from tasks.stage import PlanContext, Stage
 from tasks.validation.reference import STAGE as REFERENCE
 from tasks.validation.validate import STAGE as VALIDATE
 
-STAGES: tuple[Stage[Any], ...] = (PROBE, ROUTE, ENUMERATE, PRUNE, REFERENCE, MEASURE, VALIDATE, PERSIST)
+STAGES: tuple[Stage[Any], ...] = (PROBE, REFERENCE, ROUTE, ENUMERATE, PRUNE, MEASURE, VALIDATE, PERSIST)
 
 __all__ = ["ENUMERATE", "MEASURE", "PERSIST", "PROBE", "PRUNE", "REFERENCE", "ROUTE", "STAGES", "VALIDATE",
            "PlanContext", "Stage", "existing_plan", "remember_model_path"]

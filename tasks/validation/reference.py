@@ -1,5 +1,9 @@
 """The reference stage: the quality gate's reference outputs and noise floor, computed once per model, machine
-and build (kept in the cache directory under keys of everything they depend on, not in the store)."""
+and build (kept in the cache directory under keys of everything they depend on, not in the store).
+
+It needs the probe and the request alone, so the flow starts it right after the probe and it runs beside the
+routing trace, enumeration and pruning (on a 30B model's first plan: a minute of reference and noise floor
+hidden behind the same minute of them)."""
 
 from __future__ import annotations
 
@@ -7,8 +11,8 @@ from typing import Any
 
 from artifacts.config import Settings
 from artifacts.records.hardware import HardwareReport
-from artifacts.records.search import Finalists
 from tasks import workload as wl
+from tasks.enumerate import smallest_context
 from tasks.quality_gate import Gate
 from tasks.reference import ReferenceOutputs, reference
 from tasks.stage import PlanContext, Stage
@@ -20,10 +24,10 @@ def gate(settings: Settings) -> Gate:
     return Gate(max_kl=plan.max_kl, min_top1=plan.min_top1, floor_factor=plan.floor_factor, min_kl=plan.min_kl)
 
 
-def _run(ctx: PlanContext, log: Any, hw: HardwareReport, fin: Finalists) -> ReferenceOutputs:
+def _run(ctx: PlanContext, log: Any, hw: HardwareReport) -> ReferenceOutputs:
     n_tok = ctx.settings.plan.validate_tokens
-    prompts, held = wl.validation_prompts(ctx.model, min(c.params.n_ctx for c in fin.finalists), n_tok,
-                                          ctx.req.seed, ctx.worker_log)
+    n_ctx = smallest_context(ctx.info, hw, ctx.req, ctx.settings.host_reserve_percent)  # refusals first: nothing to wait for
+    prompts, held = wl.validation_prompts(ctx.model, n_ctx, n_tok, ctx.req.seed, ctx.worker_log)
     out = reference(ctx.model, ctx.info, hw, prompts, held, n_tokens=n_tok, seed=ctx.req.seed,
                     gate=gate(ctx.settings), keys={"model": ctx.model_hash, "code": ctx.code,
                                                    "backend": ctx.backend_build},

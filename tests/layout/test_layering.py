@@ -181,7 +181,7 @@ def test_the_flow_runs_every_declared_stage_once_in_order() -> None:
 
     tree = ast.parse(MODS["flows.plan_model"].read_text())
     ran = [getattr(pipeline, c.args[0].attr) for c in ast.walk(tree) if isinstance(c, ast.Call)
-           and isinstance(c.func, ast.Attribute) and c.func.attr == "run" and isinstance(c.func.value, ast.Name)
+           and isinstance(c.func, ast.Attribute) and c.func.attr in ("run", "start") and isinstance(c.func.value, ast.Name)
            and c.func.value.id == "stages" and c.args and isinstance(c.args[0], ast.Attribute)]
     assert ran == list(pipeline.STAGES), [s.name for s in ran]
 
