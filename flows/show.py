@@ -6,7 +6,9 @@ from rich.console import Console
 from rich.table import Table
 
 from artifacts.logs import console
+from artifacts.records.evidence import MeasureSummary
 from artifacts.records.plan import Plan
+from artifacts.records.search import Prediction
 
 GIB = 2**30
 
@@ -90,14 +92,26 @@ def _spread(lo: float | None, rounds: int = 0) -> str:
     return f" (spread {lo:.1f}: {'IQR over' if rounds >= 4 else 'range of'} {rounds} rounds)"
 
 
+def _paired(plan: Plan) -> list[tuple[MeasureSummary, Prediction | None]]:
+    """Each measured finalist with the cost model's prediction for it, matched by candidate id (the finalists
+    are listed as measured, the predictions as pruned; a finalist timed on another engine, ``c028@llama-server``,
+    has its placement's prediction)."""
+    preds = {p.candidate_id: p for p in plan.predictions}
+    return [(s, preds.get(s.candidate_id) or preds.get(s.candidate_id.split("@")[0])) for s in plan.finalists]
+
+
+def _rate(p: Prediction | None, field: str) -> str:
+    return "" if p is None else f"{getattr(p, field):.1f}"
+
+
 def plan_markdown(plan: Plan) -> str:
     """The plan as markdown (Prefect artifact, docs)."""
     m, v = plan.measured, plan.validation
     rows = "\n".join(
         f"| {s.candidate_id}{' (chosen)' if s.candidate_id == plan.candidate.id else ''} | {s.workload_s or 0:.2f} | "
         f"{'' if s.workload_iqr is None else f'{s.workload_iqr:.2f}'} | {s.prefill_tps or 0:.1f} | "
-        f"{s.decode_tps or 0:.1f} | {p.prefill_tps:.1f} | {p.decode_tps:.1f} | {s.error or ''} |"
-        for s, p in zip(plan.finalists, plan.predictions, strict=False))
+        f"{s.decode_tps or 0:.1f} | {_rate(p, 'prefill_tps')} | {_rate(p, 'decode_tps')} | {s.error or ''} |"
+        for s, p in _paired(plan))
     return (f"# Plan {plan.id[:12]}\n\nModel **{plan.model_name}** ({plan.model_hash[:12]}), hardware "
             f"{plan.hardware_fingerprint[:12]}, backend {plan.backend_build}\n\n"
             + "\n".join(f"- {x}" for x in _placement_lines(plan))
@@ -147,10 +161,10 @@ def print_plan(plan: Plan, con: Console | None = None, reserve_percent: float = 
     for col in ("candidate", "workload s", "spread", "pred prefill", "meas prefill", "pred decode", "meas decode",
                 "pred GPU GiB", "meas GPU GiB", "rounds", "error"):
         t.add_column(col, justify="left" if col in ("candidate", "error") else "right")
-    for s, p in zip(plan.finalists, plan.predictions, strict=False):
+    for s, p in _paired(plan):
         mark = "*" if s.candidate_id == plan.candidate.id else ""
         t.add_row(s.candidate_id + mark, f"{s.workload_s or 0:.2f}", "" if s.workload_iqr is None else
-                  f"{s.workload_iqr:.2f}", f"{p.prefill_tps:.1f}", f"{s.prefill_tps or 0:.1f}", f"{p.decode_tps:.1f}",
+                  f"{s.workload_iqr:.2f}", _rate(p, "prefill_tps"), f"{s.prefill_tps or 0:.1f}", _rate(p, "decode_tps"),
                   f"{s.decode_tps or 0:.1f}", _gib(s.predicted_gpu_bytes), _gib(s.gpu_bytes), str(s.n_rounds),
                   s.error or "")
     con.print(t)

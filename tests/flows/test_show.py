@@ -43,3 +43,26 @@ def test_show_prints_the_page_budgets(tiny_moe: Path, tmp_path: Path) -> None:
     assert f"{kv / 2**30:.2f} GiB" in line and "25% host reserve" in line
     assert f"at most {PARK_MAX_BYTES / 2**30:.2f} GiB" in line
     assert 0 <= park_budget(25) <= PARK_MAX_BYTES
+
+
+def test_each_finalist_is_shown_with_its_own_prediction(tiny_moe: Path, tmp_path: Path) -> None:
+    """Finalists are listed in the order they were measured and predictions in the order prune ranked them:
+    each row pairs them by candidate id (run 11's `flux show` printed the first prediction beside another
+    finalist), and a finalist timed on another engine has its placement's prediction."""
+    from artifacts.records.search import Prediction
+
+    settings = load_settings({"XDG_DATA_HOME": str(tmp_path / "data"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+                              "HOME": str(tmp_path)})
+    preds = [Prediction(candidate_id=cid, prefill_tps=pp, decode_tps=tg, score_s=1.0)
+             for cid, pp, tg in (("c191", 1572.2, 40.6), ("c201", 1453.6, 37.4), ("c121", 2321.7, 15.6))]
+    measured = [MeasureSummary(candidate_id=cid, prefill_tps=pp, decode_tps=tg, workload_s=w, n_trials=2)
+                for cid, pp, tg, w in (("c191", 1984.4, 38.5, 1.35), ("c121", 2353.4, 30.7, 1.5),
+                                       ("c201@llama-server", 1500.0, 36.0, 1.6))]
+    plan = stored_plan(settings, tiny_moe, EngineParams(n_ctx=256, n_batch=64, n_ubatch=64),
+                       predictions=[p.model_dump() for p in preds]).model_copy(update={"finalists": measured})
+    out = io.StringIO()
+    print_plan(plan, Console(file=out, width=300))
+    rows = {line.split()[0].rstrip("*"): line for line in out.getvalue().splitlines() if line.lstrip().startswith("c")}
+    assert "2321.7" in rows["c121"] and "15.6" in rows["c121"] and "1572.2" not in rows["c121"]
+    assert "1453.6" in rows["c201@llama-server"] and "37.4" in rows["c201@llama-server"]
+    assert "1572.2" in rows["c191"] and "40.6" in rows["c191"]
