@@ -131,8 +131,9 @@ def plan_facts(plan_id: str) -> dict[str, Any]:
 
 
 def memory_record(plan_id: str, path: Path) -> None:
-    """The plan's finalists (candidates with their predicted and measured GPU memory), its probe report and its
-    model's header, as JSON: what tests/tasks/test_gpu_memory.py checks the memory model against."""
+    """The plan's finalists (candidates with their predicted and measured GPU memory and their measured speeds),
+    its probe report and its model's header, as JSON: what tests/tasks/test_gpu_memory.py checks the memory
+    model against, and the cost model's tests its predictions."""
     from artifacts.config import load_settings
     from artifacts.model_info import model_info
     from artifacts.records.kinds import FINALISTS, PLAN, PROBE
@@ -149,7 +150,11 @@ def memory_record(plan_id: str, path: Path) -> None:
         "plan_id": plan.id, "hardware": hw.model_dump(mode="json") if hw else None,
         "model": model_info(Path(plan.model_path)).model_dump(mode="json"),
         "finalists": [{"candidate": c.model_dump(mode="json"), "predicted": measured[c.id].predicted_gpu_bytes,
-                       "measured": measured[c.id].gpu_bytes, "method": measured[c.id].gpu_method}
+                       "measured": measured[c.id].gpu_bytes, "method": measured[c.id].gpu_method,
+                       # the speeds too, for the cost model's tests (tests/tasks/test_costmodel_attention.py)
+                       "prefill_tps": measured[c.id].prefill_tps, "decode_tps": measured[c.id].decode_tps,
+                       "rounds": measured[c.id].n_rounds, "prompt_tokens": plan.workload_lengths,
+                       "n_gen": plan.workload_n_gen}
                       for c in (fin.finalists if fin else []) if c.id in measured]}))
 
 

@@ -35,6 +35,12 @@ HOST_ATTN_GFLOPS_PER_CORE = 4.6
 # pinned copy rate: on the H200 (runs 8-9) plans served 1,533-1,633 tok/s and measured 1,547-1,585 where the
 # probe's 53.5 GB/s predicted 2,560-3,090 (the copies do not overlap the GPU's own compute of the micro-batch).
 PINNED_OFFLOAD_SHARE = 0.5
+# A per-expert split layer (patches 0003-0004) pays its host round trip every step, priced like any hybrid layer
+# (two hand-overs at HYBRID_LAYER_SYNC_MS: 0.10 ms against the 0.096 ms per layer the H200 anatomy measured,
+# patches/llama.cpp/README.md), and its host part runs only on a step where one of its picks is cold (the idle
+# host part is skipped): each host part that runs costs this much beyond the cold experts' bytes (the anatomy's
+# A/B at 90% and 97% hot, 16 threads: 12.5 and 27 host parts per step, 8.96 and 11.24 ms a step).
+SPLIT_HOST_PART_MS = 0.034
 
 
 @dataclass(frozen=True)
@@ -116,12 +122,26 @@ def all_on(info: ModelInfo, device: str) -> Placement:
                      output_device=device)
 
 
-def _gpu_bandwidth(hw: HardwareReport) -> tuple[float, float]:
-    """(GPU bytes/s, fixed ms per token) from a GPU kernel timing when the probe has one."""
+def _gpu_bandwidth(hw: HardwareReport, info: ModelInfo | None = None) -> tuple[float, float]:
+    """(GPU bytes/s, fixed ms per token) from a GPU kernel timing when the probe has one: the fixed cost is the
+    probe's whole-model step less what its bytes take at that bandwidth, so a placement of every weight on the
+    GPU predicts the step the probe timed (a fifth of it is bytes when the model is not known)."""
     k = next((k for k in hw.kernels if k.device != "CPU"), None)
     if k is None:
         return GPU_HBM_GBS * 1e9, GPU_TOKEN_OVERHEAD_MS
-    return GPU_HBM_GBS * 1e9, max(0.2, k.decode_ms_per_token * 0.8)
+    if info is None:
+        return GPU_HBM_GBS * 1e9, max(0.2, k.decode_ms_per_token * 0.8)
+    whole = sum(r for r, _ in layer_bytes(info, all_on(info, k.device)).values())
+    return GPU_HBM_GBS * 1e9, max(0.2, k.decode_ms_per_token - whole / (GPU_HBM_GBS * 1e9) * 1e3)
+
+
+def split_host_parts(info: ModelInfo, cand: Candidate) -> float:
+    """Expected host parts of a per-expert split that run in one decode step: a layer's runs unless all its
+    ``n_expert_used`` picks are hot (picks taken as independent draws at the layer's hot share)."""
+    if cand.params.expert_split is None or not cand.hot_share:
+        return 0.0
+    k = max(1, info.n_expert_used)
+    return sum(1.0 - min(1.0, max(0.0, share)) ** k for share in cand.hot_share)
 
 
 def _gpu_probe_fa(hw: HardwareReport) -> bool:
@@ -233,7 +253,7 @@ def predict(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: Workload
     """Predicted prefill/decode tokens per second of ``cand`` and seconds for ``work``."""
     eff, prefill_ms_per_byte, probe_threads = _cpu_calibration(info, hw)
     per_dev = layer_bytes(info, cand.placement)
-    gpu_bw, gpu_fixed = _gpu_bandwidth(hw)
+    gpu_bw, gpu_fixed = _gpu_bandwidth(hw, info)
     p = cand.params
     if p.rpc_servers:
         return _predict_remote(info, hw, cand, work, eff, prefill_ms_per_byte, probe_threads)
@@ -246,6 +266,7 @@ def predict(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: Workload
     if gpu_read:
         syncs = _transitions(cand.placement) + 2 * _host_attention_layers(cand)
         decode_ms += gpu_fixed + gpu_read / gpu_bw * 1e3 + syncs * HYBRID_LAYER_SYNC_MS
+        decode_ms += split_host_parts(info, cand) * SPLIT_HOST_PART_MS
     if gpu_read and p.flash_attn != _gpu_probe_fa(hw):  # flash attention: ~15% off a GPU step (notes)
         decode_ms *= 0.85 if p.flash_attn else 1 / 0.85
     prefill_ms = _prefill_ms(info, hw, cand, per_dev, prefill_ms_per_byte, probe_threads)
