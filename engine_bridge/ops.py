@@ -16,8 +16,9 @@ from typing import Any, Generic, Literal, NotRequired, TypedDict, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine_bridge.drafting import Drafting
 from engine_bridge.gbnf import GrammarSpec
 from engine_bridge.params import EngineParams
 
@@ -135,13 +136,22 @@ class GreedyResult(_Msg):
 
 
 class SpecGreedyArgs(_Msg):
-    """Greedy speculative decoding on the loaded model, drafted by another model sharing its tokenizer."""
+    """Greedy speculative decoding on the loaded model, drafted by another model sharing its tokenizer
+    (``draft_model``) or by prompt lookup (``ngram``: the context's last tokens looked up in the context)."""
 
     prompt: list[int] = Field(min_length=1)
     n_gen: int = Field(ge=1)
-    draft_model: str = Field(min_length=1, description="the draft's .gguf (loaded once, kept with the model)")
+    draft_model: str | None = Field(None, min_length=1, description=(
+        "the draft's .gguf (loaded once, kept with the model)"))
+    ngram: int = Field(0, ge=0, le=16, description="without a draft model: prompt lookup of this many tokens")
     n_draft: int = Field(4, ge=1, le=64, description="tokens the draft proposes per verification")
     stop_eog: bool = False
+
+    @model_validator(mode="after")
+    def _one_drafter(self) -> SpecGreedyArgs:
+        if (self.draft_model is None) == (self.ngram == 0):
+            raise ValueError("give a draft_model or an ngram length (not both)")
+        return self
 
 
 class SpecGreedyResult(_Msg):
@@ -183,6 +193,7 @@ class ServeLoadArgs(_Msg):
     model: str
     params: EngineParams
     park_bytes: int = Field(0, ge=0, description="host memory for parked conversations' KV cache")
+    drafting: Drafting | None = Field(None, description="greedy requests are drafted this way (the plan's draft)")
 
 
 class ServeInfo(_Open):

@@ -80,19 +80,23 @@ def greedy(w: Worker, a: ops.GreedyArgs) -> ops.GreedyResult:
 
 def spec_greedy(w: Worker, a: ops.SpecGreedyArgs) -> ops.SpecGreedyResult:
     """Greedy speculative decoding: the loaded model's greedy tokens, drafted by ``a.draft_model`` (loaded with
-    the model's parameters the first time, then kept with it)."""
+    the draft's parameters beside the model's the first time, then kept with it) or by prompt lookup."""
+    from engine_bridge.drafting import draft_params
     from engine_bridge.worker.native import NativeModel
-    from engine_bridge.worker.speculative import speculative_greedy
+    from engine_bridge.worker.speculative import Drafter, ModelDrafter, NgramDrafter, speculative_greedy
 
     m = w.need_model()
     if not isinstance(m, NativeModel):
         raise EngineError("not_loaded", "spec_greedy needs a model's weights: send 'load' without vocab_only")
-    draft = m.drafts.get(a.draft_model)
-    if draft is None:
-        if not Path(a.draft_model).is_file():
-            raise EngineError("model_missing", f"the draft model {a.draft_model} is not a file")
-        draft = m.drafts[a.draft_model] = NativeModel(Path(a.draft_model), m.params)
-    return speculative_greedy(m, draft, a.prompt, a.n_gen, a.n_draft, a.stop_eog)
+    drafter: Drafter = NgramDrafter(a.ngram)
+    if a.draft_model is not None:
+        draft = m.drafts.get(a.draft_model)
+        if draft is None:
+            if not Path(a.draft_model).is_file():
+                raise EngineError("model_missing", f"the draft model {a.draft_model} is not a file")
+            draft = m.drafts[a.draft_model] = NativeModel(Path(a.draft_model), draft_params(m.params))
+        drafter = ModelDrafter(m, draft)
+    return speculative_greedy(m, drafter, a.prompt, a.n_gen, a.n_draft, a.stop_eog)
 
 
 def logprobs(w: Worker, a: ops.LogprobsArgs) -> ops.LogprobsResult:
@@ -116,7 +120,7 @@ def serve_load(w: Worker, a: ops.ServeLoadArgs) -> ops.ServeInfo:
 
     w.unload()
     with w.engine_lock:
-        w.engine = ServeEngine(Path(a.model), a.params, a.park_bytes, w)
+        w.engine = ServeEngine(Path(a.model), a.params, a.park_bytes, w, a.drafting)
     return ops.ServeInfo.model_validate(w.engine.info())
 
 

@@ -6,26 +6,27 @@ its next prompt chunk (prefill; chunks share ``n_batch`` tokens fairly) or its o
 Then each request whose logits came back samples through its own llama.cpp sampler chain and streams
 the token to the :class:`Sink`. A slot keeps the KV of a finished request: a later prompt that starts
 with the same tokens reuses it; a prompt that replaces a conversation parks the old state in RAM
-(:mod:`engine_bridge.worker.parking`) so a return to it skips the prefix.
+(:mod:`engine_bridge.worker.parking`) so a return to it skips the prefix. With a plan's drafting settings, a
+greedy request's decode step feeds its token and a draft's proposals and keeps what the model itself would
+have chosen (:mod:`engine_bridge.worker.serve_draft`).
 
 Runs inside the worker process, on one thread (the worker's main loop); nothing here is thread-safe.
 """
 
 from __future__ import annotations
 
-import codecs
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import llama_cpp
 import numpy as np
 from pydantic import ValidationError
 
 from engine_bridge import ops
+from engine_bridge.drafting import Drafting
 from engine_bridge.errors import EngineCode, EngineError
 from engine_bridge.ops import GenerateArgs
 from engine_bridge.params import EngineParams
@@ -36,58 +37,18 @@ from engine_bridge.worker.sampling import (
     Vocab,
     build_chain,
     log_softmax,
-    new_text_decoder,
     token_logprobs,
 )
+from engine_bridge.worker.sequences import MIN_PARK_TOKENS, FinishReason, Sink, _Request, _Slot
+from engine_bridge.worker.serve_draft import ServeDrafter, all_rows, make_drafter, verify_row, with_drafts
 
 log = logging.getLogger(__name__)
-
-FinishReason = Literal["stop", "length", "cancelled"]
-# Below this many tokens recomputing beats moving state: a prompt that drops fewer cached tokens from
-# a slot does not park them, and a parked state (or a partly matching slot) sharing fewer is not reused.
-MIN_PARK_TOKENS = 32
-
-
-class Sink(Protocol):
-    """Where the engine sends what a request produces (the worker writes it to the protocol)."""
-
-    def event(self, key: int, event: ops.TokenEvent | ops.PrefillEvent) -> None:
-        """One streamed event of request ``key``."""
-
-    def done(self, key: int, result: dict[str, Any]) -> None:
-        """The final result of request ``key``."""
-
-    def fail(self, key: int, code: EngineCode, message: str) -> None:
-        """Request ``key`` failed after it was admitted."""
-
-
-@dataclass
-class _Request:
-    key: int
-    args: GenerateArgs
-    chain: Any
-    pending: list[int]  # tokens to feed: the rest of the prompt, then the last sampled token
-    cached: int
-    grammar: GrammarSampler | None = None
-    decoder: codecs.IncrementalDecoder = field(default_factory=new_text_decoder)
-    t0: float = field(default_factory=time.perf_counter)
-    t_first: float | None = None
-    generated: int = 0
-
-
-@dataclass
-class _Slot:
-    seq: int
-    tokens: list[int] = field(default_factory=list)  # exactly the tokens whose KV this sequence holds
-    last_used: int = 0
-    conversation: str | None = None
-    req: _Request | None = None
-
 
 class ServeEngine:
     """One model, one context, ``n_seq_max`` sequence slots, continuous batching."""
 
-    def __init__(self, model_path: Path, params: EngineParams, park_bytes: int, sink: Sink) -> None:
+    def __init__(self, model_path: Path, params: EngineParams, park_bytes: int, sink: Sink,
+                 drafting: Drafting | None = None) -> None:
         t0 = time.perf_counter()
         self.params, self.sink = params, sink
         self.model, self.ctx, self._keep = load_model_and_context(model_path, params)
@@ -103,7 +64,15 @@ class ServeEngine:
         self._clock = itertools.count(1)
         self._by_rid: dict[str, _Slot] = {}
         self.counters = {"tokens_generated": 0, "prefix_hits": 0, "steps": 0, "max_batch_seqs": 0,
-                         "prefill_tokens": 0, "cached_tokens": 0}
+                         "prefill_tokens": 0, "cached_tokens": 0, "drafted": 0, "draft_accepted": 0}
+        self.drafter: ServeDrafter | None = None
+        self._proposed: dict[int, list[int]] = {}  # this step's proposals, by sequence
+        if drafting is not None:
+            try:
+                self.drafter = make_drafter(drafting, params, self.vocab.n_vocab)
+            except EngineError:
+                self.close()
+                raise
 
     def info(self) -> dict[str, Any]:
         """What ``serve_load`` reports."""
@@ -214,7 +183,8 @@ class ServeEngine:
         """What each running request feeds this step: decode tokens first, then prompt chunks sharing the rest."""
         running = [(s, s.req) for s in self.slots if s.req is not None]
         plan = [(s, r, r.pending[:1]) for s, r in running if r.t_first is not None][:self.n_batch]
-        budget = self.n_batch - len(plan)
+        plan = self._draft(plan)
+        budget = self.n_batch - sum(len(c) for _, _, c in plan)
         prefilling = sorted(((s, r) for s, r in running if r.t_first is None), key=lambda t: len(t[1].pending))
         for i, (s, r) in enumerate(prefilling):
             chunk = r.pending[:budget // (len(prefilling) - i)]  # shortest first: what they leave flows on
@@ -222,6 +192,20 @@ class ServeEngine:
                 plan.append((s, r, chunk))
                 budget -= len(chunk)
         return sorted(plan, key=lambda t: t[0].seq)  # llama.cpp forms ubatches from increasing seq ids
+
+    def _draft(self, plan: list[tuple[_Slot, _Request, list[int]]]) -> list[tuple[_Slot, _Request, list[int]]]:
+        """The decode entries with their drafts (:func:`~engine_bridge.worker.serve_draft.with_drafts`)."""
+        self._proposed = {}
+        if self.drafter is None:
+            return plan
+        try:
+            self._proposed = with_drafts(self.drafter, [(s.seq, s.tokens, r.args, r.generated, c) for s, r, c in plan],
+                                         self.n_batch)
+        except EngineError as exc:  # a draft that fails costs its speed-up, not the requests
+            log.error("drafting failed, decoding without it: %s", exc)
+            self.drafter.close()
+            self.drafter = None
+        return [(s, r, [*c, *self._proposed.get(s.seq, [])]) for s, r, c in plan]
 
     def step(self) -> None:
         """One llama_decode over every running request, then sampling and streaming."""
@@ -231,7 +215,13 @@ class ServeEngine:
         b = self._batch
         b.n = 0
         outputs: list[tuple[_Slot, int]] = []
+        verify: list[tuple[_Slot, int]] = []
         for slot, req, chunk in plan:
+            if slot.seq in self._proposed:
+                last = b.add(slot.seq, len(slot.tokens), chunk, want_logits=True)
+                all_rows(b, last + 1 - len(chunk), last)
+                verify.append((slot, last + 1 - len(chunk)))
+                continue
             complete = len(chunk) == len(req.pending)  # the whole prompt is in: logits give the next token
             last = b.add(slot.seq, len(slot.tokens), chunk, want_logits=complete)
             if complete:
@@ -244,6 +234,8 @@ class ServeEngine:
         self.counters["steps"] += 1
         self.counters["max_batch_seqs"] = max(self.counters["max_batch_seqs"], len(plan))
         for slot, req, chunk in plan:
+            if slot.seq in self._proposed:
+                continue
             slot.tokens.extend(chunk)
             del req.pending[:len(chunk)]
             if req.t_first is None:
@@ -253,6 +245,27 @@ class ServeEngine:
                     self.sink.event(req.key, {"type": "prefill", "done": total - len(req.pending), "total": total})
         for slot, idx in outputs:
             self._sample(slot, idx)
+        for slot, first in verify:
+            self._verify(slot, first, self._proposed[slot.seq])
+
+    def _verify(self, slot: _Slot, first: int, proposals: list[int]) -> None:
+        """Keep ``proposals`` up to the first that is not the model's greedy token (rows from ``first``),
+        stream the model's tokens, and forget the cache cells of the proposals it did not keep."""
+        req = slot.req
+        if req is None:
+            return
+        base, fed = len(slot.tokens), req.pending[0]
+        n_ok = 0
+        for i in range(len(proposals) + 1):
+            tok = verify_row(self.ctx, first + i, self.vocab.n_vocab)
+            live = self._emit(slot, first + i, tok)
+            if not live or i == len(proposals) or tok != proposals[i]:
+                break
+            n_ok += 1
+        llama_cpp.llama_memory_seq_rm(self.mem, slot.seq, base + n_ok + 1, -1)
+        slot.tokens.extend([fed, *proposals[:n_ok]])
+        self.counters["drafted"] += len(proposals)
+        self.counters["draft_accepted"] += n_ok
 
     def _sample(self, slot: _Slot, idx: int) -> None:
         """Sample the next token of ``slot``'s request from batch output ``idx`` and stream it."""
@@ -261,17 +274,24 @@ class ServeEngine:
             return
         if req.t_first is None:
             req.t_first = time.perf_counter()
-        lp = None
-        if req.args.logprobs:
-            ptr = llama_cpp.llama_get_logits_ith(self.ctx, idx)
-            lp = log_softmax(np.ctypeslib.as_array(ptr, shape=(self.vocab.n_vocab,)))
         if req.grammar is not None:
             tok = req.grammar.sample(req.chain, self.ctx, idx)
         else:
             tok = int(llama_cpp.llama_sampler_sample(req.chain, self.ctx, idx))
+        self._emit(slot, idx, tok)
+
+    def _emit(self, slot: _Slot, idx: int, tok: int) -> bool:
+        """Stream ``tok`` (chosen from batch output ``idx``) for ``slot``'s request; False once it finished."""
+        req = slot.req
+        if req is None:
+            return False
+        lp = None
+        if req.args.logprobs:
+            ptr = llama_cpp.llama_get_logits_ith(self.ctx, idx)
+            lp = log_softmax(np.ctypeslib.as_array(ptr, shape=(self.vocab.n_vocab,)))
         if self.vocab.is_eog(tok):
             self._finish(slot, "stop")
-            return
+            return False
         piece = self.vocab.piece(tok)
         event: ops.TokenEvent = {"type": "token", "token": tok, "text": req.decoder.decode(piece),
                                  "logprob": None, "top_logprobs": []}
@@ -283,8 +303,9 @@ class ServeEngine:
         self.sink.event(req.key, event)
         if req.generated >= req.args.max_tokens:
             self._finish(slot, "length")
-        else:
-            req.pending = [tok]
+            return False
+        req.pending = [tok]
+        return True
 
     def _release(self, slot: _Slot) -> _Request | None:
         """Detach the running request from ``slot`` (the slot keeps its KV) and free its sampler."""
@@ -357,6 +378,9 @@ class ServeEngine:
         for slot in self.slots:
             self._release(slot)
         self.lot.clear()
+        if self.drafter is not None:
+            self.drafter.close()
+            self.drafter = None
         if self.ctx:
             llama_cpp.llama_free(self.ctx)
             self.ctx = None

@@ -13,7 +13,7 @@ from engine_bridge.protocol import encode
 class Worker:
     """State of one worker process: at most one loaded model (``load``) or serving engine (``serve_load``).
 
-    It is also the serving engine's :class:`~engine_bridge.worker.serving.Sink`: events and results go to the protocol.
+    It is also the serving engine's :class:`~engine_bridge.worker.sequences.Sink`: events and results go to the protocol.
     """
 
     def __init__(self, out: BinaryIO, fault: str | None = None) -> None:

@@ -60,3 +60,18 @@ def test_a_draft_of_another_vocabulary_or_missing_is_refused(tiny_moe: Path, tmp
         with pytest.raises(EngineError, match="is not a file") as err:
             w.request(ops.SPEC_GREEDY, ops.SpecGreedyArgs(prompt=PROMPTS[0], n_gen=8, draft_model=str(tmp_path / "x")))
         assert err.value.code == "model_missing"
+
+
+def test_prompt_lookup_drafting_is_the_models_greedy_output(tiny_moe: Path) -> None:
+    looped = PROMPTS[0][:12] * 3
+    with WorkerClient() as w:
+        w.request(ops.LOAD, ops.LoadArgs(model=str(tiny_moe), params=PARAMS))
+        for prompt in (*PROMPTS, looped):
+            plain = w.request(ops.GREEDY, ops.GreedyArgs(prompt=prompt, n_gen=40, stop_eog=False)).tokens
+            for n in (2, 3):
+                got = w.request(ops.SPEC_GREEDY, ops.SpecGreedyArgs(prompt=prompt, n_gen=40, ngram=n, n_draft=4))
+                assert got.tokens == plain, (prompt[:4], n)
+                assert got.accepted <= got.drafted and got.accepted + got.steps >= 39
+        with pytest.raises(EngineError, match="give a draft_model or an ngram length"):
+            w.request(ops.SPEC_GREEDY, ops.SpecGreedyArgs.model_construct(prompt=[1, 2], n_gen=4, draft_model=None,
+                                                                          ngram=0, n_draft=4, stop_eog=False))
