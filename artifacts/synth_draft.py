@@ -36,6 +36,26 @@ class DraftResult(BaseModel):
     seconds: float
 
 
+def _tokens(path: Path) -> list[str]:
+    reader = GGUFReader(path)
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    return [str(t) for t in field.contents()] if field is not None else []
+
+
+def vocabulary_mismatch(target: Path, draft: Path) -> str | None:
+    """How ``draft``'s vocabulary differs from ``target``'s (its token list), or None when they are the same."""
+    try:
+        theirs, ours = _tokens(draft), _tokens(target)
+    except (OSError, ValueError) as exc:
+        return f"not a readable GGUF file ({exc})"
+    if not theirs:
+        return "it has no tokenizer (tokenizer.ggml.tokens)"
+    if len(theirs) != len(ours):
+        return f"its vocabulary has {len(theirs)} tokens, the model's {len(ours)}"
+    diff = next((i for i, (a, b) in enumerate(zip(theirs, ours, strict=True)) if a != b), None)
+    return None if diff is None else f"token {diff} is {theirs[diff]!r} in the draft, {ours[diff]!r} in the model"
+
+
 def draft_twin(target: Path, out: Path, n_layer: int) -> DraftResult:
     """Write the draft of ``target`` made of its first ``n_layer`` layers (see the module's docstring).
 

@@ -22,7 +22,8 @@ def plan_model(model: str, ctx: int | None = None, concurrency: int = 1, kv: str
                allow_storage_streaming: bool = False, replan: bool = False, reprobe: bool = False,
                seed: int = 0, workload: str = "agent", host_mem_budget_gib: float | None = None,
                rpc: list[str] | None = None, rpc_mem_budget_gib: list[float] | None = None,
-               engines: list[str] | None = None, prefer_engine: str | None = None) -> str:
+               engines: list[str] | None = None, prefer_engine: str | None = None, speculation: bool = False,
+               draft_model: str | None = None) -> str:
     """Plan a model on this machine and return the plan id."""
     settings = load_settings()
     log = get_run_logger()
@@ -30,7 +31,7 @@ def plan_model(model: str, ctx: int | None = None, concurrency: int = 1, kv: str
                        gpu_mem_budget_gib=gpu_mem_budget_gib, allow_storage_streaming=allow_storage_streaming,
                        workload=workload, seed=seed, host_mem_budget_gib=host_mem_budget_gib, rpc=rpc,
                        rpc_mem_budget_gib=rpc_mem_budget_gib, engines=engines,
-                       prefer_engine=prefer_engine)
+                       prefer_engine=prefer_engine, speculation=speculation, draft_model=draft_model)
     ctx_ = stages.context(req, settings, reprobe=reprobe)
     ctx_.clock.say = log.info
     p.remember_model_path(ctx_)

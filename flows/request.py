@@ -84,6 +84,8 @@ def plan_request(settings: Settings, model: str | Path, *, request: type[PlanReq
         elif (setting := extra(info).get("setting")) is not None:
             values[name] = getattr(settings.plan, setting)
     values["model"] = str(Path(model).expanduser().resolve())
+    if isinstance(values.get("draft_model"), str | Path):
+        values["draft_model"] = str(Path(str(values["draft_model"])).expanduser().resolve())
     rpc = values.get("rpc") or list(settings.rpc.servers) or None
     servers = list(parse_endpoints([str(e) for e in rpc])) if isinstance(rpc, list) else []
     values["rpc"] = servers or None
@@ -100,7 +102,27 @@ def plan_request(settings: Settings, model: str | Path, *, request: type[PlanReq
         raise BadPlanFlag(f"{flag or field} {err.get('input')!r}: {err['msg'].lower()}; "
                           f"see `flux plan --help`") from None
     engine_specs(settings, req)
+    if req.draft_model is not None and not req.speculation:
+        raise BadPlanFlag(f"--draft-model {req.draft_model}: drafting is measured with --speculation; add it")
     return req
+
+
+def check_draft(req: PlanRequest) -> None:
+    """The draft model's checks that read files (before anything is measured).
+
+    Raises:
+        BadPlanFlag: the draft is not a file, not a model, or has another vocabulary than the model's.
+    """
+    from artifacts.synth_draft import vocabulary_mismatch
+
+    if req.draft_model is None:
+        return
+    if not Path(req.draft_model).is_file():
+        raise BadPlanFlag(f"--draft-model {req.draft_model}: no such file; give a .gguf sharing the model's "
+                          "vocabulary (e.g. `flux synth --draft-of MODEL --layers 1 -o draft.gguf`)")
+    why = vocabulary_mismatch(Path(req.model), Path(req.draft_model))
+    if why is not None:
+        raise BadPlanFlag(f"--draft-model {req.draft_model}: {why}; a draft must share the model's tokenizer")
 
 
 def engine_specs(settings: Settings, req: PlanRequest) -> list[EngineSpec]:

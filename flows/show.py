@@ -100,6 +100,19 @@ def _paired(plan: Plan) -> list[tuple[MeasureSummary, Prediction | None]]:
     return [(s, preds.get(s.candidate_id) or preds.get(s.candidate_id.split("@")[0])) for s in plan.finalists]
 
 
+def speculation_lines(plan: Plan) -> list[str]:
+    """Each drafting candidate's acceptance and speed-up over its placement without drafting (--speculation)."""
+    d = plan.candidate.draft
+    head = [f"drafting: {d.kind}" + (f" with {d.model}" if d.model else f", {d.ngram}-token lookup") +
+            f", {d.n_draft} tokens per step (greedy requests)"] if d is not None else []
+    return head + [
+        f"speculation {t.candidate_id}: acceptance {'?' if t.acceptance is None else f'{t.acceptance:.0%}'}, "
+        f"speedup {'?' if t.speedup is None else f'{t.speedup:.2f}x'}"
+        + (f" (95% CI {t.speedup_ci[0]:.2f}-{t.speedup_ci[1]:.2f})" if t.speedup_ci else "")
+        + f" over {t.base_id}: decode {t.base_decode_tps or 0:.1f} -> {t.decode_tps or 0:.1f} tok/s"
+        for t in plan.speculation]
+
+
 def _rate(p: Prediction | None, field: str) -> str:
     return "" if p is None else f"{getattr(p, field):.1f}"
 
@@ -155,6 +168,8 @@ def print_plan(plan: Plan, con: Console | None = None, reserve_percent: float = 
               f"over {v.n_tokens} tokens" + (f" (limits: mean KL {plan.kl_limit:.2e}, top-1 {plan.top1_limit:.3f}, "
                                              "from the noise floor of correct kernels)" if plan.kl_limit is not None
                                              and plan.top1_limit is not None else ""))
+    for line in speculation_lines(plan):
+        con.print(line, markup=False)
     for note in plan.notes:
         con.print(f"note: {note}", markup=False)
     t = Table(title="finalists: predicted vs measured", show_edge=False)

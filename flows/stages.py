@@ -34,8 +34,9 @@ from engine_bridge import rpc
 from engine_bridge.backend import backend_info
 from engine_bridge.engines.preflight import preflight
 from engine_bridge.params import EngineParams
-from flows.request import engine_specs
+from flows.request import check_draft, engine_specs
 from tasks.clock import StageClock
+from tasks.measurement.speculation import drafting_for
 from tasks.pipeline import STAGES, PlanContext, Stage
 from tasks.stage import Artifact
 
@@ -56,10 +57,14 @@ def context(req: PlanRequest, settings: Settings, reprobe: bool = False) -> Plan
     for spec in engines:
         preflight(spec, Path(req.model), EngineParams(n_ctx=min(info.n_ctx_train or 512, 512)),
                   settings.logs_dir / "engines.log")
+    # and the draft model: it must share the model's vocabulary
+    check_draft(req)
+    drafting = drafting_for(req, model_hash([Path(req.draft_model)], settings.cache_dir) if req.draft_model else None)
     mh = model_hash([Path(s) for s in info.shards], settings.cache_dir)
     return PlanContext(req=req, settings=settings, store=Store(settings.data_dir), info=info.model_copy(
         update={"content_hash": mh}), model_hash=mh, backend_build=build, facts=facts, code=code_id(),
-        clock=StageClock(req.budget_s), run_id=_flow_run_id(), reprobe=reprobe, engines=tuple(engines))
+        clock=StageClock(req.budget_s), run_id=_flow_run_id(), reprobe=reprobe, engines=tuple(engines),
+        drafting=drafting)
 
 
 def _flow_run_id() -> str:

@@ -64,7 +64,8 @@ def load_spec(settings: Settings, plan: Plan, model_path: Path | None = None) ->
     t = settings.serve.worker_timeouts
     return LoadSpec(model=str(model_path or plan.model_path), params=params, park_bytes=park_budget(settings.host_reserve_percent),
                     log_path=settings.logs_dir / "serve-worker.log", env=params.environment(),
-                    hello_s=t.hello_s, load_s=t.load_s, rpc_s=t.rpc_s, write_s=t.write_s, engine=plan.engine)
+                    hello_s=t.hello_s, load_s=t.load_s, rpc_s=t.rpc_s, write_s=t.write_s, engine=plan.engine,
+                    drafting=plan.candidate.draft)
 
 
 class FluxService:

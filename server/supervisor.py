@@ -25,6 +25,7 @@ from typing import Any
 
 from engine_bridge import ops, rpc
 from engine_bridge.aclient import AsyncWorkerClient
+from engine_bridge.drafting import Drafting
 from engine_bridge.engines.spec import EngineSpec
 from engine_bridge.errors import EngineError, WorkerDied
 from engine_bridge.params import EngineParams
@@ -49,6 +50,7 @@ class LoadSpec:
     rpc_s: float
     write_s: float = 30.0
     engine: EngineSpec | None = None  # the plan's engine; None: the native worker
+    drafting: Drafting | None = None  # how the native worker drafts greedy requests (the plan's draft)
 
     def argv(self) -> tuple[str, ...]:
         """What runs behind the worker protocol: the native worker, or the host of the plan's engine."""
@@ -100,8 +102,8 @@ class WorkerSupervisor:
                                    argv=s.argv())
         try:
             await worker.start()
-            got = await worker.request(ops.SERVE_LOAD, ops.ServeLoadArgs(model=s.model, params=s.params,
-                                                                           park_bytes=s.park_bytes), timeout=s.load_s)
+            got = await worker.request(ops.SERVE_LOAD, ops.ServeLoadArgs(
+                model=s.model, params=s.params, park_bytes=s.park_bytes, drafting=s.drafting), timeout=s.load_s)
         except BaseException:
             worker.kill()
             raise

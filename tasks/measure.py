@@ -71,14 +71,14 @@ def _visit(cand: Candidate, model: Path, prompts: list[list[int]], n_gen: int, r
     try:
         w.start()
         load_ms = w.request(ops.LOAD, ops.LoadArgs(model=str(model), params=cand.params), timeout_s).load_ms
-        w.request(ops.TIMED_RUN, ops.TimedRunArgs(prompt=prompts[0][:16], n_gen=2), timeout_s)  # first run after a load is slow
+        _timed(w, cand, prompts[0][:16], 2, timeout_s)  # first run after a load is slow (a draft loads in it)
         for i, prompt in enumerate(prompts):
-            t = w.request(ops.TIMED_RUN, ops.TimedRunArgs(prompt=prompt, n_gen=n_gen), timeout_s)
+            t, drafted = _timed(w, cand, prompt, n_gen, timeout_s)
             rows.append({"candidate_id": cand.id, "round": rnd, "prompt_index": i, "prompt_tokens": t.prompt_tokens,
                          "prompt_ms": t.prompt_ms, "gen_tokens": t.gen_tokens, "gen_ms": t.gen_ms,
                          "prefill_tps": t.prefill_tps if t.prompt_ms else None,
                          "decode_tps": t.decode_tps if t.gen_ms else None,
-                         "load_ms": load_ms, "peak_rss_bytes": peak_rss(w.pid), "error": None})
+                         "load_ms": load_ms, "peak_rss_bytes": peak_rss(w.pid), "error": None, **drafted})
         reading = meter.read(w.pid)
         if scoring is not None and not over_budget(reading.per_gpu if reading else None, gpu_budgets):
             score_loaded(w, cand.id, scoring.seqs, scoring.held_out, scoring.directory, timeout_s)
@@ -96,6 +96,21 @@ def _visit(cand: Candidate, model: Path, prompts: list[list[int]], n_gen: int, r
     finally:
         w.close(timeout=5)
     return rows
+
+
+def _timed(w: WorkerClient, cand: Candidate, prompt: list[int], n_gen: int,
+           timeout_s: float) -> tuple[ops.Timing, dict[str, int]]:
+    """One timed prompt: prefill, then ``n_gen`` greedy tokens, drafted as the candidate drafts (the tokens
+    it proposed and the model kept beside the timing)."""
+    d = cand.draft
+    if d is None:
+        return w.request(ops.TIMED_RUN, ops.TimedRunArgs(prompt=prompt, n_gen=n_gen), timeout_s), {}
+    # n_gen + 1: the prefill's token, then n_gen more, as a timed run decodes
+    got = w.request(ops.SPEC_GREEDY, ops.SpecGreedyArgs(
+        prompt=prompt, n_gen=n_gen + 1, draft_model=d.model if d.kind == "model" else None,
+        ngram=d.ngram if d.kind == "ngram" else 0, n_draft=d.n_draft), timeout_s)
+    return (ops.Timing(prompt_tokens=len(prompt), prompt_ms=got.prompt_ms, gen_tokens=len(got.tokens) - 1,
+                       gen_ms=got.gen_ms), {"drafted": got.drafted, "accepted": got.accepted})
 
 
 def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n_gen: int, *, budget_s: float,
@@ -158,8 +173,10 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
                                    (score.seqs, score.held_out, score.n_vocab, scored_path(score.directory, cand.id))
                                    if score else None)
             else:
+                # a drafting candidate's placement is scored once, in its own finalist's visit
                 got = _visit(cand, model, prompts, n_gen, rnd, wait_s, log_path,
-                             (worker_env or {}).get(cand.id, {}), gpu_budgets, scoring if rnd == 0 else None)
+                             (worker_env or {}).get(cand.id, {}), gpu_budgets,
+                             scoring if rnd == 0 and cand.draft is None else None)
             visit_s.append(time.monotonic() - v0)
             first_visit.setdefault(cand.id, visit_s[-1])
             rows.extend(got)
@@ -270,9 +287,11 @@ def summarize(cid: str, rows: list[dict[str, Any]]) -> MeasureSummary:
         work.append((p_ms + g_ms) / 1e3)
     rss = max((r["peak_rss_bytes"] or 0) for r in ok) or None
     once = bool(err and err.startswith("measured once"))  # speeds shown, never ranked: no spread behind them
+    drafted = [r for r in ok if r.get("drafted") is not None]
     return MeasureSummary(candidate_id=cid, prefill_tps=statistics.median(pre) if pre else None,
                           decode_tps=statistics.median(dec) if dec else None, prefill_iqr=_iqr(pre),
                           decode_iqr=_iqr(dec), workload_s=None if once else statistics.median(work),
                           workload_iqr=_iqr(work),
                           n_trials=len(ok), n_rounds=len(by_round), error=err, peak_rss_bytes=rss, gpu_bytes=gpu,
-                          gpu_method=method)
+                          gpu_method=method, drafted=sum(r["drafted"] for r in drafted) if drafted else None,
+                          accepted=sum(r["accepted"] for r in drafted) if drafted else None)

@@ -19,7 +19,7 @@ from artifacts.ids import content_id
 from artifacts.records.evidence import MeasureResults, MeasureSummary, ValidationReport
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.kinds import PLAN, TRIALS_TABLE
-from artifacts.records.plan import Plan, PlanRequest, seal
+from artifacts.records.plan import DraftTrial, Plan, PlanRequest, seal
 from artifacts.records.routing import RoutingProfile
 from artifacts.records.search import Candidate, Finalists, PlacementSpace
 from artifacts.records.store import Records
@@ -116,7 +116,7 @@ def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: s
             validation: ValidationReport, roofline_decode_tps: float | None, memory_limits: dict[str, int],
             prefill_share: float, notes: list[str], routing: RoutingProfile | None = None,
             all_gpu_decode: tuple[str, float] | None = None, stage_seconds: dict[str, float] | None = None,
-            engine: EngineSpec | None = None) -> Plan:
+            engine: EngineSpec | None = None, speculation: list[DraftTrial] | None = None) -> Plan:
     """Write the plan and its trials; returns the plan (its id is a content hash of the whole plan)."""
     by_id = {c.id: c for c in finalists.finalists}
     summaries = measured.summaries
@@ -147,6 +147,7 @@ def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: s
         "kl_limit": validation.kl_limit, "top1_limit": validation.top1_limit, "routing_trace": routing.trace_id if routing else None,
         "routing_coverage": {f"{f:.0%}": routing.coverage(f) for f in (0.1, 0.25, 0.5)} if routing else {},
         "engine": engine.model_dump(mode="json") if engine is not None else None,
+        "speculation": [t.model_dump(mode="json") for t in speculation or []],
     }
     plan = seal(body)
     Records(store).put(PLAN, plan, key=plan.id, meta={"key_id": kid, "model": model_name, "created_at": created})

@@ -21,6 +21,7 @@ from artifacts.records.kinds import Kind
 from artifacts.records.plan import PlanRequest
 from artifacts.records.store import Records
 from artifacts.store import Store
+from engine_bridge.drafting import Drafting
 from engine_bridge.engines.spec import NATIVE_SPEC, EngineSpec
 from tasks.clock import StageClock
 
@@ -43,6 +44,7 @@ class PlanContext:
     run_id: str = "no-run"  # the flow run's id: measure and validate are per run (a retry of the run reuses them)
     reprobe: bool = False
     engines: tuple[EngineSpec, ...] = (NATIVE_SPEC,)  # the engines the finalists are measured on (--engines)
+    drafting: tuple[Drafting, ...] = ()  # the ways drafting is measured (--speculation)
 
     @property
     def model(self) -> Path:

@@ -195,8 +195,9 @@ def scored_positions(ref: list[np.ndarray], cand: list[np.ndarray]) -> tuple[lis
 
 
 def scored_path(directory: Path, cand_id: str) -> Path:
-    """Where a finalist's scores of the reference's continuations are kept (written while it was measured)."""
-    return directory / f"{cand_id}.npz"
+    """Where a finalist's scores of the reference's continuations are kept (written while it was measured); a
+    drafting candidate (``c3+draft``) has its placement's: drafted greedy output is the model's."""
+    return directory / f"{cand_id.split('+', 1)[0]}.npz"
 
 
 def score_loaded(w: WorkerClient, cand_id: str, seqs: Seqs, held_out: list[list[int]], directory: Path,

@@ -45,6 +45,8 @@ class MeasureSummary(Record):
         "how gpu_bytes was read: 'per-process' (NVML's figure) or 'device-delta' (the device's use above a "
         "baseline, where NVML hides per-process figures)"))
     predicted_gpu_bytes: int | None = Field(None, description="the memory model's GPU bytes for the candidate")
+    drafted: int | None = Field(None, description="tokens a drafting candidate's draft proposed over its rounds")
+    accepted: int | None = Field(None, description="of them, the tokens the model kept")
 
 
 class MeasureResults(Record):

@@ -59,6 +59,12 @@ class PlanRequest(Record):
     prefer_engine: str | None = Field(None, description=(
         "serve on this engine (one of --engines) when one of its finalists passes validation, even where another "
         "engine measured faster (its features, say); every engine is still measured and recorded"))
+    speculation: bool = Field(False, description=(
+        "also measure drafting (speculative decoding of greedy requests): with --draft-model, and by prompt "
+        "lookup for the agent workload; kept only when faster. Models with next-token (MTP) heads are measured "
+        "without them"))
+    draft_model: str | None = Field(None, description=(
+        "with --speculation: a draft model (.gguf) sharing the model's vocabulary, e.g. `flux synth --draft-of`"))
     replan: bool = Field(False, exclude=True, description="measure again even if a matching plan exists")
     reprobe: bool = Field(False, exclude=True, description="measure the hardware again")
     finalists: int = Field(6, ge=1, json_schema_extra={"flag": None, "setting": "finalists"})
@@ -69,6 +75,22 @@ class PlanRequest(Record):
     def quality_profile(self) -> str:
         """'reference' for f16 KV, else the KV type: a different profile is allowed to differ in output."""
         return "reference" if self.kv in ("f16", "f32") else f"kv-{self.kv}"
+
+
+class DraftTrial(Record):
+    """One drafting candidate beside its placement without drafting, from the same rounds."""
+
+    candidate_id: str
+    base_id: str
+    kind: str = Field(description="'model' (a draft model) or 'ngram' (prompt lookup)")
+    acceptance: float | None = Field(description="share of proposed tokens the model kept")
+    workload_s: float | None
+    base_workload_s: float | None
+    decode_tps: float | None
+    base_decode_tps: float | None
+    speedup: float | None = Field(description="the base's workload seconds over the drafting candidate's")
+    speedup_ci: tuple[float, float] | None = Field(None, description=(
+        "95% bootstrap interval of the speedup over the paired rounds (workload seconds, round by round)"))
 
 
 class Plan(Record):
@@ -114,6 +136,8 @@ class Plan(Record):
         "share of picks that each layer's busiest 10/25/50% of experts take (median over layers)"))
     engine: EngineSpec | None = Field(None, description=(
         "the engine that serves the plan, as it was measured (its command template); None: the native worker"))
+    speculation: list[DraftTrial] = Field(default_factory=list, description=(
+        "each drafting candidate against its placement without drafting, as measured (--speculation)"))
 
 
 def plan_id(body: Mapping[str, Any]) -> str:

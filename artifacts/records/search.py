@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from artifacts.records.base import Record
+from engine_bridge.drafting import Drafting
 from engine_bridge.params import EngineParams
 
 DeviceName = str  # "CPU", "CUDA0", ...
@@ -49,6 +50,7 @@ class Candidate(Record):
     needs_storage_streaming: bool = False
     engine: str = Field("native", description="the engine it runs on: 'native' (the worker), 'llama-server', or a "
                                               "configured [engines.NAME]")
+    draft: Drafting | None = Field(None, description="how its greedy decoding drafts (speculation); None: it does not")
     hot_share: list[float] = Field(default_factory=list, description=(
         "per layer, the share of its router's picks that hit an expert copied to the GPU (params.expert_split)"))
 

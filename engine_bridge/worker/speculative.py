@@ -103,10 +103,9 @@ def speculative_greedy(target: NativeModel, drafter: Drafter, prompt: Sequence[i
         EngineError: the run does not fit a context or a batch.
     """
     n_ctx = min(target.n_ctx, drafter.draft.n_ctx) if isinstance(drafter, ModelDrafter) else target.n_ctx
-    need = len(prompt) + n_gen + n_draft + 1
-    if need > n_ctx or n_draft + 1 > target.n_batch:
-        raise EngineError("context_overflow", f"{len(prompt)} + {n_gen} tokens (+{n_draft} drafted) do not fit "
-                                              f"n_ctx {n_ctx} / n_batch {target.n_batch}")
+    if len(prompt) + n_gen - 1 > n_ctx or n_draft + 1 > target.n_batch:  # the last token needs no cell
+        raise EngineError("context_overflow", f"{len(prompt)} + {n_gen} tokens (drafted {n_draft} at a time) do not "
+                                              f"fit n_ctx {n_ctx} / n_batch {target.n_batch}")
     target._clear()
     t0 = time.perf_counter()
     target._decode(prompt, 0)
@@ -117,7 +116,8 @@ def speculative_greedy(target: NativeModel, drafter: Drafter, prompt: Sequence[i
     out, pos = [tok], len(prompt)  # pos: where `tok` goes in both caches
     drafted = accepted = steps = 0
     while len(out) < n_gen and not (stop_eog and target.vocab.is_eog(tok)):
-        proposals = drafter.propose(history + out, pos, min(n_draft, n_gen - len(out)))
+        # proposals stop at the context's end: the verification writes positions pos..pos+k
+        proposals = drafter.propose(history + out, pos, min(n_draft, n_gen - len(out), n_ctx - 1 - pos))
         k = len(proposals)
         target._decode([tok, *proposals], pos, all_logits=True)
         choices = [_argmax(target, i) for i in range(k + 1)]

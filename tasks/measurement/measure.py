@@ -21,6 +21,7 @@ from tasks.engines import on_engines
 from tasks.gpu_budget import gpu_limits
 from tasks.gpu_memory import predicted_gpu_bytes
 from tasks.measure import Scoring, measure
+from tasks.measurement.speculation import with_drafting
 from tasks.reference import ReferenceOutputs
 from tasks.stage import PlanContext, Stage
 
@@ -28,6 +29,8 @@ from tasks.stage import PlanContext, Stage
 def _key(ctx: PlanContext, hw: HardwareReport, fin: Finalists, ref: ReferenceOutputs) -> dict[str, Any]:
     key = {"stage": "measure", "finalists": content_id(fin), "run": ctx.run_id, "budget": ctx.req.budget_s,
            "code": ctx.code}
+    if ctx.drafting:
+        key["drafting"] = [d.model_dump() for d in ctx.drafting]
     return key if ctx.req.engines == ["native"] else {**key, "engines": [e.model_dump() for e in ctx.engines]}
 
 
@@ -56,7 +59,7 @@ def _sized(ctx: PlanContext, log: Any, hw: HardwareReport,
 
 def _run(ctx: PlanContext, log: Any, hw: HardwareReport, fin: Finalists, ref: ReferenceOutputs) -> MeasureResults:
     key = _key(ctx, hw, fin, ref)
-    fin = on_engines(fin, ctx.engines)
+    fin = with_drafting(on_engines(fin, ctx.engines), ctx.drafting)
     budget, rates, lengths, n_gen, kept = _sized(ctx, log, hw, fin)
     score_tokens = sum(len(p) + len(c) for p, c in ref.seqs())
     prompts = wl.tune_prompts(ctx.model, lengths, ctx.req.seed, ctx.worker_log)

@@ -18,6 +18,7 @@ from engine_bridge.engines.spec import NATIVE
 from tasks import workload as wl
 from tasks.costmodel import all_gpu_decode, roofline_decode
 from tasks.engines import engine_notes, on_engines, spec_of
+from tasks.measurement.speculation import draft_trials, mtp_note, speculation_notes, with_drafting
 from tasks.persist import find_plan, persist, plan_notes
 from tasks.probing import probe as probe_stage
 from tasks.probing import route as route_stage
@@ -27,7 +28,9 @@ from tasks.stage import PlanContext, Stage
 
 
 def _plan_key(ctx: PlanContext, hw: HardwareReport, routing: str | None) -> dict[str, Any]:
-    return plan_key(ctx.model_hash, hw, ctx.backend_build, ctx.req, ctx.settings_view(), routing, ctx.code)
+    key = plan_key(ctx.model_hash, hw, ctx.backend_build, ctx.req, ctx.settings_view(), routing, ctx.code)
+    drafts = [d.model_hash for d in ctx.drafting if d.model_hash]
+    return {**key, "draft_model_hash": drafts[0]} if drafts else key  # the draft's bytes, not only its path
 
 
 def existing_plan(ctx: PlanContext) -> str | None:
@@ -55,8 +58,9 @@ def remember_model_path(ctx: PlanContext) -> None:
 
 def _run(ctx: PlanContext, log: Any, hw: HardwareReport, space: PlacementSpace, fin: Finalists,
          measured: MeasureResults, report: ValidationReport, routing: RoutingProfile | None = None) -> Plan:
-    fin = on_engines(fin, ctx.engines)
+    fin = with_drafting(on_engines(fin, ctx.engines), ctx.drafting)
     trials = ctx.store.get_table(TRIALS_RAW_TABLE, measured.trials_table)
+    drafts = draft_trials(fin.finalists, measured.summaries, trials.to_pylist()) if ctx.drafting else []
     work = wl.workload(measured.lengths, measured.n_gen) if measured.lengths else workload_for(ctx, space)
     winner = next(c for c in fin.finalists if c.id == report.winner_id)
     key = _plan_key(ctx, hw, routing.trace_id if routing is not None else None)
@@ -67,7 +71,9 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport, space: PlacementSpace, 
                    all_gpu_decode=all_gpu_decode(hw),
                    memory_limits=space.memory_limits, prefill_share=work.prefill_share,
                    notes=plan_notes(space, fin, measured, report) + rpc_notes(hw, winner) + engine_notes(
-                       {s.candidate_id: s for s in measured.summaries}, ctx.engines, winner),
+                       {s.candidate_id: s for s in measured.summaries}, ctx.engines, winner)
+                       + speculation_notes(drafts, winner) + (mtp_note(ctx.model) if ctx.req.speculation else []),
+                   speculation=drafts,
                    engine=None if winner.engine == NATIVE else spec_of(ctx.engines, winner.engine),
                    stage_seconds=ctx.clock.record())
 

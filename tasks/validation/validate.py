@@ -13,6 +13,7 @@ from artifacts.records.kinds import VALIDATION
 from artifacts.records.search import Finalists
 from tasks.engines import on_engines, prefer
 from tasks.errors import NoMeasurement
+from tasks.measurement.speculation import with_drafting
 from tasks.reference import ReferenceOutputs, floor_variants
 from tasks.stage import PlanContext, Stage
 from tasks.validate import rank_measured, validate
@@ -26,7 +27,7 @@ def _key(ctx: PlanContext, hw: HardwareReport, fin: Finalists, measured: Measure
 
 def _run(ctx: PlanContext, log: Any, hw: HardwareReport, fin: Finalists, measured: MeasureResults,
          ref: ReferenceOutputs) -> ValidationReport:
-    fin = on_engines(fin, ctx.engines)
+    fin = with_drafting(on_engines(fin, ctx.engines), ctx.drafting)
     ok = prefer(rank_measured(measured.summaries, fin.finalists), fin, ctx.req.prefer_engine)
     if not ok:
         raise NoMeasurement("; ".join(f"{s.candidate_id}: {s.error}" for s in measured.summaries))

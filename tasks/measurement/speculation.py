@@ -1,0 +1,133 @@
+"""Speculation in the search (``--speculation``): drafting candidates beside the finalists, and what they measured.
+
+A finalist ``c3`` drafting with a draft model is the candidate ``c3+draft``; drafting by prompt lookup,
+``c3+ngram``: the same placement and parameters with ``draft`` set. The measure stage times them in the same
+rounds as every finalist (greedy decoding of the same prompts, through the worker's ``spec_greedy``), so a
+drafting candidate is kept only when it is faster; its quality is its placement's (drafted greedy output is the
+model's greedy output), scored once for both. Drafting is tried on prune's :data:`MAX_BASES` best placements,
+and its candidates follow their placement in the finalists' order: a budget that cannot measure every finalist
+drops prune's last-ranked placements before the drafting of its best.
+
+The pinned llama.cpp's library has an MTP context type (``LLAMA_CONTEXT_TYPE_MTP``) for some architectures, but
+Flux's worker does not drive it: a model with next-token heads is measured without them (:func:`mtp_note`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from artifacts.gguf_header import read_header
+from artifacts.records.evidence import MeasureSummary
+from artifacts.records.plan import DraftTrial, PlanRequest
+from artifacts.records.search import Candidate, Finalists
+from engine_bridge.drafting import Drafting
+from engine_bridge.engines.spec import NATIVE
+
+MAX_BASES = 1  # placements drafting is tried on: prune's best
+BOOTSTRAP = 2000
+
+
+def drafting_for(req: PlanRequest, draft_hash: str | None) -> tuple[Drafting, ...]:
+    """The ways ``req`` asks drafting to be measured: its draft model, and prompt lookup for the agent workload."""
+    if not req.speculation:
+        return ()
+    out = []
+    if req.draft_model is not None:
+        out.append(Drafting(kind="model", model=req.draft_model, model_hash=draft_hash))
+    if req.workload == "agent":
+        out.append(Drafting(kind="ngram"))
+    return tuple(out)
+
+
+def base_id(cid: str) -> str:
+    """The placement a drafting candidate drafts on (``c3+draft`` -> ``c3``)."""
+    return cid.split("+", 1)[0]
+
+
+def with_drafting(fin: Finalists, drafting: Sequence[Drafting]) -> Finalists:
+    """``fin`` with each way of drafting added on its first :data:`MAX_BASES` native finalists, each drafting
+    candidate right after its placement."""
+    if not drafting:
+        return fin
+    bases = {c.id for c in [c for c in fin.finalists if c.engine == NATIVE and c.draft is None][:MAX_BASES]}
+    by_id = {p.candidate_id: p for p in fin.predictions}
+    cands, preds = [], []
+    for c in fin.finalists:
+        cands.append(c)
+        preds += [by_id[c.id]] if c.id in by_id else []
+        for d in drafting if c.id in bases else ():
+            cid = f"{c.id}+{d.label}"
+            cands.append(c.model_copy(update={"id": cid, "draft": d}))
+            preds += [by_id[c.id].model_copy(update={"candidate_id": cid})] if c.id in by_id else []
+    return fin.model_copy(update={"finalists": cands, "predictions": preds})
+
+
+def mtp_note(model: Path) -> list[str]:
+    """A note when the model has next-token (MTP) heads, which planning does not use."""
+    try:
+        md = read_header(model).metadata
+    except (OSError, ValueError):
+        return []
+    arch = md.get("general.architecture")
+    n = md.get(f"{arch}.nextn_predict_layers")
+    if not n:
+        return []
+    return [f"the model has {n} next-token (MTP) head layer(s); models with next-token heads are measured without "
+            "them (Flux's worker does not drive the pin's MTP context)"]
+
+
+def _round_seconds(rows: Sequence[Mapping[str, object]], cid: str) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for r in rows:
+        if r.get("candidate_id") == cid and not r.get("error"):
+            rnd = int(r["round"])  # type: ignore[call-overload]
+            out[rnd] = out.get(rnd, 0.0) + (float(r["prompt_ms"] or 0) + float(r["gen_ms"] or 0)) / 1e3  # type: ignore[arg-type]
+    return out
+
+
+def speedup_ci(base: Mapping[int, float], drafted: Mapping[int, float], seed: int = 0) -> tuple[float, float] | None:
+    """95% bootstrap interval of the speedup (base seconds over drafted seconds) over the paired rounds."""
+    paired = [(base[r], drafted[r]) for r in sorted(base) if r in drafted and drafted[r] > 0]
+    if len(paired) < 2:
+        return None
+    rng = random.Random(seed)
+    means = sorted(sum(b for b, _ in s) / sum(d for _, d in s)
+                   for s in ([rng.choice(paired) for _ in paired] for _ in range(BOOTSTRAP)))
+    return means[int(0.025 * BOOTSTRAP)], means[int(0.975 * BOOTSTRAP) - 1]
+
+
+def draft_trials(finalists: Sequence[Candidate], summaries: Sequence[MeasureSummary],
+                 rows: Sequence[Mapping[str, object]]) -> list[DraftTrial]:
+    """Each drafting candidate beside its base, from the measure stage's summaries and trial rows."""
+    by_id = {s.candidate_id: s for s in summaries}
+    out = []
+    for c in finalists:
+        s, b = by_id.get(c.id), by_id.get(base_id(c.id))
+        if c.draft is None or s is None or b is None:
+            continue
+        speed = b.workload_s / s.workload_s if b.workload_s and s.workload_s else None
+        out.append(DraftTrial(candidate_id=c.id, base_id=b.candidate_id, kind=c.draft.kind,
+                              acceptance=s.accepted / s.drafted if s.drafted and s.accepted is not None else None,
+                              workload_s=s.workload_s, base_workload_s=b.workload_s, decode_tps=s.decode_tps,
+                              base_decode_tps=b.decode_tps, speedup=speed,
+                              speedup_ci=speedup_ci(_round_seconds(rows, b.candidate_id), _round_seconds(rows, c.id))))
+    return out
+
+
+def speculation_notes(trials: Sequence[DraftTrial], winner: Candidate) -> list[str]:
+    """One note per drafting candidate measured, and whether the plan drafts."""
+    notes = []
+    for t in trials:
+        acc = f"{t.acceptance:.0%} of proposals kept" if t.acceptance is not None else "acceptance not measured"
+        if t.speedup is None:
+            notes.append(f"speculation {t.candidate_id}: not measured beside {t.base_id}")
+            continue
+        ci = f" (95% CI {t.speedup_ci[0]:.2f}-{t.speedup_ci[1]:.2f})" if t.speedup_ci else ""
+        notes.append(f"speculation {t.candidate_id}: {acc}, {t.speedup:.2f}x {t.base_id}'s workload speed{ci}")
+    if trials:
+        notes.append(f"the plan drafts ({winner.draft.kind})" if winner.draft is not None else
+                     "the plan does not draft: no drafting candidate was the fastest that passed validation")
+    return notes
+

@@ -1,0 +1,97 @@
+"""Speculation end to end on the CPU: `flux plan --speculation --draft-model` on a twin and its draft twin (the
+Prefect flow and its store) measures drafting candidates (a draft model, prompt lookup) beside the finalists in
+the same rounds, records their acceptance and speedup, and `flux show` prints them; `flux serve` of the plan
+answers greedy requests with the tokens plain greedy decoding gives (the worker's own greedy op); a draft of
+another vocabulary, and --draft-model without --speculation, are one line, exit 2, no plan saved."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+from support import ServeEnv, serve_env, start_server, stop_server
+
+from artifacts.records.kinds import PLAN
+from artifacts.records.store import Records
+from artifacts.synth import synthesize
+from artifacts.synth_draft import draft_twin
+from engine_bridge import ops
+from engine_bridge.client import WorkerClient
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _flux(env: ServeEnv, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "flows", *args], env=env.env, cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _env(root: Path) -> ServeEnv:
+    env = serve_env(root, "[serve]\nmin_reply = 16\nqueue_wait_s = 30.0\n")
+    (root / "cache" / "flux").mkdir(parents=True, exist_ok=True)
+    if not (root / "cache" / "flux" / "backend").exists():
+        (root / "cache" / "flux" / "backend").symlink_to(Path.home() / ".cache" / "flux" / "backend")
+    return env
+
+
+def test_a_plan_measures_drafting_and_serves_it(tmp_path: Path, tiny_moe: Path) -> None:
+    env = _env(tmp_path)
+    draft = draft_twin(tiny_moe, tmp_path / "draft.gguf", 1).path
+    planned = _flux(env, "plan", str(tiny_moe), "--ctx", "512", "--speculation", "--draft-model", str(draft),
+                    "--budget-s", "300")
+    assert planned.returncode == 0, planned.stderr[-4000:]
+    plan_id = planned.stdout.strip().splitlines()[-1]
+    plan = json.loads(_flux(env, "show", plan_id[:12], "--json").stdout)
+    measured = {s["candidate_id"]: s for s in plan["finalists"] if s["workload_s"]}
+    assert any(c.endswith("+draft") for c in measured) and any(c.endswith("+ngram") for c in measured), measured
+    trials = {t["candidate_id"]: t for t in plan["speculation"]}
+    assert trials and all(t["base_id"] in measured for t in trials.values())
+    assert all(t["acceptance"] is not None and 0.0 <= t["acceptance"] <= 1.0 and t["speedup"] > 0
+               for t in trials.values()), (trials, measured)
+    assert any(n.startswith("speculation ") for n in plan["notes"]), plan["notes"]
+    shown = _flux(env, "show", plan_id[:12]).stdout
+    assert "acceptance" in shown and "speedup" in shown, shown[-3000:]
+
+    # serve the plan with drafting forced on (whichever candidate won, the twin's pair drafts in serving too)
+    winner = plan["candidate"]
+    prompts = ["The quick brown fox", "def add(a, b):\n    return a + b\n\ndef add(a, b):"]
+    with WorkerClient() as w:
+        w.request(ops.LOAD, ops.LoadArgs(model=str(tiny_moe), params=winner["params"]))
+        plain = [w.request(ops.GREEDY, ops.GreedyArgs(
+            prompt=w.request(ops.TOKENIZE, ops.TokenizeArgs(text=p)).tokens, n_gen=24, stop_eog=True)).tokens
+            for p in prompts]
+    server = start_server(env, plan_id)
+    try:
+        client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="none")
+        model = client.models.list().data[0].id
+        for p, want in zip(prompts, plain, strict=True):
+            got = client.completions.create(model=model, prompt=p, max_tokens=24, temperature=0, logprobs=1)
+            toks = got.choices[0].logprobs.tokens if got.choices[0].logprobs else None
+            assert got.usage and got.usage.completion_tokens == len(want), (got, want)
+            assert toks is not None and len(toks) == len(want)
+        stats = server.stats()["worker"]["serve_stats"]
+        if winner.get("draft"):
+            assert stats["drafted"] > 0 and stats["draft_accepted"] > 0, stats
+        sampled = client.completions.create(model=model, prompt="abc", max_tokens=8, temperature=0.9)
+        assert sampled.choices[0].text is not None
+    finally:
+        stop_server(server)
+
+
+@pytest.mark.parametrize("case", ["vocab", "no-speculation"])
+def test_bad_draft_input_is_one_line_exit_2_and_no_plan(tmp_path: Path, tiny_moe: Path, case: str) -> None:
+    env = _env(tmp_path)
+    if case == "vocab":
+        other = synthesize("tiny-dense", tmp_path / "o.gguf", quant="Q4_0", overrides={"n_vocab": "640"}).path
+        args, says = ("--speculation", "--draft-model", str(other)), "a draft must share the model's tokenizer"
+    else:
+        draft = draft_twin(tiny_moe, tmp_path / "d.gguf", 1).path
+        args, says = ("--draft-model", str(draft)), "drafting is measured with --speculation"
+    out = _flux(env, "plan", str(tiny_moe), *args, "--budget-s", "5", timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not Records.at(env.settings.data_dir).all(PLAN), "a refused request saved a plan"
