@@ -124,6 +124,7 @@ VARIANTS: dict[str, Variant] = {
 
 
 OTHER = "other-engine"  # the plan's placement on the other engine (llama-server for a native plan, and back)
+NO_SPEC = "no-speculation"  # the plan's placement decoding without its draft
 
 
 def variants(c: Candidate, cpu_count: int | None = None) -> dict[str, EngineParams | str]:
@@ -134,7 +135,9 @@ def variants(c: Candidate, cpu_count: int | None = None) -> dict[str, EnginePara
 
 def _row(name: str, params: EngineParams, ctx: BenchContext, table: Any, opts: AblateOptions,
          common: dict[str, Any]) -> SummaryRow:
-    changed = f"engine {plan_engine(ctx).kind} -> {other_engine(ctx).kind}" if name == OTHER else _changes(ctx.params, params)
+    draft = ctx.plan.candidate.draft
+    changed = (f"engine {plan_engine(ctx).kind} -> {other_engine(ctx).kind}" if name == OTHER else
+               f"drafting {draft.kind if draft else 'none'} -> none" if name == NO_SPEC else _changes(ctx.params, params))
     metrics = {**common, "variant": params.model_dump(mode="json"), "changed": changed}
     err = engine_error(table, "plan") or engine_error(table, name)
     if err:
@@ -165,6 +168,11 @@ def bench_ablate(ctx: BenchContext, opts: AblateOptions, progress: Progress | No
         other = other_engine(ctx, OTHER)
         found[OTHER] = ctx.params
         specs.append(other)
+    if ctx.plan.candidate.draft is None:
+        found[NO_SPEC] = "not chosen by the plan (it does not draft)"
+    else:
+        found[NO_SPEC] = ctx.params
+        specs.append(EngineSpec(name=NO_SPEC, kind="worker", params=ctx.params, note="the plan without drafting"))
     lengths = prompt_lengths(ctx.params.n_ctx, opts.n_gen, opts.prompts)
     common: dict[str, Any] = {"options": opts.model_dump(mode="json"), "prompt_lengths": lengths,
                               "load_avg_start": load_avg(), "plan_engine": plan_engine(ctx).note}
@@ -183,8 +191,9 @@ def bench_ablate(ctx: BenchContext, opts: AblateOptions, progress: Progress | No
 SUITE = Suite(
     name="ablate", help="compare the full plan with variants that each undo one of its choices",
     description="Threads, n_ubatch, flash attention, load mode, KV offload, offload threshold, expert placement, "
-                "engine: each choice the plan made differently from the default is undone in one variant (the "
-                "engine's: the same placement on the other engine, llama-server or the native worker), raced in "
-                "paired rounds; prints what each choice is worth.",
+                "engine, drafting: each choice the plan made differently from the default is undone in one variant "
+                "(the engine's: the same placement on the other engine, llama-server or the native worker; "
+                "drafting's: the plan decoding without its draft), raced in paired rounds; prints what each choice "
+                "is worth.",
     options=AblateOptions, run=bench_ablate, flags=("rounds", "prompts", "n_gen", "seed"),
     help_text={"rounds": "paired rounds", "prompts": "corpus prompts per round", "n_gen": "tokens decoded per prompt"})

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient
+from engine_bridge.drafting import Drafting
 from engine_bridge.llama_server import LlamaServer, ServerTimings
 from engine_bridge.params import EngineParams
 from tasks.bench.context import BenchContext
@@ -36,6 +37,7 @@ class EngineSpec(_Model):
     args: tuple[str, ...] = ()
     env: dict[str, str] = Field(default_factory=dict)
     note: str = ""
+    draft: Drafting | None = Field(None, description="a worker engine drafts its greedy decoding this way")
 
 
 class TrialTiming(_Model):
@@ -83,7 +85,7 @@ class WorkerEngine:
     def __init__(self, spec: EngineSpec, ctx: BenchContext) -> None:
         if spec.params is None:
             raise BenchError(f"engine {spec.name}: a worker engine needs EngineParams")
-        self.params, self.ctx = spec.params, ctx
+        self.params, self.ctx, self.draft = spec.params, ctx, spec.draft
         self.w = WorkerClient(log_path=ctx.worker_log, env={**spec.params.environment(), **spec.env})
 
     def start(self) -> float:
@@ -92,7 +94,15 @@ class WorkerEngine:
         return got.load_ms / 1e3
 
     def run(self, prompt: list[int], n_gen: int) -> TrialTiming:
-        return worker_timing(self.w.request(ops.TIMED_RUN, ops.TimedRunArgs(prompt=prompt, n_gen=n_gen), self.ctx.timeout_s))
+        d = self.draft
+        if d is None:
+            return worker_timing(self.w.request(ops.TIMED_RUN, ops.TimedRunArgs(prompt=prompt, n_gen=n_gen),
+                                                self.ctx.timeout_s))
+        got = self.w.request(ops.SPEC_GREEDY, ops.SpecGreedyArgs(  # n_gen + 1: the prefill's token, then n_gen
+            prompt=prompt, n_gen=n_gen + 1, draft_model=d.model if d.kind == "model" else None,
+            ngram=d.ngram if d.kind == "ngram" else 0, n_draft=d.n_draft), self.ctx.timeout_s)
+        return TrialTiming(prompt_tokens=len(prompt), prompt_ms=got.prompt_ms, gen_tokens=len(got.tokens) - 1,
+                           gen_ms=got.gen_ms, source=f"worker wall clock, drafted ({d.kind})")
 
     def stop(self) -> None:
         self.w.close(timeout=5)
@@ -128,7 +138,9 @@ def plan_engine(ctx: BenchContext) -> EngineSpec:
     """The plan itself, through its engine (the native worker, or llama-server with the plan's flags)."""
     if ctx.plan.engine is not None and ctx.plan.engine.kind == "llama-server":
         return server_spec("plan", ctx.params)
-    return EngineSpec(name="plan", kind="worker", params=ctx.params, note=" ".join(ctx.params.cli_args()))
+    d = ctx.plan.candidate.draft
+    return EngineSpec(name="plan", kind="worker", params=ctx.params, draft=d, note=" ".join(ctx.params.cli_args())
+                      + (f" drafting {d.kind}" if d else ""))
 
 
 def server_spec(name: str, params: EngineParams) -> EngineSpec:

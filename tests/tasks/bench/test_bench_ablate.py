@@ -11,7 +11,7 @@ from bench_support import bench_settings, make_plan, session_cache
 
 from artifacts.records.search import Candidate, Placement
 from engine_bridge.params import EngineParams, TensorOverride
-from tasks.bench.ablate import EXPERTS_ON_CPU, OTHER, VARIANTS, AblateOptions, bench_ablate, variants
+from tasks.bench.ablate import EXPERTS_ON_CPU, NO_SPEC, OTHER, VARIANTS, AblateOptions, bench_ablate, variants
 from tasks.bench.context import open_bench
 from tasks.bench.engines import llama_cpp_python_defaults
 from tasks.bench.record import save_run
@@ -74,7 +74,8 @@ def stored(tmp_path_factory: pytest.TempPathFactory, tiny_moe: Path) -> dict[str
 
 def test_ablation_races_only_the_choices_the_plan_made(stored: dict[str, Any]) -> None:
     rows = stored["rows"]
-    assert set(rows) == {*VARIANTS, OTHER}
+    assert set(rows) == {*VARIANTS, OTHER, NO_SPEC}
+    assert rows.pop(NO_SPEC)["detail"] == "not chosen by the plan (it does not draft)"
     other = rows.pop(OTHER)  # the plan's placement on llama-server, where the backend built it
     if other["ratio_decode"] is None:
         assert other["detail"] == "not measured: llama-server is not built for this backend"
@@ -93,3 +94,21 @@ def test_ablation_races_only_the_choices_the_plan_made(stored: dict[str, Any]) -
     engines = {r["engine"] for r in stored["raw"]}
     assert engines - {OTHER} == {"plan", "flash-attn-default", "ubatch-512"}
     assert not [r for r in stored["raw"] if r["error"]]
+
+
+def test_a_drafting_plan_races_its_placement_without_drafting(tmp_path_factory: pytest.TempPathFactory,
+                                                              tiny_moe: Path) -> None:
+    from engine_bridge.drafting import Drafting
+
+    st, _ = bench_settings(tmp_path_factory.mktemp("bench-ablate-spec"), session_cache(tmp_path_factory))
+    params = EngineParams(n_ctx=512, n_batch=512, n_ubatch=512, n_threads=1, n_threads_batch=1)
+    base = make_plan(st, tiny_moe, params=params)
+    plan = make_plan(st, tiny_moe, params=params, candidate=base.candidate.model_copy(
+        update={"id": "c000+ngram", "draft": Drafting(kind="ngram")}).model_dump())
+    ctx = open_bench(st, plan.id[:12])
+    run = bench_ablate(ctx, AblateOptions(rounds=2, prompts=1, n_gen=32))
+    rows = {r.baseline: r for r in run.rows}
+    row = rows[NO_SPEC]
+    assert row.ratio_decode is not None and row.n_samples == 2, row
+    assert row.metrics["changed"] == "drafting ngram -> none"
+    assert not [r for r in run.raw.to_pylist() if r["error"]]
