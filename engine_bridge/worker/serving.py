@@ -33,14 +33,16 @@ from engine_bridge.params import EngineParams
 from engine_bridge.worker.grammar import GrammarSampler
 from engine_bridge.worker.load import SeqBatch, load_model_and_context
 from engine_bridge.worker.parking import ParkingLot, capture, common_prefix, restore
-from engine_bridge.worker.sampling import (
-    Vocab,
-    build_chain,
-    log_softmax,
-    token_logprobs,
-)
+from engine_bridge.worker.sampling import Vocab, build_chain, log_softmax, token_logprobs
 from engine_bridge.worker.sequences import MIN_PARK_TOKENS, FinishReason, Sink, _Request, _Slot
-from engine_bridge.worker.serve_draft import ServeDrafter, all_rows, make_drafter, verify_row, with_drafts
+from engine_bridge.worker.serve_draft import (
+    ServeDrafter,
+    all_rows,
+    drafts,
+    make_drafter,
+    verify_row,
+    with_drafts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +278,10 @@ class ServeEngine:
             req.t_first = time.perf_counter()
         if req.grammar is not None:
             tok = req.grammar.sample(req.chain, self.ctx, idx)
+        elif drafts(req.args):  # greedy: the chain's choice is the logits' first maximum, found without the
+            # chain's per-token copy of the whole vocabulary into candidates (what the measure stage times too)
+            tok = int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, idx),
+                                                      shape=(self.vocab.n_vocab,))))
         else:
             tok = int(llama_cpp.llama_sampler_sample(req.chain, self.ctx, idx))
         self._emit(slot, idx, tok)

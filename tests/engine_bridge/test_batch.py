@@ -312,3 +312,31 @@ def test_a_grammar_llama_cpp_refuses_is_a_typed_error(ctx_model: Path) -> None:
         engine.submit(1, {"rid": "g", "prompt": [1, 2], "max_tokens": 4, "grammar": {"gbnf": "root ::= undefined-rule"}})
     assert exc.value.code == "bad_grammar" and not engine.has_work()
     engine.close()
+
+
+def test_served_greedy_tokens_are_llama_cpps_greedy_samplers(ctx_model: Path) -> None:
+    """Greedy requests take the logits' argmax instead of running llama.cpp's greedy sampler chain (which copies
+    the vocabulary into candidates each token): the tokens are the chain's, step for step."""
+    import llama_cpp
+
+    from engine_bridge.ops import GenerateArgs
+    from engine_bridge.worker.sampling import build_chain
+
+    engine, rec = make(ctx_model, n_seq_max=1)
+    prompt = engine.vocab.tokenize(text(3, 12))
+    run(engine, 1, prompt, n=32)
+    engine.close()
+    m = NativeModel(ctx_model, PARAMS.model_copy(update={"n_seq_max": 1}))
+    chain = build_chain(GenerateArgs(rid="g", prompt=prompt, max_tokens=32, temperature=0.0), m.n_vocab)
+    try:
+        m._clear()
+        m._decode(prompt, 0)
+        chosen: list[int] = []
+        for _ in range(32):
+            tok = int(llama_cpp.llama_sampler_sample(chain, m.ctx, -1))
+            chosen.append(tok)
+            m._decode([tok], len(prompt) + len(chosen) - 1)
+    finally:
+        llama_cpp.llama_sampler_free(chain)
+        m.close()
+    assert rec.tokens(1) == chosen[:len(rec.tokens(1))] and len(rec.tokens(1)) >= 8
