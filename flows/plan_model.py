@@ -8,34 +8,28 @@ message says so).
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import flow, get_run_logger
 
 from artifacts.config import load_settings
 from flows import stages
-from flows.request import plan_request
+from flows.request import flow_signature, plan_request
 from tasks import pipeline as p
 
 
 @flow(name="plan-model", log_prints=False, persist_result=False)
-def plan_model(model: str, ctx: int | None = None, concurrency: int = 1, kv: str = "f16",
-               budget_s: float | None = None, gpu_mem_budget_gib: list[float] | None = None,
-               allow_storage_streaming: bool = False, replan: bool = False, reprobe: bool = False,
-               seed: int = 0, workload: str = "agent", host_mem_budget_gib: float | None = None,
-               rpc: list[str] | None = None, rpc_mem_budget_gib: list[float] | None = None,
-               engines: list[str] | None = None, prefer_engine: str | None = None, speculation: bool = False,
-               draft_model: str | None = None) -> str:
-    """Plan a model on this machine and return the plan id."""
+@flow_signature
+def plan_model(**flags: Any) -> str:
+    """Plan a model on this machine and return the plan id: one keyword per ``flux plan`` flag (the fields of
+    :class:`artifacts.records.plan.PlanRequest`, ``model`` required)."""
     settings = load_settings()
     log = get_run_logger()
-    req = plan_request(settings, model, ctx=ctx, concurrency=concurrency, kv=kv, budget_s=budget_s,
-                       gpu_mem_budget_gib=gpu_mem_budget_gib, allow_storage_streaming=allow_storage_streaming,
-                       workload=workload, seed=seed, host_mem_budget_gib=host_mem_budget_gib, rpc=rpc,
-                       rpc_mem_budget_gib=rpc_mem_budget_gib, engines=engines,
-                       prefer_engine=prefer_engine, speculation=speculation, draft_model=draft_model)
-    ctx_ = stages.context(req, settings, reprobe=reprobe)
+    req = plan_request(settings, flags.pop("model"), **flags)
+    ctx_ = stages.context(req, settings, reprobe=req.reprobe)
     ctx_.clock.say = log.info
     p.remember_model_path(ctx_)
-    if not replan:
+    if not req.replan:
         existing = p.existing_plan(ctx_)
         if existing:
             log.info("plan %s matches this model, machine, build and flags: reused (--replan measures again)",

@@ -8,10 +8,12 @@ check that needs the model's own facts.
 
 from __future__ import annotations
 
+import inspect
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
@@ -149,6 +151,26 @@ def check_for_model(req: PlanRequest, n_ctx_train: int | None) -> None:
     if req.ctx and n_ctx_train and req.ctx > n_ctx_train:
         raise ImpossiblePlan(f"--ctx {req.ctx} exceeds the model's trained context {n_ctx_train}",
                              f"use --ctx {n_ctx_train} or less")
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def flow_signature(fn: F, request: type[PlanRequest] = PlanRequest) -> F:
+    """Give the ``plan-model`` flow one keyword parameter per flag field of ``request``, so that a deployment run
+    (``--param NAME=VALUE``, the Prefect UI's form) takes the names ``flux plan`` does and a new field is a new
+    parameter with no edit here: ``model`` is required, every other parameter defaults to None (left out:
+    :func:`plan_request` fills it from ``[plan]`` or the field's default, as for a flag)."""
+    params = []
+    for name, info in request.model_fields.items():
+        if flag_name(name, request) is None:
+            continue
+        required = info.is_required()
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                                        default=inspect.Parameter.empty if required else None,
+                                        annotation=info.annotation if required else typing.Optional[info.annotation]))  # noqa: UP045
+    fn.__signature__ = inspect.Signature(params, return_annotation=str)  # type: ignore[attr-defined]
+    return fn
 
 
 def flow_params(req: PlanRequest) -> dict[str, Any]:
