@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -26,6 +25,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict
 
 from engine_bridge.errors import EngineError
+from engine_bridge.procgroup import log_tail, stop_group
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
@@ -146,12 +146,7 @@ class LlamaServer:
 
     def log_tail(self, n_bytes: int = 600) -> str:
         """The last bytes of the server's log, as one line."""
-        if self.log_path is None or not self.log_path.is_file():
-            return ""
-        with self.log_path.open("rb") as f:
-            f.seek(max(0, self.log_path.stat().st_size - n_bytes))
-            text = f.read().decode("utf-8", errors="replace")
-        return " | ".join(line.strip() for line in text.splitlines()[-4:] if line.strip())
+        return log_tail(self.log_path, n_bytes, 4)
 
     @property
     def alive(self) -> bool:
@@ -168,17 +163,7 @@ class LlamaServer:
         if self._http is not None:
             self._http.close()
             self._http = None
-        if self.proc is not None and self.proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, None)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self.proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+        stop_group(self.proc, timeout_s)
         self.proc = None
         if self._log is not None:
             self._log.close()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Mapping
@@ -21,6 +20,7 @@ from engine_bridge.engines.spec import HOST, EngineSpec, launch
 from engine_bridge.errors import EngineError
 from engine_bridge.llama_server import free_port
 from engine_bridge.params import EngineParams
+from engine_bridge.procgroup import log_tail, stop_group
 
 log = logging.getLogger(__name__)
 HEALTH_PATHS = ("/health", "/v1/models")
@@ -114,12 +114,7 @@ class EngineProcess:
 
     def _tail(self, n_bytes: int = 400) -> str:
         """The last lines of the engine's log, as one line (with a leading '; ')."""
-        if self.log_path is None or not self.log_path.is_file():
-            return ""
-        with self.log_path.open("rb") as f:
-            f.seek(max(0, self.log_path.stat().st_size - n_bytes))
-            text = f.read().decode("utf-8", errors="replace")
-        tail = " | ".join(line.strip() for line in text.splitlines()[-3:] if line.strip())
+        tail = log_tail(self.log_path, n_bytes, 3)
         return f"; log {self.log_path}: {tail}" if tail else ""
 
     def exited(self, wait_s: float) -> bool:
@@ -134,17 +129,7 @@ class EngineProcess:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the process group: SIGTERM, then SIGKILL after ``timeout_s`` (idempotent)."""
-        if self.proc is not None and self.proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, None)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self.proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+        stop_group(self.proc, timeout_s)
         if self._log is not None:
             self._log.close()
             self._log = None
