@@ -151,6 +151,10 @@ class EngineParams(BaseModel):
         "tensors on the host (place them there with tensor_overrides)"))
     expert_host_sync: bool = Field(False, description=(
         "FLUX_MOE_HOST_SYNC: a split layer's host experts wait for its GPU experts instead of running meanwhile"))
+    expert_mapped: bool = Field(False, description=(
+        "FLUX_MOE_MAPPED (patch 0006, CUDA): the split layers' cold experts are also copied into pinned host memory "
+        "that the GPU reads in place, and decode steps of up to 4 tokens compute them on the GPU: no host round "
+        "trip, the cold bytes cross the bus instead (host RAM: the cold experts twice)"))
     rpc_servers: tuple[str, ...] = Field((), description=(
         "llama.cpp RPC servers (host:port) whose devices the model may use (--rpc); their devices come first in "
         "llama.cpp's device list, named RPC0, RPC1, ... in this order, so tensor_split lists them first"))
@@ -162,6 +166,8 @@ class EngineParams(BaseModel):
             raise ValueError(f"n_ubatch ({self.n_ubatch}) must not exceed n_batch ({self.n_batch})")
         if self.type_v != "f16" and self.type_v != "f32" and not self.flash_attn:
             raise ValueError(f"a quantized V cache (type_v={self.type_v}) needs flash_attn=True")
+        if self.expert_mapped and self.expert_split is None:
+            raise ValueError("expert_mapped reads a split's cold experts from host memory: it needs expert_split")
         return self
 
     def cli_args(self) -> list[str]:
@@ -201,4 +207,6 @@ class EngineParams(BaseModel):
             env["FLUX_MOE_SPLIT"] = self.expert_split.env_value()
         if self.expert_host_sync:
             env["FLUX_MOE_HOST_SYNC"] = "1"
+        if self.expert_mapped:
+            env["FLUX_MOE_MAPPED"] = "1"
         return env

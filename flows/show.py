@@ -31,7 +31,9 @@ def _placement_lines(plan: Plan) -> list[str]:
         share = sum(c.hot_share) / max(1, len(c.hot_share))
         lines.append(f"per-expert split: {n_hot} experts of {len(split.layers)} layers copied to "
                      f"{', '.join(sorted({h.device for h in split.layers}))}, taking {share:.0%} of the picks "
-                     "(the rest on the host; the whole expert tensors stay there)")
+                     + ("(the rest read by the GPU from pinned host memory at decode: FLUX_MOE_MAPPED; the whole "
+                        "expert tensors stay on the host)" if c.params.expert_mapped else
+                        "(the rest on the host; the whole expert tensors stay there)"))
     if plan.routing_coverage:
         lines.append("routing (trace " + (plan.routing_trace or "?")[:12] + "): each layer's busiest " + ", ".join(
             f"{k} of experts take {v:.0%}" for k, v in plan.routing_coverage.items()) + " of its picks (median)")

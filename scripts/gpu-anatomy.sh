@@ -3,7 +3,8 @@
 #   scripts/gpu-anatomy.sh OUT TWIN [PAIRS [bench_gpu.py flags...]]
 # after `FLUX_E2E_STEPS=setup scripts/gpu-e2e.sh OUT PAIRS` has built the backend and written TWIN:
 #   1. scripts/gpu_anatomy.py: llama-bench decode variants with the scheduler's profile (OUT/anatomy/);
-#   2. the GPU-only tests of the expert split (OUT/gpu-tests.log);
+#   2. the tiny twins' loads on the GPU, one process each (OUT/load-check.log), then the GPU-only tests of the
+#      expert split (OUT/gpu-tests.log);
 #   3. scripts/gpu-e2e.sh OUT PAIRS ...: flux plan, show and bench of each pair (skipped without PAIRS).
 # FLUX_WAIT_FILE=PATH: after the anatomy, wait for PATH (a later call's wheels have arrived) before the tests.
 # Started detached, it writes its pid to /tmp/run.pid; follow it with `scripts/gpu-poll.sh OUT2 SECONDS`.
@@ -26,6 +27,8 @@ if [ -n "${FLUX_WAIT_FILE:-}" ]; then
   while [ ! -f "$FLUX_WAIT_FILE" ]; do sleep 2; done
   wheels
 fi
+echo "[gpu-anatomy $(date +%H:%M:%S)] tiny twins' loads, one process each"
+timeout 200 python3 scripts/gpu_load_check.py /tmp/loadcheck | tee "$OUT/load-check.log"
 echo "[gpu-anatomy $(date +%H:%M:%S)] GPU tests"
 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine_bridge/test_expert_split_gpu.py > "$OUT/gpu-tests.log" 2>&1
 tail -n 3 "$OUT/gpu-tests.log"

@@ -62,8 +62,12 @@ def run_variant(exe: Path, twin: Path, args: list[str], env: dict[str, str], thr
     return row
 
 
-def variants(preset: str, hots: list[int], quick: bool = False) -> list[tuple[str, list[str], dict[str, str], float]]:
-    """(name, llama-bench args, environment, share of picks on the GPU); ``quick``: the skip's A/B only."""
+def variants(preset: str, hots: list[int], quick: bool = False,
+             mapped: bool = False) -> list[tuple[str, list[str], dict[str, str], float]]:
+    """(name, llama-bench args, environment, share of picks on the GPU); ``quick``: the skip's A/B only;
+    ``mapped``: per hot count, the split with its cold experts on the host against the same read by the GPU
+    from pinned host memory (FLUX_MOE_MAPPED, patch 0006), and at the largest hot count write-combined too
+    (FLUX_MOE_MAPPED_WC)."""
     out: list[tuple[str, list[str], dict[str, str], float]] = [
         ("all on GPU", [], {}, 1.0),
         ("every expert on the host", ["-ot", "exps=CPU"], {}, 0.0),
@@ -71,10 +75,20 @@ def variants(preset: str, hots: list[int], quick: bool = False) -> list[tuple[st
     ]
     if quick:
         out = out[:1]
+    elif mapped:
+        out = [out[0], out[2]]
     for h in hots:
         value, share = split_value(preset, h)
         base = {"FLUX_MOE_SPLIT": value}
         tag = f"split {h} hot"
+        if mapped:
+            out += [(f"{tag}, cold on the host (default)", ["-ot", "exps=CPU"], base, share),
+                    (f"{tag}, cold read by the GPU (mapped)", ["-ot", "exps=CPU"], {**base, "FLUX_MOE_MAPPED": "1"},
+                     share)]
+            if h == max(hots):  # write-combined pinned memory: not snooped, maybe faster to read over the bus
+                out.append((f"{tag}, mapped, write-combined", ["-ot", "exps=CPU"],
+                            {**base, "FLUX_MOE_MAPPED": "1", "FLUX_MOE_MAPPED_WC": "1"}, share))
+            continue
         if quick:
             out += [(f"{tag}, idle skip (default)", ["-ot", "exps=CPU"], base, share),
                     (f"{tag}, no idle skip", ["-ot", "exps=CPU"], {**base, "FLUX_MOE_SKIP_IDLE": "0"}, share)]
@@ -116,11 +130,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="only all-on-GPU and the idle skip's A/B per hot count")
+    ap.add_argument("--mapped", action="store_true",
+                    help="all-on-GPU, stock --n-cpu-moe, and per hot count host vs mapped cold experts")
     ns = ap.parse_args()
     ns.out.mkdir(parents=True, exist_ok=True)
     exe = bench_binary()
     rows: list[dict] = []
-    for name, args, env, share in variants(ns.preset, [int(h) for h in ns.hot.split(",")], ns.quick):
+    for name, args, env, share in variants(ns.preset, [int(h) for h in ns.hot.split(",")], ns.quick, ns.mapped):
         row = {"name": name, "share": share, **run_variant(exe, ns.twin, args, env, ns.threads, ns.reps)}
         rows.append(row)
         sys.stdout.write(f"{name}: {row.get('tok_s', 'failed')} tok/s {row.get('profile', '')}\n")

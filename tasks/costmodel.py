@@ -41,6 +41,13 @@ PINNED_OFFLOAD_SHARE = 0.5
 # host part is skipped): each host part that runs costs this much beyond the cold experts' bytes (the anatomy's
 # A/B at 90% and 97% hot, 16 threads: 12.5 and 27 host parts per step, 8.96 and 11.24 ms a step).
 SPLIT_HOST_PART_MS = 0.034
+# A mapped split (patch 0006, EngineParams.expert_mapped) computes its cold picks on the GPU, whose kernels read
+# those experts' bytes from pinned host memory over the bus: at this share of the probe's pinned copy rate (small,
+# scattered reads by matrix-vector kernels, not one bulk copy). A first estimate, to be set from the H200 anatomy.
+MAPPED_READ_SHARE = 0.5
+# ... and each of its split layers adds its part's kernels to the step's graph (two lookups, three expert
+# matrix-vector products, the gate and the sum): a first estimate, likewise.
+MAPPED_LAYER_MS = 0.02
 
 
 @dataclass(frozen=True)
@@ -189,6 +196,33 @@ def split_reads(info: ModelInfo, cand: Candidate) -> float:
                for layer, share in zip(info.layers, cand.hot_share, strict=False))
 
 
+def mapped_reads(info: ModelInfo, cand: Candidate) -> float:
+    """Expert bytes a decoded token of a mapped split reads over the bus: its split layers' cold picks."""
+    split = cand.params.expert_split
+    if split is None or not cand.params.expert_mapped:
+        return 0.0
+    frac = info.n_expert_used / info.n_expert if info.n_expert else 0.0
+    shares = list(cand.hot_share) + [0.0] * len(info.layers)
+    return sum((1.0 - shares[h.layer]) * frac * sum(info.layers[h.layer].bytes_by_role.get(f"experts_{p}", 0)
+                                                    for p in EXPERT_PARTS) for h in split.layers)
+
+
+def mapped_bandwidth(hw: HardwareReport) -> float:
+    """Bytes/s at which a GPU kernel reads pinned host memory (:data:`MAPPED_READ_SHARE` of the pinned copy rate)."""
+    gpu = next((g for g in hw.gpus), None)
+    return ((gpu.h2d_pinned_gbs if gpu else None) or 45.0) * MAPPED_READ_SHARE * 1e9
+
+
+def _mapped_placement(cand: Candidate) -> Placement:
+    """The placement as a mapped split runs it at decode: a split layer's experts on its layer's device."""
+    split, pl = cand.params.expert_split, cand.placement
+    if split is None or not cand.params.expert_mapped or not pl.expert_device:
+        return pl
+    layers = {h.layer for h in split.layers}
+    return pl.model_copy(update={"expert_device": [
+        dict.fromkeys(EXPERT_PARTS, pl.layer_device[i]) if i in layers else e for i, e in enumerate(pl.expert_device)]})
+
+
 def _host_attention_layers(cand: Candidate) -> int:
     """Layers whose weights are on a GPU but whose KV cache (and so attention) is on the host."""
     p, devs = cand.params, cand.placement.layer_device
@@ -218,7 +252,7 @@ def decode_reads(info: ModelInfo, cand: Candidate, depth: float = 0.0) -> tuple[
     kv_cpu, kv_gpu = kv_reads(info, cand, depth)
     st_cpu, st_gpu = state_reads(info, cand)
     moved = split_reads(info, cand)
-    return cpu_read + kv_cpu + st_cpu - moved, gpu_read + kv_gpu + st_gpu + moved
+    return cpu_read + kv_cpu + st_cpu - moved - mapped_reads(info, cand), gpu_read + kv_gpu + st_gpu + moved
 
 
 def host_attention_ms(info: ModelInfo, hw: HardwareReport, cand: Candidate, kv_cpu_bytes: float,
@@ -239,6 +273,7 @@ def roofline_decode(info: ModelInfo, hw: HardwareReport, cand: Candidate) -> flo
     cpu_read, gpu_read = decode_reads(info, cand)
     seconds = cpu_read / cpu_bandwidth(hw, cand.params.n_threads) if cpu_read > 0 else 0.0
     seconds += gpu_read / _gpu_bandwidth(hw)[0] if gpu_read > 0 else 0.0
+    seconds += mapped_reads(info, cand) / mapped_bandwidth(hw)
     return 1 / seconds if seconds > 0 else None
 
 
@@ -264,9 +299,13 @@ def predict(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: Workload
         decode_ms *= PLAIN_LAYOUT_SLOWDOWN
     decode_ms += host_attention_ms(info, hw, cand, kv_cpu, eff)
     if gpu_read:
-        syncs = _transitions(cand.placement) + 2 * _host_attention_layers(cand)
+        syncs = _transitions(_mapped_placement(cand)) + 2 * _host_attention_layers(cand)
         decode_ms += gpu_fixed + gpu_read / gpu_bw * 1e3 + syncs * HYBRID_LAYER_SYNC_MS
-        decode_ms += split_host_parts(info, cand) * SPLIT_HOST_PART_MS
+        if p.expert_mapped:
+            decode_ms += mapped_reads(info, cand) / mapped_bandwidth(hw) * 1e3
+            decode_ms += len(p.expert_split.layers) * MAPPED_LAYER_MS if p.expert_split else 0.0
+        else:
+            decode_ms += split_host_parts(info, cand) * SPLIT_HOST_PART_MS
     if gpu_read and p.flash_attn != _gpu_probe_fa(hw):  # flash attention: ~15% off a GPU step (notes)
         decode_ms *= 0.85 if p.flash_attn else 1 / 0.85
     prefill_ms = _prefill_ms(info, hw, cand, per_dev, prefill_ms_per_byte, probe_threads)

@@ -26,7 +26,7 @@ from engine_bridge.params import EngineParams, ExpertSplit, LoadMode, TensorOver
 from tasks import expert_select, layer_split
 from tasks.costmodel import EXPERT_PARTS, all_on, head_bytes, layer_bytes
 from tasks.errors import ImpossiblePlan
-from tasks.expert_hot import hot_placement, split_bytes
+from tasks.expert_hot import hot_placement, mapped_bytes, split_bytes
 from tasks.gpu_budget import check_gpu_budgets, gpu_devices, gpu_limits
 from tasks.gpu_memory import DEFAULT_MARGIN, compute_bytes, correction, offloads_host_weights
 from tasks.remote import remote_candidates, rpc_limits
@@ -216,6 +216,7 @@ class _Shape:
     kv: KvMode
     split: ExpertSplit | None = None
     hot_share: tuple[float, ...] = ()
+    mapped: bool = False  # the split's cold experts read by the GPU from pinned host memory
 
 
 def gpu_overhead(info: ModelInfo, n_ctx: int, kv_bytes: float, margin: int = DEFAULT_MARGIN) -> int:
@@ -257,9 +258,12 @@ def _gpu_shapes(info: ModelInfo, req: PlanRequest, per_gpu: list[int], n_ctx: in
     shares = [b / sum(on_host) for b in on_host] if sum(on_host) else [1 / len(on_host)] * len(on_host)
     on_gpu = [max(0, int(b - kv_total * sh)) for b, sh in zip(on_host, shares, strict=True)]
     out = [_Shape(f + tag, pl, n_ctx, "gpu") for f, pl in _gpu_placements(info, on_gpu)]
-    hot = hot_placement(info, routing, on_gpu[0]) if routing is not None and len(on_gpu) == 1 else None
-    if hot is not None:  # single experts on the GPU, chosen by measured routing (patched backend)
-        out.append(_Shape("experts-hot" + tag, hot.placement, n_ctx, "gpu", hot.split, hot.hot_share))
+    # single experts on the GPU, chosen by measured routing (patched backend); then the same with every layer
+    # split and the cold picks read by the GPU over the bus
+    for cover, fam in ((False, "experts-hot"), (True, "experts-mapped")):
+        hot = hot_placement(info, routing, on_gpu[0], cover_layers=cover) if routing is not None and len(on_gpu) == 1 else None
+        if hot is not None:
+            out.append(_Shape(fam + tag, hot.placement, n_ctx, "gpu", hot.split, hot.hot_share, mapped=cover))
     out += [_Shape(f + "/kv-host" + tag, pl, n_ctx, "host")
             for f, pl in _gpu_placements(info, on_host, MILP_FAMILIES[1:2])]
     last = _last_layers(info, on_host[0], kv_layer_bytes(info, req.kv, n_ctx, req.concurrency))
@@ -291,9 +295,10 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest, 
     margins += [DEFAULT_MARGIN] * (len(per_gpu) - len(margins))
     for ctx in _contexts(n_ctx, req, len(gpus)):
         shapes += _gpu_shapes(info, req, per_gpu, ctx, "" if ctx == n_ctx else f"@{ctx}", routing, margins)
-    unique: dict[tuple[str, int, str, str], _Shape] = {}
+    unique: dict[tuple[str, int, str, str, bool], _Shape] = {}
     for sh in shapes:
-        unique.setdefault((sh.placement.model_dump_json(), sh.n_ctx, sh.kv, sh.split.env_value() if sh.split else ""), sh)
+        unique.setdefault((sh.placement.model_dump_json(), sh.n_ctx, sh.kv, sh.split.env_value() if sh.split else "",
+                           sh.mapped), sh)
     rejected: dict[str, int] = {}
     cands: list[Candidate] = []
     for shape in unique.values():
@@ -301,6 +306,8 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest, 
             weights, kv, comp = _memory(info, shape.placement, params, req.concurrency, gpus)
             for dev, b in split_bytes(info, params.expert_split).items():
                 weights[dev] = weights.get(dev, 0) + b
+            if params.expert_mapped:
+                weights["CPU"] = weights.get("CPU", 0) + mapped_bytes(info, params.expert_split)
             over = _over_limit(limits, weights, kv, comp, params, req, hw)
             if over:
                 rejected[over] = rejected.get(over, 0) + 1
@@ -354,7 +361,7 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, shape: 
             n_threads=t, n_threads_batch=tb, n_gpu_layers=n_gpu_layers, flash_attn=fa, type_k=req.kv,
             type_v=req.kv, load_mode=load, no_host=no_host, offload_min_batch=omb, tensor_overrides=tuple(overrides),
             tensor_split=split, offload_kqv=shape.kv != "host" or not on_gpu, expert_split=shape.split,
-            seed=req.seed))
+            expert_mapped=shape.mapped, seed=req.seed))
     return out
 
 

@@ -37,12 +37,14 @@ def block_bytes(info: ModelInfo) -> int:
 
 
 def hot_placement(info: ModelInfo, shares: NDArray[np.float64], budget: int, device: str = "CUDA0",
-                  max_share: float = 1.0) -> HotPlacement | None:
+                  max_share: float = 1.0, cover_layers: bool = False) -> HotPlacement | None:
     """Blocks and head on ``device``, whole expert tensors on the host, and GPU copies of the most-picked
     experts within ``budget`` bytes (until ``max_share`` of all picks is covered); None when nothing fits.
 
     Args:
         shares: each expert's share of its layer's picks, [n_layer, n_expert] (rows sum to 1).
+        cover_layers: each layer's most-picked expert first, so every layer is split (a split whose cold
+            experts the GPU reads from host memory has no host layer left: ``EngineParams.expert_mapped``).
     """
     if not info.is_moe or shares.shape != (info.n_layer, info.n_expert):
         return None
@@ -51,6 +53,10 @@ def hot_placement(info: ModelInfo, shares: NDArray[np.float64], budget: int, dev
     if room <= 0 or not min(per):
         return None
     order = np.argsort(-shares, axis=None, kind="stable")
+    if cover_layers:  # each layer's top expert, then the rest by share
+        tops = np.argmax(shares, axis=1) + np.arange(info.n_layer) * info.n_expert
+        order = np.concatenate([tops[np.argsort(-shares.max(axis=1), kind="stable")],
+                                order[~np.isin(order, tops)]])
     hot: dict[int, list[int] | tuple[int, ...]] = {}
     used, covered, total = 0, 0.0, float(shares.sum())
     for flat in order:
@@ -79,3 +85,11 @@ def split_bytes(info: ModelInfo, split: ExpertSplit | None) -> dict[str, int]:
     for h in split.layers:
         out[h.device] = out.get(h.device, 0) + per[h.layer] * len(h.experts)
     return out
+
+
+def mapped_bytes(info: ModelInfo, split: ExpertSplit | None) -> int:
+    """Host bytes of the cold experts' copies in pinned memory that a mapped split adds (EngineParams.expert_mapped)."""
+    if split is None:
+        return 0
+    per = expert_bytes(info)
+    return sum(per[h.layer] * max(0, info.n_expert - len(h.experts)) for h in split.layers)

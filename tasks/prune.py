@@ -87,7 +87,10 @@ def prune(space: PlacementSpace, info: ModelInfo, hw: HardwareReport, work: Work
     if ranked and _hybrid(ranked[0]):
         take(next((c for c in plausible if _hybrid(c) and c.params.no_host != ranked[0].params.no_host), None))
     if any(c.params.expert_split for c in ranked):  # per-expert split against the best whole-tensor placement
-        take(next((c for c in ranked if c.params.expert_split), None))
+        first = next((c for c in ranked if c.params.expert_split), None)
+        take(first)  # and the best split whose cold experts run elsewhere (host / GPU over the bus): measured
+        take(next((c for c in ranked if c.params.expert_split and first is not None
+                   and c.params.expert_mapped != first.params.expert_mapped), None))
         take(next((c for c in plausible if _hybrid(c) and not c.params.expert_split), None))
     if ranked and _gpus_used(ranked[0]):
         take(next((c for c in plausible if _gpus_used(c) not in (0, _gpus_used(ranked[0]))), None))

@@ -187,6 +187,14 @@ def test_the_backend_refuses_a_bad_split_variable(tiny_moe: Path, monkeypatch: p
     assert any("FLUX_MOE_SPLIT: " in line and match in line for line in RECENT_ERRORS), list(RECENT_ERRORS)
 
 
+def test_a_mapped_split_is_refused_on_a_device_that_cannot_read_host_memory(tiny_moe: Path) -> None:
+    """FLUX_MOE_MAPPED (patch 0006) needs a device whose kernels read pinned host memory in place (CUDA): a CPU
+    "hot device" is refused at load, in one line, and the worker's typed error carries it."""
+    with pytest.raises(ExpertSplitMismatch, match="cannot read host memory in place") as err:
+        NativeModel(tiny_moe, EngineParams(**SMALL_BATCHES, expert_split=SPLIT, expert_mapped=True))
+    assert "unset FLUX_MOE_MAPPED" in str(err.value)
+
+
 def test_the_backend_refuses_a_split_of_a_dense_model(tiny_dense: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     quiet_llama_logs()
     RECENT_ERRORS.clear()

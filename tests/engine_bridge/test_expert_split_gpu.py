@@ -71,8 +71,8 @@ def _kl_top1(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
     return kl, float(np.mean(ref.argmax(axis=1) == got.argmax(axis=1)))
 
 
-def _hot_nodes_on_gpu(model: Path, params: EngineParams) -> int:
-    """How many of a 16-token decode's graph nodes are the split's hot parts."""
+def _hot_nodes_on_gpu(model: Path, params: EngineParams, n_tokens: int = 16, prefix: str = "ffn_moe_hot-") -> int:
+    """How many of an ``n_tokens`` decode's graph nodes are named ``prefix`` (the split's hot parts by default)."""
     seen: Counter[str] = Counter()
     libggml.ggml_get_name.restype, libggml.ggml_get_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
 
@@ -84,15 +84,15 @@ def _hot_nodes_on_gpu(model: Path, params: EngineParams) -> int:
     callback = llama_cpp.ggml_backend_sched_eval_callback(observe)
     m, ctx, keep = load_model_and_context(model, params, callback)
     try:
-        batch = SeqBatch(16, 1)
-        batch.add(0, 0, PROMPT[:16], want_logits=True)
+        batch = SeqBatch(n_tokens, 1)
+        batch.add(0, 0, PROMPT[:n_tokens], want_logits=True)
         batch.raw.n_tokens = batch.n
         assert llama_cpp.llama_decode(ctx, batch.raw) == 0
     finally:
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(m)
         del keep
-    return sum(n for name, n in seen.items() if name.startswith("ffn_moe_hot-"))
+    return sum(n for name, n in seen.items() if name.startswith(prefix))
 
 
 @pytest.mark.parametrize("host_sync", [False, True])
@@ -113,3 +113,30 @@ def test_every_split_layer_runs_its_hot_part(twin: Path) -> None:
     split = hot_split(twin)
     params = EngineParams(**GPU_SMALL_BATCHES, tensor_overrides=(split.host_override(),), expert_split=split)
     assert _hot_nodes_on_gpu(twin, params) >= model_info(twin).n_layer
+
+
+# 4-token batches: a mapped split (FLUX_MOE_MAPPED, patch 0006) computes its cold picks on the GPU up to 4 tokens
+MAPPED_BATCHES = {**GPU_SMALL_BATCHES, "n_batch": 4, "n_ubatch": 4}
+
+
+def test_a_mapped_split_differs_from_the_host_only_as_plain_gpu_placement_does(twin: Path) -> None:
+    """The cold experts read by the GPU from pinned host memory: same kernels as plain GPU placement, so the
+    logits stay as close to the host reference as plain GPU placement's."""
+    split = hot_split(twin)
+    ref = _logprobs(twin, EngineParams(**MAPPED_BATCHES, tensor_overrides=(EXPERTS_ON_HOST,)))
+    all_gpu = _logprobs(twin, EngineParams(**MAPPED_BATCHES))
+    got = _logprobs(twin, EngineParams(**MAPPED_BATCHES, tensor_overrides=(split.host_override(),),
+                                       expert_split=split, expert_mapped=True))
+    kl_gpu, top1_gpu = _kl_top1(ref, all_gpu)
+    kl_mapped, top1_mapped = _kl_top1(ref, got)
+    assert kl_mapped <= 2 * kl_gpu + 1e-4, f"mapped split KL {kl_mapped:.2e} vs plain GPU placement's {kl_gpu:.2e}"
+    assert top1_mapped >= top1_gpu - 0.1, (top1_mapped, top1_gpu)
+
+
+def test_a_mapped_split_runs_no_host_part_up_to_four_tokens(twin: Path) -> None:
+    split = hot_split(twin)
+    params = EngineParams(**MAPPED_BATCHES, tensor_overrides=(split.host_override(),), expert_split=split,
+                          expert_mapped=True)
+    n_layer = model_info(twin).n_layer
+    assert _hot_nodes_on_gpu(twin, params, 4, "ffn_moe_mapped-") >= n_layer
+    assert _hot_nodes_on_gpu(twin, params, 4, "ffn_moe_cold-") == 0

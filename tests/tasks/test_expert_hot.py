@@ -67,13 +67,14 @@ def _space(info: ModelInfo, shares: np.ndarray, frac: float):  # type: ignore[no
 def test_routing_adds_split_candidates_that_keep_their_experts_on_the_host(moe: ModelInfo) -> None:
     space = _space(moe, skewed(moe), 0.3)
     split = [c for c in space.candidates if c.params.expert_split is not None]
-    assert split and {c.family for c in split} == {"experts-hot"}
+    assert split and {c.family for c in split} == {"experts-hot", "experts-mapped"}
     for c in split:
         assert "FLUX_MOE_SPLIT" in c.params.environment()
         assert any("exps" in o.pattern and o.device == "CPU" for o in c.params.tensor_overrides)
         assert c.weights_bytes["CUDA0"] >= block_bytes(moe) + sum(split_bytes(moe, c.params.expert_split).values())
         assert c.params.offload_min_batch is None, "a split layer below the threshold runs its host picks on the CPU"
-    assert not any(c.params.expert_split for c in _space(moe, skewed(moe), 0.3).candidates if c.family != "experts-hot")
+    assert not any(c.params.expert_split for c in _space(moe, skewed(moe), 0.3).candidates
+                   if c.family not in ("experts-hot", "experts-mapped"))
     no_routing = enumerate_placements(moe, h200_report(1), PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=[
         (block_bytes(moe) + 0.3 * moe.weight_bytes + gpu_overhead(moe, 512, kv_at(moe, 512))) / 2**30]), 10)
     assert not any(c.params.expert_split for c in no_routing.candidates)

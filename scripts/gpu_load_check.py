@@ -1,0 +1,43 @@
+"""Load the GPU tests' tiny twins on CUDA0, experts on the host, once per host layout, each in a fresh process
+(a diagnosis: on the H200 the first load inside pytest died with SIGSEGV while the worker's loads did not).
+
+    python3 scripts/gpu_load_check.py OUT_DIR
+
+Prints one line per (twin, layout): the exit status of the load (-11 = SIGSEGV) and the log's last line.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+CHILD = """
+import sys
+from pathlib import Path
+from artifacts.synth import synthesize
+from engine_bridge.params import EngineParams, TensorOverride
+from engine_bridge.worker.native import NativeModel
+path = Path(sys.argv[1])
+if not path.exists():
+    synthesize(sys.argv[3], path, quant="Q4_0")
+p = EngineParams(n_ctx=256, n_batch=16, n_ubatch=16, n_gpu_layers=99, flash_attn=True, repack=sys.argv[2] == "1",
+                 tensor_overrides=(TensorOverride(pattern=r"\\.ffn_(gate|up|down)_exps\\.", device="CPU"),))
+m = NativeModel(path, p)
+print("logprobs", m.logprobs([1, 2, 3, 4], [5, 6]).shape)
+m.close()
+"""
+
+
+def main(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for twin in ("tiny-moe", "qwen3moe-small"):
+        for repack in ("1", "0"):
+            proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", CHILD, str(out / f"{twin}.gguf"),
+                                   repack, twin], capture_output=True, text=True, timeout=300, check=False)
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+            sys.stdout.write(f"{twin} repack={repack}: rc={proc.returncode} {tail[0][:160]}\n")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
