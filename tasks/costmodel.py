@@ -42,12 +42,12 @@ PINNED_OFFLOAD_SHARE = 0.5
 # A/B at 90% and 97% hot, 16 threads: 12.5 and 27 host parts per step, 8.96 and 11.24 ms a step).
 SPLIT_HOST_PART_MS = 0.034
 # A mapped split (patch 0006, EngineParams.expert_mapped) computes its cold picks on the GPU, whose kernels read
-# those experts' bytes from pinned host memory over the bus: at this share of the probe's pinned copy rate (small,
-# scattered reads by matrix-vector kernels, not one bulk copy). A first estimate, to be set from the H200 anatomy.
-MAPPED_READ_SHARE = 0.5
-# ... and each of its split layers adds its part's kernels to the step's graph (two lookups, three expert
-# matrix-vector products, the gate and the sum): a first estimate, likewise.
-MAPPED_LAYER_MS = 0.02
+# those experts' bytes from pinned host memory over the bus, at this share of the probe's pinned copy rate, and each
+# of its split layers adds its parts' kernels to the step's one graph. Fitted to the H200 anatomy of 2026-12-03
+# (patches/llama.cpp/README.md; qwen3-30b-a3b twin, every layer split, 73/90/97% of the picks hot): the step grew
+# over the whole model on the GPU by 0.98 ms + cold bytes at 47.6 GB/s, against the probe's 55.3 GB/s copies.
+MAPPED_READ_SHARE = 0.86
+MAPPED_LAYER_MS = 0.0204
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,15 @@ from pydantic import ValidationError
 
 from artifacts.model_info import ModelInfo, expert_bytes, model_info
 from engine_bridge.params import EngineParams, ExpertSplit
-from tasks.costmodel import Workload, head_bytes, mapped_bandwidth, mapped_reads, predict, split_host_parts
+from tasks.costmodel import (
+    MAPPED_READ_SHARE,
+    Workload,
+    head_bytes,
+    mapped_bandwidth,
+    mapped_reads,
+    predict,
+    split_host_parts,
+)
 from tasks.expert_hot import block_bytes, hot_placement, mapped_bytes
 from tasks.prune import prune
 from tasks.testing import h200_report
@@ -97,4 +105,19 @@ def test_a_mapped_split_pays_its_cold_bytes_over_the_bus_instead_of_host_parts()
     low = mapped.model_copy(update={"hot_share": [0.2] * len(host.hot_share)})
     extra_ms = 1e3 / predict(info, hw, low, CHAT).decode_tps - 1e3 / got_mapped
     assert extra_ms == pytest.approx((mapped_reads(info, low) - cold) / mapped_bandwidth(hw) * 1e3, rel=0.02)
-    assert mapped_bandwidth(hw) == pytest.approx(hw.gpus[0].h2d_pinned_gbs * 0.5e9)
+    assert mapped_bandwidth(hw) == pytest.approx(hw.gpus[0].h2d_pinned_gbs * MAPPED_READ_SHARE * 1e9)
+
+
+@pytest.mark.parametrize(("budget", "measured"), [
+    (8, {"c212": 86.6, "c206": 57.6}),
+    (16, {"c238": 186.1, "c226": 100.3}),
+])
+def test_split_plans_are_predicted_within_15_percent_of_what_run_12_measured(budget: int,
+                                                                             measured: dict[str, float]) -> None:
+    """Run 12 on the H200 (skewed qwen3-30b-a3b twin, `--workload chat`, recorded with its probe and model): the
+    measure stage's decode of the mapped split (c212, c238) and the host split (c206, c226) at 8 and 16 GiB
+    (`flux show`, docs/benchmarks/h200/run12/)."""
+    info, hw, cands = _recorded(f"memory-qwen3-30b-a3b-skewed-{budget}-chat-run12")
+    for cid, tps in measured.items():
+        assert cands[cid].params.expert_mapped == (cands[cid].family.startswith("experts-mapped"))
+        assert predict(info, hw, cands[cid], CHAT).decode_tps == pytest.approx(tps, rel=0.15), cid
