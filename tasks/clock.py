@@ -2,10 +2,11 @@
 
 ``--budget-s B`` is the flow's wall time after probing: the routing trace and reference outputs a model's
 first plan makes once, enumerating and pruning, reading reused results back, measuring and validating all
-count inside it, so every plan ends about B after its probe (a probe is reused after a machine's first plan).
+count inside it, so a further plan ends about B after its probe (a probe is reused after a machine's first plan).
 The budget is wall time, not a sum of stage times: the reference runs beside the routing trace, enumeration
 and pruning (it needs none of them), and the seconds they overlap count once.
-Measuring keeps at least half of B whatever came before it (:func:`tasks.workload.measure_budget`). Each
+Measuring keeps at least half of B whatever came before it, and a first plan's one-time stages take up to
+FIRST_PLAN_GRACE_S of their seconds from outside B (:func:`tasks.workload.measure_budget`). Each
 stage reports its time and an estimate of what is left; the plan records every stage's seconds.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 # Rough seconds of the stages after measuring when nothing is known yet (persist, the flow's end).
 TAIL_S = 2.0
 OUTSIDE_BUDGET = ("probe",)
+ONE_TIME = ("route", "reference")  # a model's first plan computes them; later plans reuse them
 
 
 @dataclass
@@ -39,6 +41,7 @@ class StageClock:
     seconds: dict[str, float] = field(default_factory=dict)
     computed: dict[str, bool] = field(default_factory=dict)
     budget_t0: float | None = None  # when the budget began: the end of the probe
+    ends: dict[str, float] = field(default_factory=dict)  # when each stage ended (monotonic)
 
     @contextmanager
     def stage(self, name: str) -> Iterator[StageTimer]:
@@ -48,7 +51,8 @@ class StageClock:
         try:
             yield timer
         finally:
-            self.seconds[name] = round(time.monotonic() - start, 2)
+            self.ends[name] = time.monotonic()
+            self.seconds[name] = round(self.ends[name] - start, 2)
             self.computed[name] = timer.computed
             if name in OUTSIDE_BUDGET:
                 self.budget_t0 = time.monotonic()
@@ -60,6 +64,13 @@ class StageClock:
         """Seconds of the budget used so far: the wall time since the probe ended (since the clock started when
         no probe was timed), whatever ran in it, computed or reused, one stage or two at once."""
         return time.monotonic() - (self.budget_t0 if self.budget_t0 is not None else self.t0)
+
+    def one_time_s(self) -> float:
+        """Seconds of the budget spent while a model's one-time stages (routing trace, reference) were computed:
+        the wall time from the probe's end to the last of them, 0 when every one was reused."""
+        ends = [self.ends[n] for n in ONE_TIME if self.computed.get(n) and n in self.ends]
+        start = self.budget_t0 if self.budget_t0 is not None else self.t0
+        return max(ends) - start if ends else 0.0
 
     def left_s(self) -> float:
         """Estimated seconds until the plan is saved: what the budget has left, plus the tail."""
