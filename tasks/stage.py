@@ -62,9 +62,13 @@ class PlanContext:
         return self.settings.logs_dir / "plan-worker.log"
 
     def settings_view(self) -> dict[str, Any]:
-        """The settings that shape a plan (part of its key)."""
-        return {"host_reserve_percent": self.settings.host_reserve_percent,
+        """The settings that shape a plan (part of its key): with a configured engine among ``--engines``, its
+        ``[engines.NAME]`` template too, so a changed command makes a new plan (without one, plans saved before
+        engines were configurable still match)."""
+        view = {"host_reserve_percent": self.settings.host_reserve_percent,
                 **self.settings.plan.model_dump(exclude={"tuning_budget_s"})}
+        configured = [e.model_dump(mode="json") for e in self.engines if e.kind == "command"]
+        return {**view, "engines": configured} if configured else view
 
 
 @dataclass(frozen=True)

@@ -69,3 +69,23 @@ def test_the_default_engines_leave_the_plan_key_as_it_was() -> None:
     assert "engines" not in key["flags"] and "prefer_engine" not in key["flags"]
     other = plan_key("h", hw, "b", req.model_copy(update={"engines": ["native", "llama-server"]}), {})
     assert other["flags"]["engines"] == ["native", "llama-server"]
+
+
+def test_a_configured_engines_template_is_part_of_the_plan_key(tmp_path: Path, tiny_moe: Path) -> None:
+    """A plan measured on ``[engines.mine]`` is valid for that command only: another template is another plan;
+    without a configured engine the key's settings are as before."""
+    import dataclasses
+
+    from bench_support import bench_settings
+
+    from flows import stages
+
+    st, _ = bench_settings(tmp_path / "s", tmp_path / "c")
+    ctx = stages.context(PlanRequest(model=str(tiny_moe)), st)
+    assert "engines" not in ctx.settings_view()
+    specs = resolve(["native", "mine"], {"mine": EngineSettings(command=["srv", "--port", "{port}"])}, None)
+    mine = dataclasses.replace(ctx, engines=tuple(specs))
+    other = dataclasses.replace(ctx, engines=tuple(resolve(["native", "mine"], {"mine": EngineSettings(
+        command=["srv", "--port", "{port}", "--fast"])}, None)))
+    assert mine.settings_view()["engines"][0]["command"] == ["srv", "--port", "{port}"]
+    assert mine.settings_view() != other.settings_view()
