@@ -17,11 +17,10 @@ from artifacts.records.hardware import HardwareReport
 from artifacts.records.kinds import MEASURED, TRIALS_RAW_TABLE
 from artifacts.records.search import Finalists
 from tasks import workload as wl
-from tasks.engines import on_engines
 from tasks.gpu_budget import gpu_limits
 from tasks.gpu_memory import predicted_gpu_bytes
 from tasks.measure import Scoring, measure
-from tasks.measurement.speculation import with_drafting
+from tasks.measurement.speculation import drafted
 from tasks.reference import ReferenceOutputs
 from tasks.stage import PlanContext, Stage
 
@@ -59,7 +58,7 @@ def _sized(ctx: PlanContext, log: Any, hw: HardwareReport,
 
 def _run(ctx: PlanContext, log: Any, hw: HardwareReport, fin: Finalists, ref: ReferenceOutputs) -> MeasureResults:
     key = _key(ctx, hw, fin, ref)
-    fin = with_drafting(on_engines(fin, ctx.engines), ctx.drafting)
+    fin = drafted(ctx, hw, fin)
     budget, rates, lengths, n_gen, kept = _sized(ctx, log, hw, fin)
     score_tokens = sum(len(p) + len(c) for p, c in ref.seqs())
     prompts = wl.tune_prompts(ctx.model, lengths, ctx.req.seed, ctx.worker_log)

@@ -15,17 +15,28 @@ Flux's worker does not drive it: a model with next-token heads is measured witho
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from artifacts.gguf_header import read_header
+from artifacts.model_info import model_info
 from artifacts.records.evidence import MeasureSummary
+from artifacts.records.hardware import HardwareReport
 from artifacts.records.plan import DraftTrial, PlanRequest
 from artifacts.records.search import Candidate, Finalists
 from engine_bridge.drafting import Drafting
 from engine_bridge.engines.spec import NATIVE
+from engine_bridge.params import EngineParams
+from tasks.engines import on_engines
+from tasks.gpu_budget import gpu_limits
+from tasks.gpu_memory import predicted_gpu_bytes
+
+if TYPE_CHECKING:
+    from tasks.stage import PlanContext
 
 MAX_BASES = 1  # placements drafting is tried on: prune's best
+DRAFT_COMPUTE_BYTES = 256 * 2**20  # a draft model's compute buffer on the GPU (small models: ~100-300 MiB)
 BOOTSTRAP = 2000
 
 
@@ -46,9 +57,24 @@ def base_id(cid: str) -> str:
     return cid.split("+", 1)[0]
 
 
-def with_drafting(fin: Finalists, drafting: Sequence[Drafting]) -> Finalists:
+def draft_bytes(d: Drafting, target: EngineParams) -> int:
+    """Bytes a draft model holds on its target's main GPU (:func:`engine_bridge.drafting.draft_params` puts the
+    whole draft there when the target uses a GPU): its weights, its KV cache at the target's context, a compute
+    buffer. 0 for prompt lookup and for a target on the CPU."""
+    if d.kind != "model" or d.model is None or not target.n_gpu_layers:
+        return 0
+    info = model_info(Path(d.model))
+    kv = info.kv_bytes_per_token.get(target.type_k, 0) * target.n_ctx * target.n_seq_max
+    return info.file_bytes + int(kv) + DRAFT_COMPUTE_BYTES
+
+
+def with_drafting(fin: Finalists, drafting: Sequence[Drafting],
+                  gpu_room: Callable[[Candidate], dict[str, int]] | None = None) -> Finalists:
     """``fin`` with each way of drafting added on its first :data:`MAX_BASES` native finalists, each drafting
-    candidate right after its placement."""
+    candidate right after its placement, a draft model's bytes counted on the placement's main GPU.
+
+    ``gpu_room(c)``: per GPU, the bytes ``c``'s budget leaves beside its predicted use; a draft model that does not
+    fit there is not measured (its candidate is left out, the same way wherever the finalists are rebuilt)."""
     if not drafting:
         return fin
     bases = {c.id for c in [c for c in fin.finalists if c.engine == NATIVE and c.draft is None][:MAX_BASES]}
@@ -59,9 +85,25 @@ def with_drafting(fin: Finalists, drafting: Sequence[Drafting]) -> Finalists:
         preds += [by_id[c.id]] if c.id in by_id else []
         for d in drafting if c.id in bases else ():
             cid = f"{c.id}+{d.label}"
-            cands.append(c.model_copy(update={"id": cid, "draft": d}))
+            extra, dev = draft_bytes(d, c.params), f"CUDA{c.params.main_gpu}"
+            if extra and gpu_room is not None and gpu_room(c).get(dev, extra) < extra:
+                continue
+            weights = {**c.weights_bytes, dev: c.weights_bytes.get(dev, 0) + extra} if extra else c.weights_bytes
+            cands.append(c.model_copy(update={"id": cid, "draft": d, "weights_bytes": weights}))
             preds += [by_id[c.id].model_copy(update={"candidate_id": cid})] if c.id in by_id else []
     return fin.model_copy(update={"finalists": cands, "predictions": preds})
+
+
+def drafted(ctx: PlanContext, hw: HardwareReport, fin: Finalists) -> Finalists:
+    """The finalists as measure, validate and persist all see them: on each engine, with drafting, a draft model
+    that does not fit the GPU budget beside its placement left out."""
+    limits = gpu_limits(hw, ctx.req)
+
+    def room(c: Candidate) -> dict[str, int]:
+        return {d: limits[int(d[4:])] - b for d, b in predicted_gpu_bytes(c, hw).items()
+                if d.startswith("CUDA") and int(d[4:]) < len(limits)}
+
+    return with_drafting(on_engines(fin, ctx.engines), ctx.drafting, room)
 
 
 def mtp_note(model: Path) -> list[str]:

@@ -17,8 +17,8 @@ from artifacts.records.search import Finalists, PlacementSpace
 from engine_bridge.engines.spec import NATIVE
 from tasks import workload as wl
 from tasks.costmodel import all_gpu_decode, roofline_decode
-from tasks.engines import engine_notes, on_engines, spec_of
-from tasks.measurement.speculation import draft_trials, mtp_note, speculation_notes, with_drafting
+from tasks.engines import engine_notes, spec_of
+from tasks.measurement.speculation import draft_trials, drafted, mtp_note, speculation_notes
 from tasks.persist import find_plan, persist, plan_notes
 from tasks.probing import probe as probe_stage
 from tasks.probing import route as route_stage
@@ -58,7 +58,7 @@ def remember_model_path(ctx: PlanContext) -> None:
 
 def _run(ctx: PlanContext, log: Any, hw: HardwareReport, space: PlacementSpace, fin: Finalists,
          measured: MeasureResults, report: ValidationReport, routing: RoutingProfile | None = None) -> Plan:
-    fin = with_drafting(on_engines(fin, ctx.engines), ctx.drafting)
+    fin = drafted(ctx, hw, fin)
     trials = ctx.store.get_table(TRIALS_RAW_TABLE, measured.trials_table)
     drafts = draft_trials(fin.finalists, measured.summaries, trials.to_pylist()) if ctx.drafting else []
     work = wl.workload(measured.lengths, measured.n_gen) if measured.lengths else workload_for(ctx, space)

@@ -11,9 +11,9 @@ from artifacts.records.evidence import MeasureResults, ValidationReport
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.kinds import VALIDATION
 from artifacts.records.search import Finalists
-from tasks.engines import on_engines, prefer
+from tasks.engines import prefer
 from tasks.errors import NoMeasurement
-from tasks.measurement.speculation import with_drafting
+from tasks.measurement.speculation import drafted
 from tasks.reference import ReferenceOutputs, floor_variants
 from tasks.stage import PlanContext, Stage
 from tasks.validate import rank_measured, validate
@@ -27,7 +27,7 @@ def _key(ctx: PlanContext, hw: HardwareReport, fin: Finalists, measured: Measure
 
 def _run(ctx: PlanContext, log: Any, hw: HardwareReport, fin: Finalists, measured: MeasureResults,
          ref: ReferenceOutputs) -> ValidationReport:
-    fin = with_drafting(on_engines(fin, ctx.engines), ctx.drafting)
+    fin = drafted(ctx, hw, fin)
     ok = prefer(rank_measured(measured.summaries, fin.finalists), fin, ctx.req.prefer_engine)
     if not ok:
         raise NoMeasurement("; ".join(f"{s.candidate_id}: {s.error}" for s in measured.summaries))

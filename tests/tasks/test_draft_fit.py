@@ -1,0 +1,41 @@
+"""A draft model's memory in the plan's fit: counted on the placement's main GPU, and a drafting candidate whose
+draft does not fit the GPU budget beside its placement is not measured (nor rebuilt by validate or persist)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from artifacts.model_info import model_info
+from artifacts.records.search import Candidate, Finalists, Placement, Prediction
+from artifacts.synth_draft import draft_twin
+from engine_bridge.drafting import Drafting
+from engine_bridge.params import EngineParams
+from tasks.measurement.speculation import DRAFT_COMPUTE_BYTES, draft_bytes, with_drafting
+
+
+def _fin(params: EngineParams) -> Finalists:
+    c = Candidate(id="c0", family="all-gpu", placement=Placement(layer_device=["CUDA0"] * 4), params=params,
+                  weights_bytes={"CUDA0": 10**9}, kv_bytes={"CUDA0": 10**8}, compute_bytes={})
+    p = Prediction(candidate_id="c0", prefill_tps=1000.0, decode_tps=50.0, score_s=1.0)
+    return Finalists(finalists=[c], predictions=[p], workload_prefill_tokens=1, workload_decode_tokens=1, n_ranked=1)
+
+
+def test_a_draft_model_counts_on_the_main_gpu_and_is_left_out_when_it_does_not_fit(tiny_moe: Path,
+                                                                                  tmp_path: Path) -> None:
+    draft = draft_twin(tiny_moe, tmp_path / "d.gguf", 1).path
+    on_gpu = EngineParams(n_ctx=1024, n_gpu_layers=999, flash_attn=True)
+    d, lookup = Drafting(kind="model", model=str(draft)), Drafting(kind="ngram")
+    info = model_info(draft)
+    need = draft_bytes(d, on_gpu)
+    assert need == info.file_bytes + info.kv_bytes_per_token["f16"] * 1024 + DRAFT_COMPUTE_BYTES
+    assert draft_bytes(lookup, on_gpu) == 0 and draft_bytes(d, on_gpu.model_copy(update={"n_gpu_layers": 0})) == 0
+
+    roomy = with_drafting(_fin(on_gpu), (d, lookup), lambda c: {"CUDA0": need + 1})
+    assert [c.id for c in roomy.finalists] == ["c0", "c0+draft", "c0+ngram"]
+    assert roomy.finalists[1].weights_bytes["CUDA0"] == 10**9 + need, "the draft's bytes are in the fit"
+    assert roomy.finalists[2].weights_bytes == roomy.finalists[0].weights_bytes, "prompt lookup loads nothing"
+    assert len(roomy.predictions) == 3
+
+    tight = with_drafting(_fin(on_gpu), (d, lookup), lambda c: {"CUDA0": need - 1})
+    assert [c.id for c in tight.finalists] == ["c0", "c0+ngram"]
+    assert [p.candidate_id for p in tight.predictions] == ["c0", "c0+ngram"]
