@@ -155,6 +155,10 @@ class EngineParams(BaseModel):
         "FLUX_MOE_MAPPED (patch 0006, CUDA): the split layers' cold experts are also copied into pinned host memory "
         "that the GPU reads in place, and decode steps of up to 4 tokens compute them on the GPU: no host round "
         "trip, the cold bytes cross the bus instead (host RAM: the cold experts twice)"))
+    expert_cache: Literal["static", "adaptive"] = Field("static", description=(
+        "FLUX_MOE_CACHE (patch 0007): 'adaptive' = a split's hot sets follow recent routing (picks read back every "
+        "few steps, the least-picked hot experts swapped for busier cold ones; FLUX_MOE_CACHE_FREEZE=1 holds them); "
+        "needs expert_mapped or the split layers' host weights in the plain layout"))
     rpc_servers: tuple[str, ...] = Field((), description=(
         "llama.cpp RPC servers (host:port) whose devices the model may use (--rpc); their devices come first in "
         "llama.cpp's device list, named RPC0, RPC1, ... in this order, so tensor_split lists them first"))
@@ -166,8 +170,8 @@ class EngineParams(BaseModel):
             raise ValueError(f"n_ubatch ({self.n_ubatch}) must not exceed n_batch ({self.n_batch})")
         if self.type_v != "f16" and self.type_v != "f32" and not self.flash_attn:
             raise ValueError(f"a quantized V cache (type_v={self.type_v}) needs flash_attn=True")
-        if self.expert_mapped and self.expert_split is None:
-            raise ValueError("expert_mapped reads a split's cold experts from host memory: it needs expert_split")
+        if (self.expert_mapped or self.expert_cache != "static") and self.expert_split is None:
+            raise ValueError("expert_mapped and an adaptive expert_cache act on a per-expert split: they need expert_split")
         return self
 
     def cli_args(self) -> list[str]:
@@ -209,4 +213,6 @@ class EngineParams(BaseModel):
             env["FLUX_MOE_HOST_SYNC"] = "1"
         if self.expert_mapped:
             env["FLUX_MOE_MAPPED"] = "1"
+        if self.expert_cache != "static":
+            env["FLUX_MOE_CACHE"] = self.expert_cache
         return env

@@ -28,6 +28,7 @@ from moe_split_twins import split_value
 PROFILE = re.compile(r"flux-moe-host-profile: steps=(\d+) host_experts_ms=([\d.]+) host_expert_splits=([\d.]+) "
                      r"overlapped_splits=([\d.]+) wait_ms=([\d.]+) compute_call_ms=([\d.]+)"
                      r"(?: skipped_splits=([\d.]+))?")
+OP_PROFILE = re.compile(r"flux-cuda-op-profile: computes=\d+ gpu_ms=([\d.]+)((?: \S+=[\d.]+/\d+)*)")
 FIELDS = ("host_experts_ms", "host_expert_splits", "overlapped_splits", "wait_ms", "compute_call_ms", "skipped_splits")
 
 
@@ -59,6 +60,11 @@ def run_variant(exe: Path, twin: Path, args: list[str], env: dict[str, str], thr
         # the median of the profile lines (each averages 32 graph computes): the warm-up's first lines mix in
         last = [tuple(float(v) if v is not None else 0.0 for v in g[1:]) for g in profiles]
         row["profile"] = {f: round(statistics.median(p[i] for p in last), 3) for i, f in enumerate(FIELDS)}
+    ops = list(OP_PROFILE.finditer(proc.stderr))
+    if ops:  # FLUX_CUDA_OP_PROFILE (patch 0008): the last line's GPU ms per compute, by op, longest first
+        gpu_ms, rest = ops[-1].groups()
+        row["op_profile"] = {"gpu_ms": float(gpu_ms), **{k: float(v.split("/")[0]) for k, v in
+                                                         (item.split("=", 1) for item in rest.split())}}
     return row
 
 
@@ -130,6 +136,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="only all-on-GPU and the idle skip's A/B per hot count")
+    ap.add_argument("--op-profile", choices=("1", "2"), default=None,
+                    help="run every variant with FLUX_CUDA_OP_PROFILE=1|2 (GPU ms per op type / node name; no CUDA graphs)")
     ap.add_argument("--mapped", action="store_true",
                     help="all-on-GPU, stock --n-cpu-moe, and per hot count host vs mapped cold experts")
     ns = ap.parse_args()
@@ -137,6 +145,8 @@ def main() -> None:
     exe = bench_binary()
     rows: list[dict] = []
     for name, args, env, share in variants(ns.preset, [int(h) for h in ns.hot.split(",")], ns.quick, ns.mapped):
+        if ns.op_profile:
+            env = {**env, "FLUX_CUDA_OP_PROFILE": ns.op_profile}
         row = {"name": name, "share": share, **run_variant(exe, ns.twin, args, env, ns.threads, ns.reps)}
         rows.append(row)
         sys.stdout.write(f"{name}: {row.get('tok_s', 'failed')} tok/s {row.get('profile', '')}\n")

@@ -48,6 +48,10 @@ SPLIT_HOST_PART_MS = 0.034
 # over the whole model on the GPU by 0.98 ms + cold bytes at 47.6 GB/s, against the probe's 55.3 GB/s copies.
 MAPPED_READ_SHARE = 0.86
 MAPPED_LAYER_MS = 0.0204
+# An adaptive expert cache (patch 0007) reads each split layer's picks back every FLUX_MOE_CACHE_SAMPLE (8) steps:
+# one small device-to-host copy and sync per layer (~10 us, the anatomy's copy timings), an eighth of it a step.
+# Its gain, a hot set that follows the routing, is not priced: measurement decides between static and adaptive.
+CACHE_READ_MS = 0.010 / 8
 
 
 @dataclass(frozen=True)
@@ -306,6 +310,8 @@ def predict(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: Workload
             decode_ms += len(p.expert_split.layers) * MAPPED_LAYER_MS if p.expert_split else 0.0
         else:
             decode_ms += split_host_parts(info, cand) * SPLIT_HOST_PART_MS
+        if p.expert_cache == "adaptive" and p.expert_split:
+            decode_ms += len(p.expert_split.layers) * CACHE_READ_MS
     if gpu_read and p.flash_attn != _gpu_probe_fa(hw):  # flash attention: ~15% off a GPU step (notes)
         decode_ms *= 0.85 if p.flash_attn else 1 / 0.85
     prefill_ms = _prefill_ms(info, hw, cand, per_dev, prefill_ms_per_byte, probe_threads)

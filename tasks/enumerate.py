@@ -352,7 +352,9 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, shape: 
     # several (its own default is -b 2048 -ub 512).
     pipelined = len(placement.gpus()) > 1 and not overrides
     out = []
-    for t, tb, ub, (load, no_host), fa, omb in itertools.product(threads, threads, ubatches, loads, fas, offload):
+    caches = ("static", "adaptive") if shape.mapped else ("static",)  # hot sets fixed, or following the routing
+    for t, tb, ub, (load, no_host), fa, omb, cache in itertools.product(threads, threads, ubatches, loads, fas,
+                                                                       offload, caches):
         if ub > n_ctx or (on_gpu and t != tb) or (no_host and omb is not None):
             continue
         out.append(EngineParams(
@@ -361,7 +363,7 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, shape: 
             n_threads=t, n_threads_batch=tb, n_gpu_layers=n_gpu_layers, flash_attn=fa, type_k=req.kv,
             type_v=req.kv, load_mode=load, no_host=no_host, offload_min_batch=omb, tensor_overrides=tuple(overrides),
             tensor_split=split, offload_kqv=shape.kv != "host" or not on_gpu, expert_split=shape.split,
-            expert_mapped=shape.mapped, seed=req.seed))
+            expert_mapped=shape.mapped, expert_cache=cache, seed=req.seed))
     return out
 
 

@@ -91,6 +91,7 @@ def prune(space: PlacementSpace, info: ModelInfo, hw: HardwareReport, work: Work
         take(first)  # and the best split whose cold experts run elsewhere (host / GPU over the bus): measured
         take(next((c for c in ranked if c.params.expert_split and first is not None
                    and c.params.expert_mapped != first.params.expert_mapped), None))
+        take(next((c for c in ranked if c.params.expert_cache == "adaptive"), None))  # static or adaptive: measured
         take(next((c for c in plausible if _hybrid(c) and not c.params.expert_split), None))
     if ranked and _gpus_used(ranked[0]):
         take(next((c for c in plausible if _gpus_used(c) not in (0, _gpus_used(ranked[0]))), None))

@@ -59,8 +59,8 @@ def plain_host_layout() -> Iterator[None]:
 
 
 def _outputs(model: Path, params: EngineParams, layout: str) -> tuple[np.ndarray, list[int]]:
-    with plain_host_layout() if layout == "plain" else contextlib.nullcontext():
-        m = NativeModel(model, params)
+    # the worker's loads take the layout from EngineParams.repack (use_extra_bufts)
+    m = NativeModel(model, params.model_copy(update={"repack": layout != "plain"}))
     try:
         return m.logprobs(PROMPT, CONTINUATION), m.greedy(PROMPT[:10], 24, stop_eog=False)
     finally:
@@ -193,6 +193,40 @@ def test_a_mapped_split_is_refused_on_a_device_that_cannot_read_host_memory(tiny
     with pytest.raises(ExpertSplitMismatch, match="cannot read host memory in place") as err:
         NativeModel(tiny_moe, EngineParams(**SMALL_BATCHES, expert_split=SPLIT, expert_mapped=True))
     assert "unset FLUX_MOE_MAPPED" in str(err.value)
+
+
+def test_an_adaptive_cache_swaps_experts_and_keeps_the_unsplit_logits(tiny_moe: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                        capfd: pytest.CaptureFixture[str]) -> None:
+    """FLUX_MOE_CACHE=adaptive (patch 0007), starting from a poor hot set (one expert per layer): the picks are
+    read back every step here and experts swapped every second read, and every logit stays the unsplit model's
+    (which experts are hot never changes a pick's result). FLUX_MOE_CACHE_FREEZE=1 holds the set: no swap."""
+    for key, value in {"FLUX_MOE_CACHE_SAMPLE": "1", "FLUX_MOE_CACHE_EVERY": "2", "FLUX_MOE_CACHE_LOG": "1"}.items():
+        monkeypatch.setenv(key, value)
+    one_hot = ExpertSplit.on("CPU", {il: [7] for il in range(4)})
+    adaptive = EngineParams(**SMALL_BATCHES, expert_split=one_hot, expert_cache="adaptive")
+    ref, ref_tokens = _outputs(tiny_moe, EngineParams(**SMALL_BATCHES), "plain")
+    capfd.readouterr()
+    got, tokens = _outputs(tiny_moe, adaptive, "plain")
+    assert np.abs(got - ref).max() <= 1e-5 and tokens == ref_tokens
+    rounds = [line for line in capfd.readouterr().err.splitlines() if line.startswith("flux-moe-cache: ")]
+    assert rounds, "no swap round ran"
+    assert max(int(re.search(r"swaps=(\d+)", line).group(1)) for line in rounds) > 0  # type: ignore[union-attr]
+    monkeypatch.setenv("FLUX_MOE_CACHE_FREEZE", "1")
+    frozen, frozen_tokens = _outputs(tiny_moe, adaptive, "plain")
+    assert np.abs(frozen - ref).max() <= 1e-5 and frozen_tokens == ref_tokens
+    assert not any(line.startswith("flux-moe-cache: ") for line in capfd.readouterr().err.splitlines())
+
+
+def test_an_adaptive_cache_needs_a_layout_it_can_copy_experts_from(tiny_moe: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ExpertSplitMismatch, match="a layout a swap cannot copy from"):
+        NativeModel(tiny_moe, EngineParams(**SMALL_BATCHES, expert_split=SPLIT, expert_cache="adaptive"))
+    monkeypatch.setenv("FLUX_MOE_CACHE", "lru")  # straight to llama.cpp, as llama-server would meet it
+    monkeypatch.setenv("FLUX_MOE_SPLIT", "CPU|0:1")
+    quiet_llama_logs()
+    RECENT_ERRORS.clear()
+    assert not llama_cpp.llama_model_load_from_file(str(tiny_moe).encode(), llama_cpp.llama_model_default_params())
+    assert any("FLUX_MOE_CACHE='lru': use 'static' or 'adaptive'" in line for line in RECENT_ERRORS), list(RECENT_ERRORS)
 
 
 def test_the_backend_refuses_a_split_of_a_dense_model(tiny_dense: Path, monkeypatch: pytest.MonkeyPatch) -> None:

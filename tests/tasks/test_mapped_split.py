@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from artifacts.model_info import ModelInfo, expert_bytes, model_info
 from engine_bridge.params import EngineParams, ExpertSplit
 from tasks.costmodel import (
+    CACHE_READ_MS,
     MAPPED_READ_SHARE,
     Workload,
     head_bytes,
@@ -40,7 +41,7 @@ def test_the_switch_needs_a_split_and_travels_in_the_environment() -> None:
     split = ExpertSplit.on("CUDA0", {0: [1, 2]})
     assert EngineParams(expert_split=split, expert_mapped=True).environment()["FLUX_MOE_MAPPED"] == "1"
     assert "FLUX_MOE_MAPPED" not in EngineParams(expert_split=split).environment()
-    with pytest.raises(ValidationError, match="needs expert_split"):
+    with pytest.raises(ValidationError, match="need expert_split"):
         EngineParams(expert_mapped=True)
 
 
@@ -121,3 +122,26 @@ def test_split_plans_are_predicted_within_15_percent_of_what_run_12_measured(bud
     for cid, tps in measured.items():
         assert cands[cid].params.expert_mapped == (cands[cid].family.startswith("experts-mapped"))
         assert predict(info, hw, cands[cid], CHAT).decode_tps == pytest.approx(tps, rel=0.15), cid
+
+
+def test_mapped_splits_come_static_and_adaptive_and_both_are_raced(moe: ModelInfo) -> None:
+    """Patch 0007's adaptive cache is enumerated beside the static hot set of every mapped split (only there),
+    priced by its read-backs alone (its gain depends on the routing's locality, which the trace does not show),
+    and prune keeps the best adaptive candidate among the finalists so that measurement chooses."""
+    space = _space(moe, skewed(moe), 0.3)
+    adaptive = [c for c in space.candidates if c.params.expert_cache == "adaptive"]
+    assert adaptive and all(c.params.expert_mapped for c in adaptive)
+    assert all(c.params.environment()["FLUX_MOE_CACHE"] == "adaptive" for c in adaptive)
+    assert "FLUX_MOE_CACHE" not in next(c for c in space.candidates if c.params.expert_mapped
+                                        and c.params.expert_cache == "static").params.environment()
+    hw = h200_report(1)
+    a = adaptive[0]
+    s = next(c for c in space.candidates if c.params == a.params.model_copy(update={"expert_cache": "static"}))
+    slower_ms = 1e3 / predict(moe, hw, a, CHAT).decode_tps - 1e3 / predict(moe, hw, s, CHAT).decode_tps
+    # (scaled like the whole step when the candidate's flash attention differs from the probe's: x0.85 or /0.85)
+    assert slower_ms == pytest.approx(len(a.params.expert_split.layers) * CACHE_READ_MS,  # type: ignore[union-attr]
+                                      rel=0.18)
+    fin = prune(space, moe, hw, WORK, 8)
+    assert any(c.params.expert_cache == "adaptive" for c in fin.finalists)
+    with pytest.raises(ValidationError, match="need expert_split"):
+        EngineParams(expert_cache="adaptive")
