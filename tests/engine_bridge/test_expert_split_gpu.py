@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -95,18 +96,23 @@ def _hot_nodes_on_gpu(model: Path, params: EngineParams, n_tokens: int = 16, pre
     return sum(n for name, n in seen.items() if name.startswith(prefix))
 
 
-@pytest.mark.parametrize("host_sync", [False, True])
-def test_a_split_on_the_gpu_differs_from_the_host_only_as_plain_gpu_placement_does(twin: Path, host_sync: bool) -> None:
+def _assert_split_is_as_close_as_plain_gpu(twin: Path, batches: dict[str, Any], **split_params: Any) -> None:
+    """A split (``split_params`` on top of the hot split) is as far from the host reference as plain GPU placement."""
     split = hot_split(twin)
-    ref = _logprobs(twin, EngineParams(**GPU_SMALL_BATCHES, tensor_overrides=(EXPERTS_ON_HOST,)))
-    all_gpu = _logprobs(twin, EngineParams(**GPU_SMALL_BATCHES))
-    got = _logprobs(twin, EngineParams(**GPU_SMALL_BATCHES, tensor_overrides=(split.host_override(),),
-                                       expert_split=split, expert_host_sync=host_sync))
+    ref = _logprobs(twin, EngineParams(**batches, tensor_overrides=(EXPERTS_ON_HOST,)))
+    all_gpu = _logprobs(twin, EngineParams(**batches))
+    got = _logprobs(twin, EngineParams(**batches, tensor_overrides=(split.host_override(),), expert_split=split,
+                                       **split_params))
     kl_gpu, top1_gpu = _kl_top1(ref, all_gpu)
     kl_split, top1_split = _kl_top1(ref, got)
     assert kl_gpu < 0.05, f"plain GPU placement is far from the host: KL {kl_gpu:.2e}"
     assert kl_split <= 2 * kl_gpu + 1e-4, f"split KL {kl_split:.2e} vs plain GPU placement's {kl_gpu:.2e}"
     assert top1_split >= top1_gpu - 0.1, (top1_split, top1_gpu)
+
+
+@pytest.mark.parametrize("host_sync", [False, True])
+def test_a_split_on_the_gpu_differs_from_the_host_only_as_plain_gpu_placement_does(twin: Path, host_sync: bool) -> None:
+    _assert_split_is_as_close_as_plain_gpu(twin, GPU_SMALL_BATCHES, expert_host_sync=host_sync)
 
 
 def test_every_split_layer_runs_its_hot_part(twin: Path) -> None:
@@ -122,15 +128,7 @@ MAPPED_BATCHES = {**GPU_SMALL_BATCHES, "n_batch": 4, "n_ubatch": 4}
 def test_a_mapped_split_differs_from_the_host_only_as_plain_gpu_placement_does(twin: Path) -> None:
     """The cold experts read by the GPU from pinned host memory: same kernels as plain GPU placement, so the
     logits stay as close to the host reference as plain GPU placement's."""
-    split = hot_split(twin)
-    ref = _logprobs(twin, EngineParams(**MAPPED_BATCHES, tensor_overrides=(EXPERTS_ON_HOST,)))
-    all_gpu = _logprobs(twin, EngineParams(**MAPPED_BATCHES))
-    got = _logprobs(twin, EngineParams(**MAPPED_BATCHES, tensor_overrides=(split.host_override(),),
-                                       expert_split=split, expert_mapped=True))
-    kl_gpu, top1_gpu = _kl_top1(ref, all_gpu)
-    kl_mapped, top1_mapped = _kl_top1(ref, got)
-    assert kl_mapped <= 2 * kl_gpu + 1e-4, f"mapped split KL {kl_mapped:.2e} vs plain GPU placement's {kl_gpu:.2e}"
-    assert top1_mapped >= top1_gpu - 0.1, (top1_mapped, top1_gpu)
+    _assert_split_is_as_close_as_plain_gpu(twin, MAPPED_BATCHES, expert_mapped=True)
 
 
 def test_a_mapped_split_runs_no_host_part_up_to_four_tokens(twin: Path) -> None:
