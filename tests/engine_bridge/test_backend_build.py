@@ -28,7 +28,7 @@ def vendored(tmp_path_factory: pytest.TempPathFactory) -> Path:
     prefix = f"llama_cpp_python-{pin['LLAMA_CPP_PYTHON_VERSION']}/vendor/llama.cpp/"
     with tarfile.open(sdist) as tar:
         keep = tuple(prefix + d for d in ("src/", "include/", "ggml/include/", "ggml/src/ggml-backend.cpp",
-                                          "ggml/src/ggml-cpu/", "ggml/src/ggml-rpc/"))
+                                          "ggml/src/ggml-cpu/", "ggml/src/ggml-rpc/", "ggml/src/ggml-cuda/"))
         members = [m for m in tar.getmembers() if m.name.startswith(keep)]
         for m in members:
             m.name = m.name[len(prefix):]
