@@ -187,6 +187,12 @@ def kv_reads(info: ModelInfo, cand: Candidate, depth: float) -> tuple[float, flo
     return cpu, sum(b for d, b in cand.kv_bytes.items() if d != "CPU") * scale
 
 
+def _picked_expert_bytes(info: ModelInfo, layer: int) -> float:
+    """Expert bytes one token reads in ``layer`` (``n_used / n_expert`` of its expert tensors)."""
+    frac = info.n_expert_used / info.n_expert if info.n_expert else 0.0
+    return frac * sum(info.layers[layer].bytes_by_role.get(f"experts_{p}", 0) for p in EXPERT_PARTS)
+
+
 def split_reads(info: ModelInfo, cand: Candidate) -> float:
     """Expert bytes a decoded token reads from GPU copies instead of the host (a per-expert split).
 
@@ -195,9 +201,7 @@ def split_reads(info: ModelInfo, cand: Candidate) -> float:
     """
     if cand.params.expert_split is None or not cand.hot_share:
         return 0.0
-    frac = info.n_expert_used / info.n_expert if info.n_expert else 0.0
-    return sum(share * frac * sum(layer.bytes_by_role.get(f"experts_{p}", 0) for p in EXPERT_PARTS)
-               for layer, share in zip(info.layers, cand.hot_share, strict=False))
+    return sum(share * _picked_expert_bytes(info, i) for i, share in enumerate(cand.hot_share[:len(info.layers)]))
 
 
 def mapped_reads(info: ModelInfo, cand: Candidate) -> float:
@@ -205,10 +209,8 @@ def mapped_reads(info: ModelInfo, cand: Candidate) -> float:
     split = cand.params.expert_split
     if split is None or not cand.params.expert_mapped:
         return 0.0
-    frac = info.n_expert_used / info.n_expert if info.n_expert else 0.0
     shares = list(cand.hot_share) + [0.0] * len(info.layers)
-    return sum((1.0 - shares[h.layer]) * frac * sum(info.layers[h.layer].bytes_by_role.get(f"experts_{p}", 0)
-                                                    for p in EXPERT_PARTS) for h in split.layers)
+    return sum((1.0 - shares[h.layer]) * _picked_expert_bytes(info, h.layer) for h in split.layers)
 
 
 def mapped_bandwidth(hw: HardwareReport) -> float:

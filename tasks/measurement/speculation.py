@@ -29,7 +29,7 @@ from engine_bridge.drafting import Drafting
 from engine_bridge.engines.spec import NATIVE
 from engine_bridge.params import EngineParams
 from tasks.engines import on_engines
-from tasks.gpu_budget import gpu_limits
+from tasks.gpu_budget import gpu_devices, gpu_limits
 from tasks.gpu_memory import predicted_gpu_bytes
 
 if TYPE_CHECKING:
@@ -97,11 +97,10 @@ def with_drafting(fin: Finalists, drafting: Sequence[Drafting],
 def drafted(ctx: PlanContext, hw: HardwareReport, fin: Finalists) -> Finalists:
     """The finalists as measure, validate and persist all see them: on each engine, with drafting, a draft model
     that does not fit the GPU budget beside its placement left out."""
-    limits = gpu_limits(hw, ctx.req)
+    limits = {name: limit for (name, _), limit in zip(gpu_devices(hw), gpu_limits(hw, ctx.req), strict=True)}
 
     def room(c: Candidate) -> dict[str, int]:
-        return {d: limits[int(d[4:])] - b for d, b in predicted_gpu_bytes(c, hw).items()
-                if d.startswith("CUDA") and int(d[4:]) < len(limits)}
+        return {d: limits[d] - b for d, b in predicted_gpu_bytes(c, hw).items() if d in limits}
 
     return with_drafting(on_engines(fin, ctx.engines), ctx.drafting, room)
 
