@@ -194,7 +194,8 @@ def record_row(run: str, preset: str, routing: str, budget: float, plan_id: str,
         out[f"agent_vs_{key}"] = agent["ratio"] if agent else None
         out.update({"served_decode_tps": m.get("served_decode_tps"), "plan_gpu_gib": (m.get("plan_gpu_bytes") or 0) / GIB or None,
                     "plan_gpu_method": m.get("plan_gpu_method"), "plan_gpu_vs_measured": m.get("plan_gpu_vs_measured"),
-                    "plan_flag": m.get("plan_flag")})
+                    "plan_flag": m.get("plan_flag"), "baseline_threads": m.get("baseline_threads"),
+                    "baseline_threads_note": m.get("baseline_threads_note")})
     if out.get("served_decode_tps") and out.get("plan_decode_tps"):
         out["http_vs_plan_decode"] = out["served_decode_tps"] / out["plan_decode_tps"]
     return mask_invalid(out)

@@ -28,7 +28,8 @@ if [ -n "${FLUX_WAIT_FILE:-}" ]; then
   wheels
 fi
 echo "[gpu-anatomy $(date +%H:%M:%S)] tiny twins' loads, one process each"
-timeout 200 python3 scripts/gpu_load_check.py /tmp/loadcheck | tee "$OUT/load-check.log"
+timeout 400 python3 scripts/gpu_load_check.py /tmp/loadcheck | tee "$OUT/load-check.log"
+cp /tmp/loadcheck/gdb-*.log "$OUT/" 2> /dev/null
 echo "[gpu-anatomy $(date +%H:%M:%S)] GPU tests"
 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine_bridge/test_expert_split_gpu.py > "$OUT/gpu-tests.log" 2>&1
 tail -n 3 "$OUT/gpu-tests.log"

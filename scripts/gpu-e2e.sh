@@ -76,7 +76,14 @@ EOF
 PORT=18090
 flux serve "$PLAN" --port "$PORT" > "$OUT/serve.log" 2>&1 &
 SERVE=$!
-trap 'kill -INT $SERVE 2>/dev/null || true; wait $SERVE 2>/dev/null || true' EXIT
+# flux serve gets 15 s to stop after SIGINT, then SIGKILL: a wait on a server that did not stop kept run 12's
+# chain (and the poll following it) alive after its last line
+stop_serve() {
+  kill -INT "$SERVE" 2> /dev/null || return 0
+  for _ in $(seq 30); do kill -0 "$SERVE" 2> /dev/null || return 0; sleep 0.5; done
+  pkill -KILL -P "$SERVE" 2> /dev/null; kill -KILL "$SERVE" 2> /dev/null || true
+}
+trap stop_serve EXIT
 python3 - "$PORT" "$PLAN" <<'EOF' 2>&1 | tee -a "$OUT/e2e.log"
 import sys, time, httpx
 from openai import OpenAI

@@ -28,6 +28,7 @@ from moe_split_twins import split_value
 PROFILE = re.compile(r"flux-moe-host-profile: steps=(\d+) host_experts_ms=([\d.]+) host_expert_splits=([\d.]+) "
                      r"overlapped_splits=([\d.]+) wait_ms=([\d.]+) compute_call_ms=([\d.]+)"
                      r"(?: skipped_splits=([\d.]+))?")
+CACHE_LOG = re.compile(r"flux-moe-cache: round=(\d+) swapped=(\d+) swaps=(\d+) reads=(\d+)")
 OP_PROFILE = re.compile(r"flux-cuda-op-profile: computes=\d+ gpu_ms=([\d.]+)((?: \S+=[\d.]+/\d+)*)")
 FIELDS = ("host_experts_ms", "host_expert_splits", "overlapped_splits", "wait_ms", "compute_call_ms", "skipped_splits")
 
@@ -60,6 +61,9 @@ def run_variant(exe: Path, twin: Path, args: list[str], env: dict[str, str], thr
         # the median of the profile lines (each averages 32 graph computes): the warm-up's first lines mix in
         last = [tuple(float(v) if v is not None else 0.0 for v in g[1:]) for g in profiles]
         row["profile"] = {f: round(statistics.median(p[i] for p in last), 3) for i, f in enumerate(FIELDS)}
+    swaps = list(CACHE_LOG.finditer(proc.stderr))
+    if swaps:  # FLUX_MOE_CACHE=adaptive with FLUX_MOE_CACHE_LOG=1 (patch 0007): the last round's counters
+        row["cache"] = dict(zip(("rounds", "swapped", "swaps", "reads"), map(int, swaps[-1].groups()), strict=True))
     ops = list(OP_PROFILE.finditer(proc.stderr))
     if ops:  # FLUX_CUDA_OP_PROFILE (patch 0008): the last line's GPU ms per compute, by op, longest first
         gpu_ms, rest = ops[-1].groups()
@@ -68,12 +72,13 @@ def run_variant(exe: Path, twin: Path, args: list[str], env: dict[str, str], thr
     return row
 
 
-def variants(preset: str, hots: list[int], quick: bool = False,
-             mapped: bool = False) -> list[tuple[str, list[str], dict[str, str], float]]:
+def variants(preset: str, hots: list[int], quick: bool = False, mapped: bool = False,
+             adaptive: bool = False) -> list[tuple[str, list[str], dict[str, str], float]]:
     """(name, llama-bench args, environment, share of picks on the GPU); ``quick``: the skip's A/B only;
     ``mapped``: per hot count, the split with its cold experts on the host against the same read by the GPU
     from pinned host memory (FLUX_MOE_MAPPED, patch 0006), and at the largest hot count write-combined too
-    (FLUX_MOE_MAPPED_WC)."""
+    (FLUX_MOE_MAPPED_WC); ``adaptive``: the mapped split with its GPU copies following recent routing
+    (FLUX_MOE_CACHE=adaptive, patch 0007) beside the static one."""
     out: list[tuple[str, list[str], dict[str, str], float]] = [
         ("all on GPU", [], {}, 1.0),
         ("every expert on the host", ["-ot", "exps=CPU"], {}, 0.0),
@@ -91,7 +96,11 @@ def variants(preset: str, hots: list[int], quick: bool = False,
             out += [(f"{tag}, cold on the host (default)", ["-ot", "exps=CPU"], base, share),
                     (f"{tag}, cold read by the GPU (mapped)", ["-ot", "exps=CPU"], {**base, "FLUX_MOE_MAPPED": "1"},
                      share)]
-            if h == max(hots):  # write-combined pinned memory: not snooped, maybe faster to read over the bus
+            if adaptive:
+                out.append((f"{tag}, mapped, adaptive cache", ["-ot", "exps=CPU"],
+                            {**base, "FLUX_MOE_MAPPED": "1", "FLUX_MOE_CACHE": "adaptive", "FLUX_MOE_CACHE_LOG": "1"},
+                            share))
+            if h == max(hots) and not adaptive:  # write-combined pinned memory: not snooped, maybe faster to read over the bus
                 out.append((f"{tag}, mapped, write-combined", ["-ot", "exps=CPU"],
                             {**base, "FLUX_MOE_MAPPED": "1", "FLUX_MOE_MAPPED_WC": "1"}, share))
             continue
@@ -137,19 +146,26 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="only all-on-GPU and the idle skip's A/B per hot count")
     ap.add_argument("--op-profile", choices=("1", "2"), default=None,
-                    help="run every variant with FLUX_CUDA_OP_PROFILE=1|2 (GPU ms per op type / node name; no CUDA graphs)")
+                    help="after the variants, run all-on-GPU and each split again with FLUX_CUDA_OP_PROFILE=1|2 "
+                         "(GPU ms per op type / node name; no CUDA graphs, so not timed for speed)")
+    ap.add_argument("--adaptive", action="store_true", help="with --mapped: the adaptive cache beside the static")
     ap.add_argument("--mapped", action="store_true",
                     help="all-on-GPU, stock --n-cpu-moe, and per hot count host vs mapped cold experts")
     ns = ap.parse_args()
     ns.out.mkdir(parents=True, exist_ok=True)
     exe = bench_binary()
     rows: list[dict] = []
-    for name, args, env, share in variants(ns.preset, [int(h) for h in ns.hot.split(",")], ns.quick, ns.mapped):
-        if ns.op_profile:
-            env = {**env, "FLUX_CUDA_OP_PROFILE": ns.op_profile}
-        row = {"name": name, "share": share, **run_variant(exe, ns.twin, args, env, ns.threads, ns.reps)}
+    todo = variants(ns.preset, [int(h) for h in ns.hot.split(",")], ns.quick, ns.mapped, ns.adaptive)
+    if ns.op_profile:
+        todo += [(f"{name} [op profile]", args, {**env, "FLUX_CUDA_OP_PROFILE": ns.op_profile}, share)
+                 for name, args, env, share in todo
+                 if name == "all on GPU" or ("split" in name and "write-combined" not in name)]
+    for name, args, env, share in todo:
+        reps = 1 if name.endswith("[op profile]") else ns.reps
+        row = {"name": name, "share": share, **run_variant(exe, ns.twin, args, env, ns.threads, reps)}
         rows.append(row)
-        sys.stdout.write(f"{name}: {row.get('tok_s', 'failed')} tok/s {row.get('profile', '')}\n")
+        sys.stdout.write(f"{name}: {row.get('tok_s', 'failed')} tok/s {row.get('profile', '')} "
+                         f"{row.get('cache', '')} {row.get('op_profile', '')}\n")
         sys.stdout.flush()
         (ns.out / "anatomy.json").write_text(json.dumps(rows, indent=1, default=str))
         (ns.out / "anatomy.md").write_text(table(rows))

@@ -3,11 +3,14 @@
 
     python3 scripts/gpu_load_check.py OUT_DIR
 
-Prints one line per (twin, layout): the exit status of the load (-11 = SIGSEGV) and the log's last line.
+Prints one line per (twin, layout): the exit status of the load (-11 = SIGSEGV) and the log's last line. The
+first load that dies is run once more under cuda-gdb where the machine has it (OUT_DIR/gdb-TWIN.log: the native
+backtrace of the crashing thread and the frames of every thread), and its innermost frames are printed.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,14 +32,37 @@ m.close()
 """
 
 
+def backtrace(out: Path, args: list[str], twin: str) -> None:
+    """Run the crashing load under cuda-gdb: where the SIGSEGV lands, natively."""
+    gdb = shutil.which("cuda-gdb")
+    if gdb is None:
+        return
+    cmd = [gdb, "-batch", "-ex", "set pagination off", "-ex", "set confirm off", "-ex", "run", "-ex", "bt 30",
+           "-ex", "info threads", "-ex", "thread apply all bt 8", "--args", sys.executable, *args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    except subprocess.TimeoutExpired:
+        sys.stdout.write(f"{twin}: cuda-gdb ran past 240 s\n")
+        return
+    log = out / f"gdb-{twin}.log"
+    log.write_text(proc.stdout + proc.stderr)
+    frames = [ln for ln in proc.stdout.splitlines() if ln.startswith("#")][:12]
+    sys.stdout.write(f"{twin} under cuda-gdb ({log}):\n" + "\n".join(f"  {f[:200]}" for f in frames) + "\n")
+
+
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    traced = False
     for twin in ("tiny-moe", "qwen3moe-small"):
         for repack in ("1", "0"):
-            proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", CHILD, str(out / f"{twin}.gguf"),
-                                   repack, twin], capture_output=True, text=True, timeout=300, check=False)
+            args = ["-X", "faulthandler", "-c", CHILD, str(out / f"{twin}.gguf"), repack, twin]
+            proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, check=False)
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
             sys.stdout.write(f"{twin} repack={repack}: rc={proc.returncode} {tail[0][:160]}\n")
+            sys.stdout.flush()
+            if proc.returncode < 0 and not traced:
+                traced = True
+                backtrace(out, args, twin)
 
 
 if __name__ == "__main__":

@@ -31,18 +31,21 @@ from typing import Any
 import pyarrow as pa
 
 from artifacts.model_info import ModelInfo, model_info
+from artifacts.records.machine import cpu_info
 from engine_bridge.gpumem import GpuMemoryMeter
 from tasks.bench.context import BenchContext, Progress
 from tasks.bench.errors import BenchError
 from tasks.bench.rows import ratio_row, tokenize_prompts
 from tasks.bench.served_contenders import (
     DEFAULT_TURNS,
+    BaselineThreads,
     Contender,
     Probe,
     Turn,
     budget_flag,
     fit_contender,
     most_layers,
+    pick_threads,
     plan_contender,
     streamed_completion,
     sweep_n_cpu_moe,
@@ -236,9 +239,10 @@ def bench_served(ctx: BenchContext, opts: Any, progress: Progress | None = None)
     meter = GpuMemoryMeter()
     check_budget(ctx, info, budget, meter)
     t0 = time.monotonic()
+    threads = BaselineThreads(ctx.params.n_threads)
     for name in opts.baselines:
         if name == "fit":
-            contenders.append(fit_contender(ctx, budget, meter))
+            contenders.append(fit_contender(ctx, budget, meter, threads))
             continue
         finder = {"n-cpu-moe": sweep_n_cpu_moe, "most-ngl": most_layers}.get(name)
         if finder is None:
@@ -246,10 +250,12 @@ def bench_served(ctx: BenchContext, opts: Any, progress: Progress | None = None)
         if name == "n-cpu-moe" and not info.is_moe:
             skipped[name] = "n/a: dense model (no experts)"
             continue
-        got = finder(ctx, info, budget, sweep_prompts, turns[0], say)
+        got = finder(ctx, info, budget, sweep_prompts, turns[0], say, threads.n)
         if isinstance(got, str):
             skipped[name] = got
             continue
+        if not probes:  # the first baseline found sets every baseline's threads
+            got = pick_threads(ctx, got, threads, cpu_info().physical_cores, budget, sweep_prompts, turns[0], say)
         contenders.append(got[0])
         probes[name] = got[1]
     table = race_loaded(contenders, prompts, turns, opts.rounds, ctx.timeout_s, opts.seed, say, meter)
@@ -273,7 +279,8 @@ def bench_served(ctx: BenchContext, opts: Any, progress: Progress | None = None)
         "plan_measured_gpu_bytes": ctx.plan.measured.gpu_bytes, "plan_gpu_vs_measured": agree, "plan_flag": plan_flag,
         "plan_measured_decode_tps": ctx.plan.measured.decode_tps,
         "plan_measured_prefill_tps": ctx.plan.measured.prefill_tps, "served_decode_tps": served.get("decode_tps"),
-        "plan_backend_build": ctx.plan.backend_build, "timing": "client stream (/v1/completions)"}
+        "plan_backend_build": ctx.plan.backend_build, "timing": "client stream (/v1/completions)",
+        "baseline_threads": threads.n, "baseline_threads_note": threads.note}
     rows = []
     for c in contenders[1:]:
         diff, note = agreement(probes.get(c.name), medians(table, c.name, 0))

@@ -151,34 +151,47 @@ def server_contender(ctx: BenchContext, name: str, args: Sequence[str], note: st
     return Contender(name, note, start)
 
 
-def _common_args(ctx: BenchContext) -> list[str]:
-    """The plan's context, threads and flash attention, for every llama-server contender."""
+@dataclass
+class BaselineThreads:
+    """The ``-t`` of every llama-server contender: the plan's thread count until :func:`pick_threads` finds
+    that every physical core decodes the first baseline found faster. A baseline with its experts on the host
+    is CPU-bound and may want more threads than the plan chose for itself (H200 run 12 raced its 8 GiB
+    baselines at the plan's 8 threads of 16)."""
+
+    n: int
+    note: str = ""
+
+
+def _common_args(ctx: BenchContext, threads: int | None = None) -> list[str]:
+    """The plan's context and flash attention, and ``threads`` (default: the plan's), for every llama-server
+    contender."""
     p = ctx.params
-    return ["-c", str(p.n_ctx * p.n_seq_max), "-np", str(p.n_seq_max), "-t", str(p.n_threads),
+    return ["-c", str(p.n_ctx * p.n_seq_max), "-np", str(p.n_seq_max), "-t", str(threads or p.n_threads),
             "-fa", "on" if p.flash_attn else "off", "--no-warmup"]
 
 
-def fit_args(ctx: BenchContext, budget: int | None, free: list[int]) -> list[str]:
+def fit_args(ctx: BenchContext, budget: int | None, free: list[int], threads: int | None = None) -> list[str]:
     """llama-server's fit holding the plan's context, told to leave all but ``budget`` of ``free`` free.
 
     ``free`` must be read right before the server starts, with the other contenders already loaded: fit
     leaves ``--fit-target`` MiB free on each GPU, so a target computed before another contender loaded
     leaves fit that contender's memory short (the 0.92 GiB of a 14 GiB budget seen on the H200).
     """
-    args = [*_common_args(ctx), "--fit", "on", "-fitc", str(ctx.params.n_ctx * ctx.params.n_seq_max)]
+    args = [*_common_args(ctx, threads), "--fit", "on", "-fitc", str(ctx.params.n_ctx * ctx.params.n_seq_max)]
     if budget and free:
         args += ["--fit-target", ",".join(str(max(0, (f - budget + FIT_SLACK) // MIB)) for f in free)]
     return args
 
 
-def fit_contender(ctx: BenchContext, budget: int | None, meter: GpuMemoryMeter) -> Contender:
+def fit_contender(ctx: BenchContext, budget: int | None, meter: GpuMemoryMeter,
+                  threads: BaselineThreads | None = None) -> Contender:
     """llama-server's own fit at the budget, holding the plan's context; its target is derived from the
-    memory free when it starts (:func:`fit_args`)."""
+    memory free when it starts (:func:`fit_args`), its threads are ``threads`` as they stand then."""
     c = Contender("fit", "llama-server --fit on (target set when it starts)", lambda: ("", None, lambda: None))
 
     def start() -> tuple[str, int | None, Callable[[], None]]:
         free = meter.device_free()
-        args = fit_args(ctx, budget, free)
+        args = fit_args(ctx, budget, free, threads.n if threads else None)
         c.note = "llama-server " + " ".join(args) + (
             f" (free at start: {', '.join(f'{f / GIB:.2f}' for f in free)} GiB)" if free else "")
         return server_contender(ctx, "fit", args, c.note).start_fn()
@@ -218,7 +231,7 @@ def _fits(p: Probe, budget: int | None) -> bool:
 
 
 def sweep_n_cpu_moe(ctx: BenchContext, info: ModelInfo, budget: int | None, prompts: list[list[int]], turn: Turn,
-                    progress: Progress) -> tuple[Contender, Probe] | str:
+                    progress: Progress, threads: int | None = None) -> tuple[Contender, Probe] | str:
     """The smallest ``--n-cpu-moe`` whose measured GPU memory fits (each step only moves experts off the GPU)."""
     per_layer = max(1, max(sum(b for r, b in layer.bytes_by_role.items() if r.startswith("experts_"))
                            for layer in info.layers))
@@ -226,7 +239,7 @@ def sweep_n_cpu_moe(ctx: BenchContext, info: ModelInfo, budget: int | None, prom
     seen: set[int] = set()
     while 0 <= n <= info.n_layer and n not in seen:
         seen.add(n)
-        p = probe_config(ctx, [*_common_args(ctx), "-ngl", "999", "--n-cpu-moe", str(n)], prompts, turn)
+        p = probe_config(ctx, [*_common_args(ctx, threads), "-ngl", "999", "--n-cpu-moe", str(n)], prompts, turn)
         progress(f"n-cpu-moe {n}: GPU {(p.gpu_bytes or 0) / GIB:.2f} GiB, decode "
                  f"{(p.timing.gen_tokens / p.timing.gen_ms * 1e3) if p.timing and p.timing.gen_ms else 0:.1f} tok/s")
         if _fits(p, budget):
@@ -238,17 +251,43 @@ def sweep_n_cpu_moe(ctx: BenchContext, info: ModelInfo, budget: int | None, prom
 
 
 def most_layers(ctx: BenchContext, info: ModelInfo, budget: int | None, prompts: list[list[int]], turn: Turn,
-                progress: Progress) -> tuple[Contender, Probe] | str:
+                progress: Progress, threads: int | None = None) -> tuple[Contender, Probe] | str:
     """The most ``-ngl`` layers whose measured GPU memory fits."""
     per_layer = max(1, max(layer.total_bytes for layer in info.layers))
     k = info.n_layer + 1 if not budget else max(0, min(info.n_layer + 1, budget // per_layer))
     seen: set[int] = set()
     while 0 <= k <= info.n_layer + 1 and k not in seen:
         seen.add(k)
-        p = probe_config(ctx, [*_common_args(ctx), "-ngl", str(k)], prompts, turn)
+        p = probe_config(ctx, [*_common_args(ctx, threads), "-ngl", str(k)], prompts, turn)
         progress(f"-ngl {k}: GPU {(p.gpu_bytes or 0) / GIB:.2f} GiB")
         if _fits(p, budget):
             return server_contender(ctx, "most-ngl", p.args, "llama-server " + " ".join(p.args)), p
         over = (p.gpu_bytes or 0) - (budget or 0)
         k -= max(1, -(-over // per_layer)) if p.gpu_bytes else 1
     return f"n/a: no -ngl fits {budget / GIB if budget else 0:.1f} GiB"
+
+
+def _decode_rate(p: Probe) -> float:
+    t = p.timing
+    return t.gen_tokens / t.gen_ms * 1e3 if t and t.gen_ms else 0.0
+
+
+def pick_threads(ctx: BenchContext, found: tuple[Contender, Probe], threads: BaselineThreads, alt: int,
+                 budget: int | None, prompts: list[list[int]], turn: Turn,
+                 progress: Progress) -> tuple[Contender, Probe]:
+    """Time the first baseline found again at ``alt`` threads; keep whichever decodes faster (by more than
+    3%, a probe's noise) for it and every baseline after it (``threads`` is updated)."""
+    contender, probe = found
+    args = list(probe.args)
+    if alt == threads.n or "-t" not in args or probe.timing is None:
+        return found
+    args[args.index("-t") + 1] = str(alt)
+    other = probe_config(ctx, args, prompts, turn)
+    a, b = _decode_rate(probe), _decode_rate(other)
+    progress(f"{contender.name} at -t {threads.n}: {a:.1f} tok/s, at -t {alt}: {b:.1f} tok/s")
+    if not _fits(other, budget) or b <= 1.03 * a:
+        threads.note = f"baselines at -t {threads.n} (-t {alt} decoded {b:.1f} tok/s against {a:.1f})"
+        return found
+    threads.note = f"baselines at -t {alt}, the faster for them (-t {threads.n}: {a:.1f} tok/s, -t {alt}: {b:.1f})"
+    threads.n = alt
+    return server_contender(ctx, contender.name, other.args, "llama-server " + " ".join(other.args)), other

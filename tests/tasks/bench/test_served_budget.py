@@ -12,7 +12,19 @@ from bench_support import bench_settings, make_plan, session_cache
 from engine_bridge.gpumem import GpuMemoryMeter, GpuReading
 from engine_bridge.testing import GIB, FakeNvml
 from tasks.bench.context import BenchContext, open_bench
-from tasks.bench.served_contenders import FIT_SLACK, MIN_BUDGET_SHARE, budget_flag, fit_args, fit_contender
+from tasks.bench.rows import tokenize_prompts
+from tasks.bench.served_contenders import (
+    DEFAULT_TURNS,
+    FIT_SLACK,
+    MIN_BUDGET_SHARE,
+    BaselineThreads,
+    budget_flag,
+    fit_args,
+    fit_contender,
+    pick_threads,
+    probe_config,
+    server_contender,
+)
 
 MIB = 2**20
 PLAN_PID = 987654  # the plan's `flux serve`, as NVML lists it
@@ -68,3 +80,23 @@ def test_a_contender_under_85_percent_or_over_its_budget_is_flagged(held_gib: fl
     assert (flag is not None) is flagged
     assert budget_flag(None, 14 * GIB) is not None  # unread: no equal-memory claim either
     assert budget_flag(None, None) is None           # no budget (the whole GPU): nothing to hold
+
+
+def test_baselines_take_the_faster_thread_count_of_the_first_one_found(ctx: BenchContext) -> None:
+    """A CPU-bound baseline raced at the plan's threads may be slower than it could be: the first baseline
+    found is timed again at the alternative count, and every baseline after it takes the faster one."""
+    if ctx.llama_server is None:
+        pytest.skip("llama-server is not built (scripts/build-backend.sh)")
+    turn = DEFAULT_TURNS[0].model_copy(update={"prompt": 32, "gen": 16})
+    prompts = tokenize_prompts(ctx, [32, 32], "held_out", seed=3)
+    threads = BaselineThreads(1)
+    first = probe_config(ctx, ["-c", "512", "-t", "1", "--no-warmup", "-ngl", "0"], prompts, turn)
+    assert first.timing is not None
+    found = (server_contender(ctx, "n-cpu-moe", first.args, ""), first)
+    said: list[str] = []
+    contender, probe = pick_threads(ctx, found, threads, 2, None, prompts, turn, said.append)
+    assert said and "-t 1" in said[0] and "-t 2" in said[0]
+    assert threads.n in (1, 2) and f"-t {threads.n}" in threads.note
+    assert probe.args[probe.args.index("-t") + 1] == str(threads.n) and contender.name == "n-cpu-moe"
+    assert pick_threads(ctx, (contender, probe), threads, threads.n, None, prompts, turn, said.append)[1] is probe
+    assert fit_args(ctx, None, [], threads.n)[fit_args(ctx, None, [], threads.n).index("-t") + 1] == str(threads.n)
