@@ -92,6 +92,27 @@ if [ -n "${CUDA_ARCHS:-}" ]; then
   FLAGS="$FLAGS -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHS}"
 fi
 FLAGS="$FLAGS ${CMAKE_ARGS:-}"
+# A toolchain with libstdc++.so.6 and libstdc++.a but no libstdc++.so link (the H200 image) links libstdc++
+# statically into every library it builds: libggml-cuda.so then exports its copy of the stream code, a process
+# that also loads the shared libstdc++.so.6 (numpy does) mixes the two, and llama_model::print_info died with
+# SIGSEGV in libggml-cuda.so's copy of ostream::_M_insert (cuda-gdb, H200 run 13: every tiny twin's load from
+# Python). Such a toolchain gets the link in a folder of its own, so that every library loads libstdc++.so.6.
+stdcxx_link_dir() {
+  local cxx=${CXX:-c++} found so6
+  command -v "$cxx" > /dev/null || return 0
+  found=$("$cxx" -print-file-name=libstdc++.so 2> /dev/null) || return 0
+  [ "$found" != libstdc++.so ] && [ -e "$found" ] && return 0
+  so6=$("$cxx" -print-file-name=libstdc++.so.6 2> /dev/null)
+  [ -e "$so6" ] || so6=$(ldconfig -p 2> /dev/null | awk '/libstdc\+\+\.so\.6 .*x86-64/ {print $NF; exit}')
+  [ -n "$so6" ] && [ -e "$so6" ] || return 0
+  mkdir -p "$CACHE/toolchain"
+  ln -sfn "$so6" "$CACHE/toolchain/libstdc++.so"
+  echo "$CACHE/toolchain"
+}
+STDCXX_DIR=$(stdcxx_link_dir)
+if [ -n "$STDCXX_DIR" ]; then
+  FLAGS="$FLAGS -DCMAKE_SHARED_LINKER_FLAGS=-L$STDCXX_DIR -DCMAKE_EXE_LINKER_FLAGS=-L$STDCXX_DIR"
+fi
 PATCHES=()
 if compgen -G "$PATCH_DIR/*.patch" >/dev/null; then
   mapfile -t PATCHES < <(ls "$PATCH_DIR"/*.patch | LC_ALL=C sort)
@@ -206,6 +227,13 @@ build_server() {
   rm -rf "$bdir"
 }
 
+# A library that does not load libstdc++.so.6 carries its own copy (stdcxx_link_dir above): say so.
+check_stdcxx() {
+  command -v readelf > /dev/null || return 0
+  readelf -d "$1" 2> /dev/null | grep -q 'NEEDED.*libstdc++' \
+    || log "warning: $(basename "$1") has libstdc++ linked in statically (no libstdc++.so link on this toolchain?): loads from Python may crash"
+}
+
 # -- 3+4 in one compile (FLUX_ONE_BUILD=1) ------------------------------------------------------------
 build_shared() {
   local src=$1 bdir="$OUT/build"
@@ -224,6 +252,7 @@ build_shared() {
   cp -a "$bdir/bin/ggml-rpc-server" "$OUT/bin.tmp/rpc-server"
   for f in "$OUT"/lib.tmp/lib*.so*; do ln -s "../lib/$(basename "$f")" "$OUT/bin.tmp/$(basename "$f")"; done
   rm -rf "$OUT/lib" "$OUT/bin"; mv "$OUT/lib.tmp" "$OUT/lib"; mv "$OUT/bin.tmp" "$OUT/bin"
+  check_stdcxx "$OUT"/lib/libllama.so
   # The Python package: its own CMake builds nothing (LLAMA_BUILD=OFF); install_wheel puts $OUT/lib in it.
   echo "$KEY" > "$src/llama_cpp/FLUX_BACKEND_KEY"
   rm -rf "$WHEEL_DIR.tmp"; mkdir -p "$WHEEL_DIR.tmp"
