@@ -62,7 +62,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Plan a model (reusing a matching saved plan unless --replan) and print the plan id."""
     from flows import stages
     from tasks import pipeline
+    from tasks.clock import mark_command_start
 
+    mark_command_start()
     settings: Settings = args.settings
     model = Path(args.model) if args.model else default_model(settings)
     con = console(stderr=True)

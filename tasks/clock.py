@@ -6,7 +6,8 @@ count inside it, so a further plan ends about B after its probe (a probe is reus
 The budget is wall time, not a sum of stage times: the reference runs beside the routing trace, enumeration
 and pruning (it needs none of them), and the seconds they overlap count once.
 Measuring keeps at least half of B whatever came before it, and a first plan's one-time stages take up to
-FIRST_PLAN_GRACE_S of their seconds from outside B (:func:`tasks.workload.measure_budget`). Each
+FIRST_PLAN_GRACE_S of their seconds from outside B, less what the process's start and the probe took beyond
+(:func:`tasks.workload.measure_budget`, :meth:`StageClock.outside_s`). Each
 stage reports its time and an estimate of what is left; the plan records every stage's seconds.
 """
 
@@ -17,10 +18,29 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import psutil
+
 # Rough seconds of the stages after measuring when nothing is known yet (persist, the flow's end).
 TAIL_S = 2.0
 OUTSIDE_BUDGET = ("probe",)
 ONE_TIME = ("route", "reference")  # a model's first plan computes them; later plans reuse them
+
+
+_COMMAND_START: list[float] = []  # wall time the `flux plan` process started, once the command marks it
+
+
+def mark_command_start() -> None:
+    """Count the time since this process started (interpreter, imports, the Prefect server) as the plan's: the
+    `flux plan` command calls it; a flow run in another program's process counts from its clock alone."""
+    try:
+        _COMMAND_START[:] = [psutil.Process().create_time()]
+    except psutil.Error:
+        _COMMAND_START.clear()
+
+
+def command_age_s() -> float:
+    """Seconds since the `flux plan` process started, 0 when the command did not mark it."""
+    return max(0.0, time.time() - _COMMAND_START[0]) if _COMMAND_START else 0.0
 
 
 @dataclass
@@ -42,6 +62,7 @@ class StageClock:
     computed: dict[str, bool] = field(default_factory=dict)
     budget_t0: float | None = None  # when the budget began: the end of the probe
     ends: dict[str, float] = field(default_factory=dict)  # when each stage ended (monotonic)
+    started_after_s: float = field(default_factory=command_age_s)  # the command's age when the clock began
 
     @contextmanager
     def stage(self, name: str) -> Iterator[StageTimer]:
@@ -71,6 +92,11 @@ class StageClock:
         ends = [self.ends[n] for n in ONE_TIME if self.computed.get(n) and n in self.ends]
         start = self.budget_t0 if self.budget_t0 is not None else self.t0
         return max(ends) - start if ends else 0.0
+
+    def outside_s(self) -> float:
+        """Seconds of the command's wall time outside the budget: the process's start before the clock, the
+        stages outside the budget (the probe), and the tail still to come."""
+        return self.started_after_s + sum(self.seconds.get(n, 0.0) for n in OUTSIDE_BUDGET) + TAIL_S
 
     def left_s(self) -> float:
         """Estimated seconds until the plan is saved: what the budget has left, plus the tail."""

@@ -98,7 +98,8 @@ def device_of(ref: EngineParams, hw: HardwareReport) -> str:
     return "CPU" if ref.n_gpu_layers == 0 else (gpus[ref.main_gpu][0] if ref.main_gpu < len(gpus) else "GPU")
 
 
-def floor_variants(info: ModelInfo, hw: HardwareReport, ref: EngineParams) -> list[tuple[str, EngineParams]]:
+def floor_variants(info: ModelInfo, hw: HardwareReport, ref: EngineParams,
+                   cpu_threads: int | None = None) -> list[tuple[str, EngineParams]]:
     """Correct variants of the reference whose differences from it are the noise floor on this machine.
 
     With the reference on a GPU: the CPU in its plain layout (what hybrid placements compute on the host)
@@ -106,9 +107,10 @@ def floor_variants(info: ModelInfo, hw: HardwareReport, ref: EngineParams) -> li
     The CPU's repacked layout is left out there: on the H200 it measured the same floor as the plain one
     (3.84e-4 vs 3.86e-4 mean KL) and cost a 47 s pass; repacked vs plain differ by ~1e-6 on the twins.
     With the reference on the CPU: the repacked layout (what CPU-only plans load) with flash attention and
-    another micro-batch, and with a GPU the last layers computed on it (as many as fit).
+    another micro-batch, and with a GPU the last layers computed on it (as many as fit). ``cpu_threads``: the
+    CPU variants' threads when another stage shares the cores (default: the reference's).
     """
-    cpu_ref = reference_params(ref.n_ctx, ref.n_threads, ref.seed)
+    cpu_ref = reference_params(ref.n_ctx, cpu_threads or ref.n_threads, ref.seed)
     repacked = ("CPU, repacked layout, flash attention, n_ubatch 64", cpu_ref.model_copy(update={
         "flash_attn": True, "n_ubatch": 64, "n_batch": 64, "repack": True}))
     gpus = _gpus(hw)
@@ -132,7 +134,7 @@ def floor_variants(info: ModelInfo, hw: HardwareReport, ref: EngineParams) -> li
 
 def reference(model: Path, info: ModelInfo, hw: HardwareReport, prompts: list[list[int]], held_out: list[list[int]],
               *, n_tokens: int, seed: int, gate: Gate, keys: dict[str, str], cache_dir: Path, log_path: Path,
-              timeout_s: float, progress: Progress) -> ReferenceOutputs:
+              timeout_s: float, progress: Progress, cpu_threads: int | None = None) -> ReferenceOutputs:
     """The reference's continuations and outputs, and the floor (from the cache when there).
 
     Args:
@@ -140,14 +142,15 @@ def reference(model: Path, info: ModelInfo, hw: HardwareReport, prompts: list[li
         held_out: the held-out prompts, timed again on each validated finalist.
         keys: what the results depend on besides the prompts (model, code, build).
         cache_dir: where results are kept across plans.
+        cpu_threads: the CPU floor variants' threads, when another stage runs beside them.
     """
     t0 = time.monotonic()
     ref = reference_placement(info, hw, validation_context(prompts, n_tokens), hw.cpu.physical_cores, seed)
-    variants = floor_variants(info, hw, ref)
+    variants = floor_variants(info, hw, ref, cpu_threads)
     ref_key = content_id({**keys, "prompts": prompts, "n_tokens": n_tokens, "hardware": hw.fingerprint,
                           "reference": ref.model_dump(exclude={"n_threads", "n_threads_batch"})})
-    cache = Cache(cache_dir, ref_key, content_id({"reference": ref_key, "sequences": FLOOR_SEQUENCES,
-                                                  "variants": [(n, p.model_dump()) for n, p in variants]}))
+    cache = Cache(cache_dir, ref_key, content_id({"reference": ref_key, "sequences": FLOOR_SEQUENCES, "variants": [
+        (n, p.model_dump(exclude={"n_threads", "n_threads_batch"})) for n, p in variants]}))
     computed = not (cache.reference().exists() and cache.floor().exists())
     seqs, ref_lps = reference_continuations(model, ref, prompts, n_tokens, log_path, timeout_s, cache)
     floor = floor_results(model, variants, seqs[:FLOOR_SEQUENCES], ref_lps[:FLOOR_SEQUENCES], log_path, timeout_s,

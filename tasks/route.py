@@ -47,7 +47,8 @@ def trace(model: Path, prompts: list[list[int]], params: EngineParams, log_path:
 
 
 def trace_params(n_ctx: int, threads: int) -> EngineParams:
-    """The trace's configuration: the CPU, every core (the choices are the router's, not the placement's), CPU
+    """The trace's configuration: the CPU, ``threads`` of it (the choices are the router's, not the placement's;
+    half the cores beside the reference, :func:`tasks.probing.route.beside_reference_threads`), CPU
     weights in llama.cpp's plain layout (``--no-repack``): the tracing worker died on the H200 host, whose CPU
     (with AMX) gives llama.cpp's extra buffer types a path the CPUs the trace was tested on do not take."""
     return EngineParams(n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,

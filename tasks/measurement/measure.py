@@ -42,7 +42,7 @@ def _sized(ctx: PlanContext, log: Any, hw: HardwareReport,
            fin: Finalists) -> tuple[float, tuple[float, float], list[int], int, Finalists]:
     """(budget left, load rates, prompt lengths, tokens generated, finalists kept) for what the budget has left."""
     spent = ctx.clock.in_budget_spent()
-    budget = wl.measure_budget(ctx.req.budget_s, spent, ctx.clock.one_time_s())
+    budget = wl.measure_budget(ctx.req.budget_s, spent, ctx.clock.one_time_s(), ctx.clock.outside_s())
     rates = wl.load_rates(hw, ctx.info.file_bytes)
     lengths, n_gen = wl.measurement_lengths(fin, min(c.params.n_ctx for c in fin.finalists), ctx.req, budget, rates)
     kept = wl.fitting_finalists(fin, lengths, n_gen, budget, rates)

@@ -27,6 +27,13 @@ def traces_routing(ctx: PlanContext, hw: HardwareReport) -> bool:
     return ctx.info.is_moe and bool(gpu_devices(hw)) and ctx.info.architecture in SPLIT_ARCHITECTURES
 
 
+def beside_reference_threads(hw: HardwareReport) -> int:
+    """CPU threads of the routing trace, which runs beside the reference's CPU noise-floor pass: half the
+    physical cores each. Both with every core spun 32 llama.cpp threads on 16 cores of the H200 host (run 13:
+    the trace of 472 tokens took 77 s and the CPU floor 52 s, each a fraction of that alone)."""
+    return max(1, hw.cpu.physical_cores // 2)
+
+
 def _when(ctx: PlanContext, log: Any, hw: HardwareReport) -> bool:
     """Trace when it shapes the plan; say why not when only the architecture stops it."""
     if traces_routing(ctx, hw):
@@ -47,7 +54,7 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport) -> RoutingProfile:
     lengths, _ = wl.nominal_lengths(ctx.info.n_ctx_train or 4096, ctx.req)
     prompts = wl.tune_prompts(ctx.model, lengths, ctx.req.seed, ctx.worker_log)
     n_ctx = max(len(p) for p in route.trace_prompts(prompts)) + route.TRACE_GEN + 16
-    counts = route.trace(ctx.model, prompts, route.trace_params(n_ctx, hw.cpu.physical_cores), ctx.worker_log,
+    counts = route.trace(ctx.model, prompts, route.trace_params(n_ctx, beside_reference_threads(hw)), ctx.worker_log,
                          ctx.settings.plan.measure_timeout_s)
     table = routing_table(counts, ctx.model_hash)
     tid = content_id({"routing": content_id(route_key(ctx)), "counts": counts.counts})

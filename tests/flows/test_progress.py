@@ -7,8 +7,9 @@ import time
 
 from artifacts.records.search import Candidate, Finalists, Placement, Prediction
 from engine_bridge.params import EngineParams
+from tasks import clock as clock_module
 from tasks import workload as wl
-from tasks.clock import StageClock
+from tasks.clock import TAIL_S, StageClock, mark_command_start
 
 
 def test_every_stage_after_the_probe_counts_inside_the_budget_once_in_wall_time() -> None:
@@ -58,6 +59,26 @@ def test_a_first_plans_one_time_stages_do_not_starve_measuring() -> None:
     assert wl.measure_budget(150.0, 120.0, 120.0) == 150.0 - 120.0 + wl.FIRST_PLAN_GRACE_S
     assert wl.measure_budget(150.0, 20.0) == 130.0  # a further plan: what B has left
     assert wl.measure_budget(150.0, 140.0) == 75.0  # never less than half of B
+
+
+def test_the_grace_is_what_the_first_plan_target_leaves_after_the_start_and_the_probe() -> None:
+    """Run 13 (H200, --budget-s 150): a first plan spent 12 s starting and 33 s probing outside the budget, then
+    took the whole 75 s grace: 264-270 s against B + 90 = 240. The grace is now what FIRST_PLAN_SLACK_S leaves
+    after the seconds outside the budget, so the command ends near B + 90."""
+    outside = 12.0 + 33.0 + 2.0
+    assert wl.measure_budget(150.0, 100.0, 100.0, outside) == 150.0 - 100.0 + wl.FIRST_PLAN_SLACK_S - outside
+    assert wl.measure_budget(150.0, 100.0, 30.0, outside) == 150.0 - 100.0 + 30.0  # one-time seconds cap it too
+    assert wl.measure_budget(150.0, 120.0, 120.0, 200.0) == 75.0  # nothing left of the slack: half of B
+    clock = StageClock(budget_s=150.0)
+    assert clock.started_after_s == 0.0  # no `flux plan` command marked its start in this process
+    with clock.stage("probe"):
+        time.sleep(0.05)
+    assert 0.05 + TAIL_S <= clock.outside_s() < 1.0 + TAIL_S
+    mark_command_start()  # as `flux plan` does first: the process's start counts as the plan's
+    try:
+        assert StageClock(budget_s=150.0).started_after_s > 0.0
+    finally:
+        clock_module._COMMAND_START.clear()
 
 
 def _fin(n: int, visit_load_bytes: int) -> Finalists:
