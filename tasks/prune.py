@@ -77,7 +77,9 @@ def prune(space: PlacementSpace, info: ModelInfo, hw: HardwareReport, work: Work
 
     if ranked:
         take(ranked[0])
-    if ranked and _hybrid(ranked[0]) and n_finalists >= 3:
+    # another thread count of the best, unless its cold experts are read by the GPU (a mapped split's decode
+    # runs no host work: run 13's t 16 siblings were predicted and would measure the same as t 8)
+    if ranked and _hybrid(ranked[0]) and n_finalists >= 3 and not ranked[0].params.expert_mapped:
         take(next(iter(_thread_siblings(ranked[0], ranked)), None))
     by_ub = [next(c for c in plausible if c.params.n_ubatch == ub) for ub in sorted(
         {c.params.n_ubatch for c in plausible}, key=lambda u: min(preds[c.id].score_s for c in plausible
