@@ -31,7 +31,7 @@ from engine_bridge.errors import EngineCode, EngineError
 from engine_bridge.ops import GenerateArgs
 from engine_bridge.params import EngineParams
 from engine_bridge.worker.grammar import GrammarSampler
-from engine_bridge.worker.load import SeqBatch, load_model_and_context
+from engine_bridge.worker.load import SeqBatch, SmallBatchThreads, load_model_and_context
 from engine_bridge.worker.parking import ParkingLot, capture, common_prefix, restore
 from engine_bridge.worker.sampling import Vocab, build_chain, log_softmax, token_logprobs
 from engine_bridge.worker.sequences import MIN_PARK_TOKENS, FinishReason, Sink, _Request, _Slot
@@ -54,6 +54,7 @@ class ServeEngine:
         t0 = time.perf_counter()
         self.params, self.sink = params, sink
         self.model, self.ctx, self._keep = load_model_and_context(model_path, params)
+        self._threads = SmallBatchThreads(self.ctx, params.n_threads, params.n_threads_batch)
         self.load_ms = (time.perf_counter() - t0) * 1e3
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         self.vocab = Vocab(llama_cpp.llama_model_get_vocab(self.model))
@@ -218,6 +219,7 @@ class ServeEngine:
         b.n = 0
         outputs: list[tuple[_Slot, int]] = []
         verify: list[tuple[_Slot, int]] = []
+        self._threads.use(prompt=any(req.t_first is None for _, req, _ in plan))  # a prompt chunk in the step
         for slot, req, chunk in plan:
             if slot.seq in self._proposed:
                 last = b.add(slot.seq, len(slot.tokens), chunk, want_logits=True)

@@ -23,6 +23,7 @@ import numpy as np
 from engine_bridge import ops
 from engine_bridge.drafting import ngram_proposals
 from engine_bridge.errors import EngineError
+from engine_bridge.worker.load import SmallBatchThreads
 from engine_bridge.worker.native import NativeModel
 
 
@@ -107,11 +108,22 @@ def speculative_greedy(target: NativeModel, drafter: Drafter, prompt: Sequence[i
         raise EngineError("context_overflow", f"{len(prompt)} + {n_gen} tokens (drafted {n_draft} at a time) do not "
                                               f"fit n_ctx {n_ctx} / n_batch {target.n_batch}")
     target._clear()
+    threads = SmallBatchThreads(target.ctx, target.params.n_threads, target.params.n_threads_batch)
     t0 = time.perf_counter()
     target._decode(prompt, 0)
     drafter.start(prompt)
     tok = _argmax(target)
     t1 = time.perf_counter()
+    threads.use(prompt=False)  # the verifications are small batches: the decode thread count
+    try:
+        return _verify_loop(target, drafter, prompt, tok, n_gen, n_draft, n_ctx, stop_eog, t0, t1)
+    finally:
+        threads.use(prompt=True)
+
+
+def _verify_loop(target: NativeModel, drafter: Drafter, prompt: Sequence[int], tok: int, n_gen: int, n_draft: int,
+                 n_ctx: int, stop_eog: bool, t0: float, t1: float) -> ops.SpecGreedyResult:
+    """The drafting loop of :func:`speculative_greedy` after the prompt (``tok``: the first greedy token)."""
     history = [int(t) for t in prompt]
     out, pos = [tok], len(prompt)  # pos: where `tok` goes in both caches
     drafted = accepted = steps = 0

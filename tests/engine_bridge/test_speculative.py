@@ -75,3 +75,33 @@ def test_prompt_lookup_drafting_is_the_models_greedy_output(tiny_moe: Path) -> N
         with pytest.raises(EngineError, match="give a draft_model or an ngram length"):
             w.request(ops.SPEC_GREEDY, ops.SpecGreedyArgs.model_construct(prompt=[1, 2], n_gen=4, draft_model=None,
                                                                           ngram=0, n_draft=4, stop_eog=False))
+
+
+def test_verification_batches_run_on_the_decode_thread_count(tiny_moe: Path) -> None:
+    """A plan with more batch threads than decode threads (-t 1 -tb 2) verified each draft, a small batch, on the
+    batch count: the second thread's wake-up every step cost more than the draft won. The verifications now run
+    on the decode count, the prompt on the batch count, and the context is given back as it was."""
+    import llama_cpp
+
+    from engine_bridge.drafting import draft_params
+    from engine_bridge.worker.native import NativeModel
+    from engine_bridge.worker.speculative import ModelDrafter, speculative_greedy
+
+    m = NativeModel(tiny_moe, PARAMS.model_copy(update={"n_threads": 1, "n_threads_batch": 2}))
+    d = NativeModel(tiny_moe, draft_params(m.params))  # the model drafting for itself: every proposal kept
+    seen: list[tuple[int, int]] = []
+
+    class Watching(ModelDrafter):
+        def propose(self, history: list[int], pos: int, k: int) -> list[int]:
+            seen.append((llama_cpp.llama_n_threads(m.ctx), llama_cpp.llama_n_threads_batch(m.ctx)))
+            return super().propose(history, pos, k)
+
+    try:
+        plain = m.greedy(PROMPTS[0], 24, stop_eog=False)
+        got = speculative_greedy(m, Watching(m, d), PROMPTS[0], 24, 4)
+        assert got.tokens == plain and got.accepted == got.drafted > 0
+        assert seen and set(seen) == {(1, 1)}
+        assert (llama_cpp.llama_n_threads(m.ctx), llama_cpp.llama_n_threads_batch(m.ctx)) == (1, 2)
+    finally:
+        d.close()
+        m.close()
