@@ -105,6 +105,22 @@ def drafted(ctx: PlanContext, hw: HardwareReport, fin: Finalists) -> Finalists:
     return with_drafting(on_engines(fin, ctx.engines), ctx.drafting, room)
 
 
+def drafting_that_won(summaries: Sequence[MeasureSummary]) -> list[MeasureSummary]:
+    """``summaries`` without the drafting candidates that did not beat their placement: one whose draft proposed
+    nothing (prompt lookup on prompts that never repeat: a CPU run chose `c028+ngram` at 4.73 s against its
+    placement's 4.74 s, a tie of noise with no token drafted), or whose median workload was not faster."""
+    by_id = {s.candidate_id: s for s in summaries}
+
+    def won(s: MeasureSummary) -> bool:
+        base = by_id.get(base_id(s.candidate_id))
+        if s.candidate_id == base_id(s.candidate_id):
+            return True
+        return bool(s.drafted and s.accepted and base is not None and base.workload_s is not None
+                    and s.workload_s is not None and s.workload_s < base.workload_s)
+
+    return [s for s in summaries if won(s)]
+
+
 def mtp_note(model: Path) -> list[str]:
     """A note when the model has next-token (MTP) heads, which planning does not use."""
     try:

@@ -13,7 +13,7 @@ from artifacts.records.kinds import VALIDATION
 from artifacts.records.search import Finalists
 from tasks.engines import prefer
 from tasks.errors import NoMeasurement
-from tasks.measurement.speculation import drafted
+from tasks.measurement.speculation import drafted, drafting_that_won
 from tasks.reference import ReferenceOutputs, floor_variants
 from tasks.stage import PlanContext, Stage
 from tasks.validate import rank_measured, validate
@@ -28,7 +28,7 @@ def _key(ctx: PlanContext, hw: HardwareReport, fin: Finalists, measured: Measure
 def _run(ctx: PlanContext, log: Any, hw: HardwareReport, fin: Finalists, measured: MeasureResults,
          ref: ReferenceOutputs) -> ValidationReport:
     fin = drafted(ctx, hw, fin)
-    ok = prefer(rank_measured(measured.summaries, fin.finalists), fin, ctx.req.prefer_engine)
+    ok = prefer(rank_measured(drafting_that_won(measured.summaries), fin.finalists), fin, ctx.req.prefer_engine)
     if not ok:
         raise NoMeasurement("; ".join(f"{s.candidate_id}: {s.error}" for s in measured.summaries))
     by_id = {c.id: c for c in fin.finalists}

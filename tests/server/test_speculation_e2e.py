@@ -74,8 +74,11 @@ def test_a_plan_measures_drafting_and_serves_it(tmp_path: Path, tiny_moe: Path) 
             assert got.usage and got.usage.completion_tokens == len(want), (got, want)
             assert toks is not None and len(toks) == len(want)
         stats = server.stats()["worker"]["serve_stats"]
-        if winner.get("draft"):
+        if (winner.get("draft") or {}).get("kind") == "model":  # the draft twin proposes at every step
             assert stats["drafted"] > 0 and stats["draft_accepted"] > 0, stats
+        elif winner.get("draft"):  # prompt lookup proposes only where the text repeats itself, which these short
+            # replies need not do (its serving is tested on repeating text: tests/engine_bridge/test_serve_draft.py)
+            assert stats["drafted"] >= stats["draft_accepted"] >= 0, stats
         sampled = client.completions.create(model=model, prompt="abc", max_tokens=8, temperature=0.9)
         assert sampled.choices[0].text is not None
     finally:

@@ -39,3 +39,19 @@ def test_a_draft_model_counts_on_the_main_gpu_and_is_left_out_when_it_does_not_f
     tight = with_drafting(_fin(on_gpu), (d, lookup), lambda c: {"CUDA0": need - 1})
     assert [c.id for c in tight.finalists] == ["c0", "c0+ngram"]
     assert [p.candidate_id for p in tight.predictions] == ["c0", "c0+ngram"]
+
+
+def test_a_drafting_candidate_counts_only_when_it_drafted_and_beat_its_placement() -> None:
+    """A CPU plan (tinyllama twin, chat prompts that never repeat) chose prompt lookup at 4.73 s against its
+    placement's 4.74 s: nothing was drafted, the tie was noise. Such a candidate, and one slower than its
+    placement, leave the ranking before validation; one that drafted and won stays."""
+    from artifacts.records.evidence import MeasureSummary
+    from tasks.measurement.speculation import drafting_that_won
+
+    def s(cid: str, w: float, drafted: int | None = None, accepted: int | None = None) -> MeasureSummary:
+        return MeasureSummary(candidate_id=cid, prefill_tps=1.0, decode_tps=1.0, workload_s=w, n_trials=2,
+                              drafted=drafted, accepted=accepted)
+
+    got = drafting_that_won([s("c028", 4.74), s("c028+ngram", 4.73, 0, 0), s("c028+draft", 6.40, 88, 26),
+                             s("c030", 4.78), s("c030+draft", 3.10, 90, 80)])
+    assert [x.candidate_id for x in got] == ["c028", "c030", "c030+draft"]
