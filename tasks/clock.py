@@ -6,8 +6,8 @@ count inside it, so a further plan ends about B after its probe (a probe is reus
 The budget is wall time, not a sum of stage times: the reference runs beside the routing trace, enumeration
 and pruning (it needs none of them), and the seconds they overlap count once.
 Measuring keeps at least half of B whatever came before it, and a first plan's one-time stages take up to
-FIRST_PLAN_GRACE_S of their seconds from outside B, less what the process's start and the probe took beyond
-(:func:`tasks.workload.measure_budget`, :meth:`StageClock.outside_s`). Each
+FIRST_PLAN_GRACE_S of their seconds from outside B, as far as B + FIRST_PLAN_SLACK_S leaves room after the
+command's start and the probe (:func:`tasks.workload.measure_budget`, :meth:`StageClock.outside_s`). Each
 stage reports its time and an estimate of what is left; the plan records every stage's seconds.
 """
 
