@@ -230,6 +230,12 @@ def _fits(p: Probe, budget: int | None) -> bool:
     return p.timing is not None and (not budget or (p.gpu_bytes is not None and p.gpu_bytes <= budget))
 
 
+def _decode_rate(p: Probe) -> float:
+    """A probe's decode tokens per second (0 when it did not run)."""
+    t = p.timing
+    return t.gen_tokens / t.gen_ms * 1e3 if t and t.gen_ms else 0.0
+
+
 def sweep_n_cpu_moe(ctx: BenchContext, info: ModelInfo, budget: int | None, prompts: list[list[int]], turn: Turn,
                     progress: Progress, threads: int | None = None) -> tuple[Contender, Probe] | str:
     """The smallest ``--n-cpu-moe`` whose measured GPU memory fits (each step only moves experts off the GPU)."""
@@ -240,8 +246,7 @@ def sweep_n_cpu_moe(ctx: BenchContext, info: ModelInfo, budget: int | None, prom
     while 0 <= n <= info.n_layer and n not in seen:
         seen.add(n)
         p = probe_config(ctx, [*_common_args(ctx, threads), "-ngl", "999", "--n-cpu-moe", str(n)], prompts, turn)
-        progress(f"n-cpu-moe {n}: GPU {(p.gpu_bytes or 0) / GIB:.2f} GiB, decode "
-                 f"{(p.timing.gen_tokens / p.timing.gen_ms * 1e3) if p.timing and p.timing.gen_ms else 0:.1f} tok/s")
+        progress(f"n-cpu-moe {n}: GPU {(p.gpu_bytes or 0) / GIB:.2f} GiB, decode {_decode_rate(p):.1f} tok/s")
         if _fits(p, budget):
             c = server_contender(ctx, "n-cpu-moe", p.args, "llama-server " + " ".join(p.args))
             return c, p
@@ -265,11 +270,6 @@ def most_layers(ctx: BenchContext, info: ModelInfo, budget: int | None, prompts:
         over = (p.gpu_bytes or 0) - (budget or 0)
         k -= max(1, -(-over // per_layer)) if p.gpu_bytes else 1
     return f"n/a: no -ngl fits {budget / GIB if budget else 0:.1f} GiB"
-
-
-def _decode_rate(p: Probe) -> float:
-    t = p.timing
-    return t.gen_tokens / t.gen_ms * 1e3 if t and t.gen_ms else 0.0
 
 
 def pick_threads(ctx: BenchContext, found: tuple[Contender, Probe], threads: BaselineThreads, alt: int,
