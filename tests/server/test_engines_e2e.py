@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -74,17 +75,18 @@ def test_a_plan_over_two_engines_is_served_through_llama_server(tmp_path: Path, 
         stats = server.stats()["worker"]
         assert stats["serve_stats"]["engine"] == "llama-server" and stats["serve_stats"]["requests"] >= 3
 
-        # the engine dies mid-request: that request ends with worker_died, the next one is answered again
+        # the engine dies mid-request: that request ends with worker_died, the next one is answered again. The
+        # engine is stopped first, so that it holds the request unanswered when it is killed (killed at its first
+        # streamed token instead, the tiny twin had written all 400 tokens into the pipe already, now and then)
         engine_pid = stats["serve_stats"]["engine_pid"]
+        os.kill(engine_pid, signal.SIGSTOP)
+        killer = threading.Timer(1.0, os.kill, (engine_pid, signal.SIGKILL))
+        killer.start()
         with httpx.Client(timeout=60) as http, http.stream(
                 "POST", f"{server.base}/v1/completions", headers={"x-request-id": "dies-1"},
                 json={"model": model, "prompt": "abc", "max_tokens": 400, "stream": True, "temperature": 0}) as r:
-            seen = ""
-            for line in r.iter_lines():
-                if line.startswith("data:") and '"text"' in line and engine_pid:
-                    os.kill(engine_pid, signal.SIGKILL)
-                    engine_pid = 0
-                seen += line
+            seen = "".join(r.iter_lines())
+        killer.join()
         assert "worker_died" in seen, seen[-500:]
         deadline = time.monotonic() + 60
         while not (server.stats()["worker"]["alive"] and server.stats()["worker"]["restarts"] >= 1):
