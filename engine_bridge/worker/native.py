@@ -115,20 +115,25 @@ class NativeModel:
         """Log-softmax over the vocabulary before each continuation token: shape [len(cont), n_vocab].
 
         The prompt but its last token is evaluated first; the last prompt token and the continuation then go
-        in one batch with an output row per position (one llama_decode instead of one per token).
+        in batches of up to n_batch tokens with an output row per position (one llama_decode per batch instead
+        of one per token).
         """
         cont = [int(t) for t in continuation]
         if not cont:
             return np.zeros((0, self.n_vocab))
-        if len(prompt) + len(cont) > self.n_ctx or len(cont) > self.n_batch:
-            raise EngineError("context_overflow", f"{len(prompt)} + {len(cont)} tokens do not fit n_ctx/n_batch")
+        if len(prompt) + len(cont) > self.n_ctx:
+            raise EngineError("context_overflow", f"{len(prompt)} + {len(cont)} tokens exceed n_ctx {self.n_ctx}")
         self._clear()
         head, last = list(prompt[:-1]), int(prompt[-1])
         if head:
             self._decode(head, 0)
         batch = [last, *cont[:-1]]
-        self._decode(batch, len(head), all_logits=True)
-        logits = np.stack([self._logits(i).astype(np.float64) for i in range(len(batch))])
+        rows: list[np.ndarray] = []
+        for start in range(0, len(batch), self.n_batch):
+            part = batch[start:start + self.n_batch]
+            self._decode(part, len(head) + start, all_logits=True)
+            rows += [self._logits(i).astype(np.float64) for i in range(len(part))]
+        logits = np.stack(rows)
         logits -= logits.max(axis=1, keepdims=True)
         return logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
 

@@ -189,6 +189,22 @@ def test_logprobs_match_log_softmax_of_logits(ctx_model: Path) -> None:
     engine.close()
 
 
+def test_logprobs_of_a_continuation_longer_than_a_batch_come_in_batches(ctx_model: Path) -> None:
+    """A continuation of 3 batches' length at n_batch 4 (the split path's decode-sized batches on a GPU) gives
+    the rows one 128-token batch gives."""
+    native = NativeModel(ctx_model, EngineParams(n_ctx=512, n_batch=128, n_ubatch=128, n_threads=1, n_threads_batch=1))
+    p = native.vocab.tokenize(text(5, 12))
+    cont = native.vocab.tokenize(text(6, 4))[:11]
+    whole = native.logprobs(p, cont)
+    native.close()
+    small = NativeModel(ctx_model, EngineParams(n_ctx=512, n_batch=4, n_ubatch=4, n_threads=1, n_threads_batch=1))
+    got = small.logprobs(p, cont)
+    small.close()
+    assert got.shape == whole.shape == (11, whole.shape[1])
+    np.testing.assert_allclose(got, whole, atol=2e-3)
+    assert (got.argmax(axis=1) == whole.argmax(axis=1)).all()
+
+
 def test_prefix_reuse(ctx_model: Path) -> None:
     engine, rec = make(ctx_model, n_seq_max=2)
     a = engine.vocab.tokenize(text(5, 40))
