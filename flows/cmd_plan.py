@@ -9,13 +9,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from rich.console import Console
 from rich.table import Table
 
 from artifacts.config import Settings
 from artifacts.errors import FluxError
 from artifacts.logs import console
 from artifacts.records.kinds import PLAN
-from artifacts.records.plan import Plan
+from artifacts.records.plan import Plan, PlanRequest
 from artifacts.records.store import Records
 from flows.request import check_for_model, flow_params
 from flows.request_flags import add_plan_flags, request_from_args
@@ -60,8 +61,6 @@ def default_model(settings: Settings) -> Path:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Plan a model (reusing a matching saved plan unless --replan) and print the plan id."""
-    from flows import stages
-    from tasks import pipeline
     from tasks.clock import mark_command_start
 
     mark_command_start()
@@ -71,6 +70,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     req = request_from_args(settings, args, model)
     t0 = time.monotonic()
     server_ready = _start_prefect_server_early()
+    try:
+        return _plan(req, settings, con, t0, server_ready)
+    finally:
+        # never leave the early start mid-way: an error (a refused engine, a bad model) returned while the thread
+        # was still spawning the server, and the interpreter's shutdown under it aborted the process (SIGABRT
+        # instead of exit 2 in a CI run). Prefect's start and stop lines stay off stderr, where a refusal is one line.
+        logging.getLogger("prefect").setLevel(logging.WARNING)
+        server_ready()
+
+
+def _plan(req: PlanRequest, settings: Settings, con: Console, t0: float, server_ready: Callable[[], None]) -> int:
+    from flows import stages
+    from tasks import pipeline
+
     pctx = stages.context(req, settings)
     check_for_model(req, pctx.info.n_ctx_train)
     if not req.replan and not req.reprobe:
