@@ -75,8 +75,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     finally:
         # never leave the early start mid-way: an error (a refused engine, a bad model) returned while the thread
         # was still spawning the server, and the interpreter's shutdown under it aborted the process (SIGABRT
-        # instead of exit 2 in a CI run). Prefect's start and stop lines stay off stderr, where a refusal is one line.
-        logging.getLogger("prefect").setLevel(logging.WARNING)
+        # instead of exit 2 in a CI run).
         server_ready()
 
 
@@ -114,6 +113,9 @@ def _start_prefect_server_early() -> Callable[[], None]:
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return lambda: None
+    # its "Starting/Stopping temporary server" lines are said by the thread, at any moment: a refusal printed
+    # meanwhile must stay the one line on stderr (CI saw three), and Flux prints its own progress
+    logging.getLogger("prefect").addFilter(_NoTemporaryServerLines())
 
     def start() -> None:
         from prefect.server.api.server import SubprocessASGIServer
@@ -126,6 +128,11 @@ def _start_prefect_server_early() -> Callable[[], None]:
     thread = threading.Thread(target=start, name="flux-prefect-server", daemon=True)
     thread.start()
     return thread.join
+
+
+class _NoTemporaryServerLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "temporary server on" not in record.getMessage()
 
 
 class _NoTracebackForFluxErrors(logging.Filter):
