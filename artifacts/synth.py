@@ -17,6 +17,7 @@ streamed from pools of pre-generated random blocks, at disk speed with a few hun
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import struct
@@ -39,6 +40,8 @@ from artifacts.ids import canonical_json
 from artifacts.synth_blocks import BLOCK_MAKERS
 from artifacts.synth_catalog import PRESETS
 from artifacts.synth_layout import PlannedTensor, plan_tensors, vocab
+from artifacts.synth_locality import Locality
+from artifacts.synth_locality import check as check_locality
 from artifacts.synth_presets import ARCH_FIELDS, CHATML, HYBRID_ARCHES, QUANTS, Quant, SynthSpec
 from artifacts.synth_routing import RouterTransform, skewed_router
 
@@ -138,6 +141,12 @@ def synthesize(
     plan = plan_tensors(spec, quant)
     header, sizes = _layout(spec, plan, name, quant, seed)
     total = len(header) + _data_bytes(plan)
+    locality = None
+    if spec.routing == "local":
+        for t in plan:
+            if t.fill == "blocks" and t.name != "output.weight":
+                check_locality(spec, t.ggml_type)
+        locality = Locality(spec, seed)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
@@ -146,7 +155,8 @@ def synthesize(
     try:
         with open(tmp, "wb", buffering=0) as f:
             _write_all(f, memoryview(header))
-            _write_data(f, plan, sizes, np.random.default_rng(seed), _router(spec, seed))
+            router = locality.router() if locality else _router(spec, seed)
+            _write_data(f, plan, sizes, np.random.default_rng(seed), router, locality)
         written = tmp.stat().st_size
         if written != total:
             raise ModelFileError(out, f"synthesizer wrote {written} bytes, planned {total}: report this bug")
@@ -204,6 +214,8 @@ def _spec_record(spec: SynthSpec) -> dict[str, Any]:
     if spec.routing == "uniform":
         for key in ("routing", "routing_top_half"):
             record.pop(key)
+    if spec.routing != "local":
+        record.pop("routing_repeat")
     for key, arches in ARCH_FIELDS.items():
         if spec.arch not in arches:
             record.pop(key)
@@ -331,19 +343,21 @@ def _hybrid_hparams(spec: SynthSpec) -> dict[str, int]:
 # ---- tensor data -------------------------------------------------------------------------------------
 
 
-def _write_all(f: BinaryIO, data: memoryview) -> None:
+def _write_all(f: BinaryIO | io.BytesIO, data: memoryview) -> None:
     """Write all of `data`: a raw (unbuffered) write may write less than asked."""
     while data:
         data = data[f.write(data) :]
 
 
 def _write_data(
-    f: BinaryIO, plan: list[PlannedTensor], sizes: list[int], rng: np.random.Generator, router: RouterTransform | None
+    f: BinaryIO, plan: list[PlannedTensor], sizes: list[int], rng: np.random.Generator,
+    router: RouterTransform | None, locality: Locality | None = None,
 ) -> None:
     """Write every tensor's data, block tensors streamed from per-(type, std) random pools.
 
     ``router`` reshapes the drawn f32 tensors of a routing profile (router rows), after the same draw as a
-    uniform twin's: the two twins differ only in those tensors.
+    uniform twin's: the two twins differ only in those tensors. ``locality`` (the local profile) also writes its
+    structure into the drawn blocks of the embedding and the attention tensors.
     """
     need: dict[tuple[Q, float], int] = {}
     for t in plan:
@@ -359,7 +373,14 @@ def _write_data(
                 block_bytes = GGML_QUANT_SIZES[t.ggml_type][1]
                 n_blocks = max(1, min(_POOL_BYTES, need[key]) // block_bytes)
                 pools[key] = BLOCK_MAKERS[t.ggml_type](n_blocks, t.std, rng).reshape(-1)
-            _stream(f, pools[key], GGML_QUANT_SIZES[t.ggml_type][1], size, rng)
+            if locality and locality.claims(t.name):
+                drawn = io.BytesIO()
+                _stream(drawn, pools[key], GGML_QUANT_SIZES[t.ggml_type][1], size, rng)
+                blocks = np.frombuffer(drawn.getbuffer(), dtype=np.uint8).copy()
+                locality.edit(t, blocks.reshape(int(np.prod(t.shape[1:])), -1))
+                _write_all(f, memoryview(blocks.tobytes()))
+            else:
+                _stream(f, pools[key], GGML_QUANT_SIZES[t.ggml_type][1], size, rng)
         else:
             shape = t.shape[::-1]
             data = rng.normal(0.0, t.std, size=shape) if t.fill == "normal" else np.full(shape, _CONST[t.fill])
@@ -385,7 +406,7 @@ def _stream_fresh(f: BinaryIO, t: PlannedTensor, size: int, rng: np.random.Gener
 
 
 def _stream(
-    f: BinaryIO, pool: NDArray[np.uint8], block_bytes: int, size: int, rng: np.random.Generator
+    f: BinaryIO | io.BytesIO, pool: NDArray[np.uint8], block_bytes: int, size: int, rng: np.random.Generator
 ) -> None:
     """Write `size` bytes as chunks of whole blocks, each from a random block offset of the pool."""
     pool_blocks = pool.size // block_bytes

@@ -146,9 +146,12 @@ class SynthSpec(BaseModel):
     # distribution is peaked (KL between configs is sensitive) yet finite.
     logit_std: float = Field(default=4.0, gt=0)
     # Routing profile (artifacts.synth_routing): "uniform" keeps the random router; "skewed" scales its rows so
-    # the busiest half of each layer's experts gets about routing_top_half of the picks.
-    routing: Literal["uniform", "skewed"] = "uniform"
+    # the busiest half of each layer's experts gets about routing_top_half of the picks; "local" is skewed and
+    # has temporal locality: about routing_repeat of a token's picks were the previous token's too
+    # (artifacts.synth_locality, qwen3moe twins).
+    routing: Literal["uniform", "skewed", "local"] = "uniform"
     routing_top_half: float = Field(default=0.9, gt=0.5, lt=1.0)
+    routing_repeat: float = Field(default=0.45, gt=0.0, lt=0.6)
     # Hybrid (qwen3next, qwen35moe) shapes; 0 everywhere else, and then left out of flux.synth.spec.
     n_rot: int = Field(default=0, ge=0)  # rotated dims per head (partial rope); 0: head_dim
     n_ff_shexp: int = Field(default=0, ge=0)  # shared expert width (shared_expert_intermediate_size)

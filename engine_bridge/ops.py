@@ -304,10 +304,18 @@ class RoutingCounts(_Msg):
     n_expert_used: int
     n_tokens: int = Field(description="tokens evaluated: every prompt token and every decoded token")
     counts: tuple[tuple[int, ...], ...] = Field(description="[n_layer][n_expert] selections")
+    repeats: tuple[int, ...] = Field((), description="[n_layer] picks the same sequence's previous token made too")
+    pairs: tuple[int, ...] = Field((), description="[n_layer] (token, previous token) pairs behind repeats")
 
     def array(self) -> NDArray[np.int64]:
         """The counts as an int64 array [n_layer, n_expert]."""
         return np.asarray(self.counts, dtype=np.int64).reshape(self.n_layer, self.n_expert)
+
+    def repeat_share(self) -> NDArray[np.float64]:
+        """Per layer, the share of a token's picks that the previous token picked too (temporal locality: the
+        uniform router's share is n_expert_used / n_expert); empty when the trace did not count pairs."""
+        pairs = np.asarray(self.pairs, dtype=np.float64)
+        return np.asarray(self.repeats, dtype=np.float64) / np.maximum(pairs * self.n_expert_used, 1.0)
 
 
 # -- the registry -----------------------------------------------------------------------------------

@@ -36,7 +36,9 @@ def _placement_lines(plan: Plan) -> list[str]:
                         "(the rest on the host; the whole expert tensors stay there)"))
     if plan.routing_coverage:
         lines.append("routing (trace " + (plan.routing_trace or "?")[:12] + "): each layer's busiest " + ", ".join(
-            f"{k} of experts take {v:.0%}" for k, v in plan.routing_coverage.items()) + " of its picks (median)")
+            f"{k} of experts take {v:.0%}" for k, v in plan.routing_coverage.items()) + " of its picks"
+            + (f"; {plan.routing_repeat:.0%} of a token's picks are the previous token's" if plan.routing_repeat
+               is not None else "") + " (median)")
     lines.append(kv_line(plan))
     lines.append("llama.cpp flags: " + " ".join(c.params.cli_args()))
     return lines

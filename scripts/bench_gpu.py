@@ -68,8 +68,8 @@ def parse_pair(text: str) -> tuple[str, str, float, int | None, str]:
     model, _, rest = text.partition(":")
     model, _, routing = model.partition("/")
     budget, _, ctx = rest.partition("@")
-    if routing not in ("", "uniform", "skewed"):
-        raise SystemExit(f"--pairs {text!r}: routing must be uniform or skewed, e.g. qwen3-30b-a3b/skewed:10")
+    if routing not in ("", "uniform", "skewed", "local"):
+        raise SystemExit(f"--pairs {text!r}: routing must be uniform, skewed or local, e.g. qwen3-30b-a3b/skewed:10")
     try:
         return model, routing or "uniform", float(budget or 0), int(ctx) if ctx else None, workload
     except ValueError:

@@ -146,6 +146,7 @@ def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: s
         "decode_by_depth": decode_by_depth(trials, win), "notes": notes,
         "kl_limit": validation.kl_limit, "top1_limit": validation.top1_limit, "routing_trace": routing.trace_id if routing else None,
         "routing_coverage": {f"{f:.0%}": routing.coverage(f) for f in (0.1, 0.25, 0.5)} if routing else {},
+        "routing_repeat": routing.repeat if routing else None,
         "engine": engine.model_dump(mode="json") if engine is not None else None,
         "speculation": [t.model_dump(mode="json") for t in speculation or []],
     }

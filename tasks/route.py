@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from artifacts.records.routing import RoutingProfile
@@ -57,8 +58,9 @@ def trace_params(n_ctx: int, threads: int) -> EngineParams:
 
 def profile(counts: RoutingCounts, trace_id: str) -> RoutingProfile:
     """The planner's view of a stored trace."""
+    repeat = float(np.median(counts.repeat_share())) if counts.pairs and sum(counts.pairs) else None
     return RoutingProfile(trace_id=trace_id, n_tokens=counts.n_tokens, n_expert_used=counts.n_expert_used,
-                          counts=counts.counts)
+                          counts=counts.counts, repeat=repeat)
 
 
 class HotSummary(BaseModel):

@@ -134,6 +134,8 @@ class Plan(Record):
         "wall seconds of each planning stage of the run that made the plan, and the total"))
     routing_coverage: dict[str, float] = Field(default_factory=dict, description=(
         "share of picks that each layer's busiest 10/25/50% of experts take (median over layers)"))
+    routing_repeat: float | None = Field(None, description=(
+        "share of a token's expert picks that the previous token made too (temporal locality, median over layers)"))
     engine: EngineSpec | None = Field(None, description=(
         "the engine that serves the plan, as it was measured (its command template); None: the native worker"))
     speculation: list[DraftTrial] = Field(default_factory=list, description=(

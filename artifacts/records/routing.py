@@ -20,6 +20,7 @@ class RoutingProfile(Record):
     n_tokens: int
     n_expert_used: int
     counts: tuple[tuple[int, ...], ...]
+    repeat: float | None = None  # median over layers: share of a token's picks its predecessor made too
 
     def array(self) -> NDArray[np.int64]:
         """The counts as an int64 array [n_layer, n_expert]."""

@@ -63,6 +63,10 @@ class _TopkRecorder:
 
     def __init__(self, n_layer: int = 0, n_expert: int = 0) -> None:
         self.counts = np.zeros((n_layer, n_expert), dtype=np.int64)  # sized again once the model is known
+        # per layer: picks that the same sequence's previous token picked too, and such token pairs
+        self.repeats = np.zeros(n_layer, dtype=np.int64)
+        self.pairs = np.zeros(n_layer, dtype=np.int64)
+        self.last: dict[int, NDArray[np.bool_]] = {}  # per layer: the last token's picks, as a mask
         self.error: str | None = None
         # Kept on the object: the C side holds only the function pointer, which must outlive the context.
         self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._eval)
@@ -96,6 +100,18 @@ class _TopkRecorder:
         if not 0 <= layer < n_layer or ids.size and not 0 <= ids.min() <= ids.max() < n_expert:
             raise ValueError(f"layer {layer} or expert ids out of range for {n_layer}x{n_expert}")
         self.counts[layer] += np.bincount(ids.ravel(), minlength=n_expert)
+        picks = ids.reshape(-1, ids.shape[-1])  # [tokens in batch order, n_expert_used]
+        mask = np.zeros((picks.shape[0], n_expert), dtype=bool)
+        np.put_along_axis(mask, picks.astype(np.int64), True, axis=1)
+        if layer in self.last:
+            mask = np.concatenate([self.last[layer][None], mask])
+        self.repeats[layer] += int((mask[1:] & mask[:-1]).sum())
+        self.pairs[layer] += mask.shape[0] - 1
+        self.last[layer] = mask[-1]
+
+    def new_sequence(self) -> None:
+        """The next tokens start a sequence: no pair with the previous one's last token."""
+        self.last.clear()
 
 
 def expert_counts(
@@ -197,10 +213,13 @@ def trace(request: RoutingRequest) -> RoutingCounts:
         n_used = int(_meta(model, f"{arch}.expert_used_count") or 0)
         if n_expert < 1:
             raise ModelFileError(path, f"has no experts ({arch}.expert_count): routing needs a MoE model")
-        recorder.counts = np.zeros((llama_cpp.llama_model_n_layer(model), n_expert), dtype=np.int64)
+        n_layer = llama_cpp.llama_model_n_layer(model)
+        recorder.counts = np.zeros((n_layer, n_expert), dtype=np.int64)
+        recorder.repeats, recorder.pairs = np.zeros(n_layer, dtype=np.int64), np.zeros(n_layer, dtype=np.int64)
         n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
         chunk = min(p.n_batch, _TRACE_CHUNK)
         for prompt in request.prompts:
+            recorder.new_sequence()
             _trace_one(ctx, list(prompt), request.n_gen, chunk, n_vocab)
     finally:
         llama_cpp.llama_free(ctx)
@@ -210,7 +229,8 @@ def trace(request: RoutingRequest) -> RoutingCounts:
         raise EngineError("routing_unreadable", f"{path}: cannot read the expert selection: {recorder.error}")
     n_tokens = sum(len(t) for t in request.prompts) + request.n_gen * len(request.prompts)
     return RoutingCounts(architecture=arch, n_layer=recorder.counts.shape[0], n_expert=n_expert, n_expert_used=n_used,
-                         n_tokens=n_tokens, counts=tuple(tuple(int(x) for x in row) for row in recorder.counts))
+                         n_tokens=n_tokens, counts=tuple(tuple(int(x) for x in row) for row in recorder.counts),
+                         repeats=tuple(int(x) for x in recorder.repeats), pairs=tuple(int(x) for x in recorder.pairs))
 
 
 def _trace_one(ctx: llama_cpp.llama_context_p, prompt: list[int], n_gen: int, chunk: int, n_vocab: int) -> None:

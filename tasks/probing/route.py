@@ -61,8 +61,9 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport) -> RoutingProfile:
     ctx.store.put_table(ROUTING_TABLE, table, key=tid)
     prof = route.profile(counts, tid)
     log.info("route: %d tokens traced; each layer's busiest 10%% / 25%% / 50%% of experts take %.0f%% / %.0f%% / "
-             "%.0f%% of its picks (median over layers)", counts.n_tokens, 100 * prof.coverage(0.1),
-             100 * prof.coverage(0.25), 100 * prof.coverage(0.5))
+             "%.0f%% of its picks, %.0f%% of a token's picks are its predecessor's (median over layers)",
+             counts.n_tokens, 100 * prof.coverage(0.1), 100 * prof.coverage(0.25), 100 * prof.coverage(0.5),
+             100 * (prof.repeat or 0.0))
     return prof
 
 

@@ -100,7 +100,7 @@ def test_top_share() -> None:
 def wide_twins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("wide")
     return {r: synthesize("tiny-moe", out / f"{r}.gguf", overrides={**WIDE, "routing": r}).path
-            for r in ("uniform", "skewed")}
+            for r in ("uniform", "skewed", "local")}
 
 
 def test_a_skewed_twin_routes_as_its_profile_in_llama_cpp(wide_twins: dict[str, Path]) -> None:
@@ -119,3 +119,28 @@ def test_a_skewed_twin_routes_as_its_profile_in_llama_cpp(wide_twins: dict[str, 
     assert (uniform.max(axis=1) / uniform.mean(axis=1) <= 2.5).all()
     # each layer has its own popular experts
     assert set(np.argsort(-skewed[0])[:8]) != set(np.argsort(-skewed[1])[:8])
+
+
+def test_a_local_twin_repeats_its_picks_on_the_next_token_as_published(wide_twins: dict[str, Path]) -> None:
+    # published for Qwen3-30B-A3B: ~45% of a token's picks were the previous token's too (docs/routing.md); the
+    # local profile writes that into the twin (a recency head per layer read by the router), keeping the skew
+    prompts = tuple(tuple(RNG.integers(0, 509, size=256).tolist()) for _ in range(6))
+    params = EngineParams(n_ctx=512, n_batch=256, n_ubatch=256)
+    local = _trace(wide_twins["local"], params, prompts, n_gen=16)
+    uniform = _trace(wide_twins["uniform"], params, prompts, n_gen=16)
+    skewed = _trace(wide_twins["skewed"], params, prompts, n_gen=16)
+    assert local.pairs == uniform.pairs == (6 * (256 + 16 - 1),) * 2  # pairs within a sequence, every layer
+    assert ((local.repeat_share() >= 0.38) & (local.repeat_share() <= 0.56)).all(), local.repeat_share()
+    # without locality, a pick repeats by chance: k / n_expert = 6.25% uniform, more where a few experts are popular
+    assert (np.abs(uniform.repeat_share() - 8 / 128) <= 0.02).all(), uniform.repeat_share()
+    assert (skewed.repeat_share() <= 0.25).all(), skewed.repeat_share()
+    assert (np.abs(top_share(local.array(), 0.5) - 0.9) <= 0.04).all()  # still the skewed profile's popularity
+
+
+def test_the_local_profile_is_refused_where_it_cannot_be_written(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="qwen3moe twins"):
+        synthesize("tiny-dense", tmp_path / "d.gguf", overrides={"n_expert": "4", "n_expert_used": "2",
+                                                                 "n_ff_exp": "512", "routing": "local"})
+    with pytest.raises(ValueError, match="Q4_0, Q8_0 or F16"):
+        synthesize("tiny-moe", tmp_path / "k.gguf", quant="Q4_K", overrides={"routing": "local"})
+    assert not list(tmp_path.iterdir())
