@@ -58,15 +58,20 @@ class _TensorHead(ctypes.Structure):
     ]
 
 
-class _TopkRecorder:
-    """Counts expert selections from `ffn_moe_topk-<layer>` tensors as llama.cpp computes them."""
+class TopkRecorder:
+    """Counts expert selections from `ffn_moe_topk-<layer>` tensors as llama.cpp computes them.
 
-    def __init__(self, n_layer: int = 0, n_expert: int = 0) -> None:
+    With ``keep_picks``, also keeps every token's picks: ``picks[sequence][layer]`` is a list of [tokens,
+    n_expert_used] arrays in token order (a diagnosis of caches needs the order; the planner needs counts only).
+    """
+
+    def __init__(self, n_layer: int = 0, n_expert: int = 0, keep_picks: bool = False) -> None:
         self.counts = np.zeros((n_layer, n_expert), dtype=np.int64)  # sized again once the model is known
         # per layer: picks that the same sequence's previous token picked too, and such token pairs
         self.repeats = np.zeros(n_layer, dtype=np.int64)
         self.pairs = np.zeros(n_layer, dtype=np.int64)
         self.last: dict[int, NDArray[np.bool_]] = {}  # per layer: the last token's picks, as a mask
+        self.picks: list[dict[int, list[NDArray[np.int32]]]] | None = [] if keep_picks else None
         self.error: str | None = None
         # Kept on the object: the C side holds only the function pointer, which must outlive the context.
         self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._eval)
@@ -101,6 +106,8 @@ class _TopkRecorder:
             raise ValueError(f"layer {layer} or expert ids out of range for {n_layer}x{n_expert}")
         self.counts[layer] += np.bincount(ids.ravel(), minlength=n_expert)
         picks = ids.reshape(-1, ids.shape[-1])  # [tokens in batch order, n_expert_used]
+        if self.picks is not None:
+            self.picks[-1].setdefault(layer, []).append(picks.copy())
         mask = np.zeros((picks.shape[0], n_expert), dtype=bool)
         np.put_along_axis(mask, picks.astype(np.int64), True, axis=1)
         if layer in self.last:
@@ -112,6 +119,8 @@ class _TopkRecorder:
     def new_sequence(self) -> None:
         """The next tokens start a sequence: no pair with the previous one's last token."""
         self.last.clear()
+        if self.picks is not None:
+            self.picks.append({})
 
 
 def expert_counts(
@@ -190,11 +199,12 @@ def _tokens(model: llama_cpp.llama_model_p, text_or_tokens: str | Sequence[int],
 _TRACE_CHUNK = 256
 
 
-def trace(request: RoutingRequest) -> RoutingCounts:
+def trace(request: RoutingRequest, recorder: TopkRecorder | None = None) -> RoutingCounts:
     """Count expert selections over a workload: each prompt prefilled, then ``n_gen`` greedy tokens decoded.
 
     The model is loaded with the request's EngineParams (placement, expert split and all), in a context of its
     own whose eval callback reads every layer's ``ffn_moe_topk``; each prompt starts from an empty cache.
+    ``recorder`` (default: a new one) is the callback's: pass one made with ``keep_picks`` to keep every pick.
 
     Raises:
         ModelFileError: the model has no experts.
@@ -205,7 +215,7 @@ def trace(request: RoutingRequest) -> RoutingCounts:
     if longest > p.n_ctx:
         raise EngineError("context_overflow", f"a prompt + {request.n_gen} tokens is {longest} tokens, n_ctx {p.n_ctx}")
     path = Path(request.model)
-    recorder = _TopkRecorder()
+    recorder = recorder or TopkRecorder()
     model, ctx, keep = load_model_and_context(path, p.model_copy(update={"n_seq_max": 1}), recorder.callback)
     try:
         arch = _meta(model, "general.architecture") or ""
