@@ -125,11 +125,11 @@ def main() -> None:
                 ("static+LRU 16", lru(p, set(order[:h - 16]), order[h - 16:], 16)),
             ):
                 rows.setdefault(name, []).append(res)
-        for name, res in rows.items():
-            hits = sum(r[0] for r in res)
-            bus = sum(r[1] for r in res)
-            total = tokens * n_used * len(res)
-            print(f"| {h} | {name} | {hits / total:.1%} | {bus / (tokens * len(res)):.2f} |")
+        for name, per_layer in rows.items():
+            hits = sum(r[0] for r in per_layer)
+            bus = sum(r[1] for r in per_layer)
+            total = tokens * n_used * len(per_layer)
+            print(f"| {h} | {name} | {hits / total:.1%} | {bus / (tokens * len(per_layer)):.2f} |")
 
 
 if __name__ == "__main__":
