@@ -24,8 +24,13 @@ MODELS=${FLUX_MODEL_DIR:-/dev/shm/flux-models}
 export PYTHONUNBUFFERED=1 DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
 say() { printf '[gpu-e2e %s] %s\n' "$(date +%H:%M:%S)" "$*" | tee -a "$OUT/e2e.log" >&2; }
 
-# 1. wheels: every .carry/whl*/ folder (a large set may come in two calls)
+# 1. packages: .carry/site.tar.xz (scripts/device-kit.sh: installed for this Python and packed), else every
+# .carry/whl*/ folder of wheels (a large set may come in two calls); and the packed source, if that is how it came
 mkdir -p /tmp/site
+if [ -f .carry/site.tar.xz ] && [ ! -f /tmp/site/.flux-unpacked ]; then
+  tar -xJf .carry/site.tar.xz -C /tmp && touch /tmp/site/.flux-unpacked
+fi
+if [ -f .carry/src.tar.xz ] && [ ! -d .carry/src ]; then tar -xJf .carry/src.tar.xz -C .carry; fi
 for d in .carry/whl*; do
   [ -d "$d" ] || continue
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$d"/*.whl 2>&1 | tail -n 3 >&2 || true
