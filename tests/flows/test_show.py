@@ -66,3 +66,20 @@ def test_each_finalist_is_shown_with_its_own_prediction(tiny_moe: Path, tmp_path
     assert "2321.7" in rows["c121"] and "15.6" in rows["c121"] and "1572.2" not in rows["c121"]
     assert "1453.6" in rows["c201@llama-server"] and "37.4" in rows["c201@llama-server"]
     assert "1572.2" in rows["c191"] and "40.6" in rows["c191"]
+
+
+def test_show_prints_the_routing_traces_coverage_and_locality(tiny_moe: Path, tmp_path: Path) -> None:
+    """A plan shaped by a routing trace says how skewed it was and how often a token's picks were its
+    predecessor's (the route stage's repeat share); a plan of a trace made before that says only the first."""
+    settings = load_settings({"XDG_DATA_HOME": str(tmp_path / "data"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+                              "HOME": str(tmp_path)})
+    params = EngineParams(n_ctx=256, n_batch=64, n_ubatch=64)
+    coverage = {"10%": 0.31, "25%": 0.6, "50%": 0.9}
+    for repeat, want in ((0.47, "; 47% of a token's picks are the previous token's (median)"), (None, None)):
+        plan = stored_plan(settings, tiny_moe, params, routing_trace="ab" * 20, routing_coverage=coverage,
+                           routing_repeat=repeat)
+        out = io.StringIO()
+        print_plan(plan, Console(file=out, width=400))
+        line = next(x for x in out.getvalue().splitlines() if x.strip().startswith("routing (trace abababababab)"))
+        assert "50% of experts take 90% of its picks" in line
+        assert (want in line) if want else ("previous token" not in line and line.endswith("(median)"))
