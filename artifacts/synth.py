@@ -17,28 +17,24 @@ streamed from pools of pre-generated random blocks, at disk speed with a few hun
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import struct
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES
-from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as VT
 from gguf import LlamaFileType as FT
-from numpy.typing import NDArray
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from artifacts.errors import ModelFileError
 from artifacts.gguf_encode import kv, kv_array, string
 from artifacts.ids import canonical_json
-from artifacts.synth_blocks import BLOCK_MAKERS
 from artifacts.synth_catalog import PRESETS
+from artifacts.synth_data import padded, write_all, write_data
 from artifacts.synth_layout import PlannedTensor, plan_tensors, vocab
 from artifacts.synth_locality import Locality
 from artifacts.synth_locality import check as check_locality
@@ -56,10 +52,6 @@ logger = logging.getLogger(__name__)
 
 # Q4_K has no exact ftype (llama-quantize's Q4_K_S also mixes in Q5_K): Q4_K_S is the nearest.
 _FILE_TYPE = {"F16": FT.MOSTLY_F16, "Q8_0": FT.MOSTLY_Q8_0, "Q4_0": FT.MOSTLY_Q4_0, "Q4_K": FT.MOSTLY_Q4_K_S}
-ALIGN = 32
-_POOL_BYTES = 64 << 20  # random blocks per (type, std) pool
-_CHUNK_BYTES = 16 << 20  # one write, taken from a random block offset of a pool
-_CONST = {"ones": 1.0, "neg_ones": -1.0}  # constant f32 fills (norm weights; a delta-net's ssm_a)
 
 
 class SynthResult(BaseModel):
@@ -143,9 +135,8 @@ def synthesize(
     total = len(header) + _data_bytes(plan)
     locality = None
     if spec.routing == "local":
-        for t in plan:
-            if t.fill == "blocks" and t.name != "output.weight":
-                check_locality(spec, t.ggml_type)
+        for qt in {t.ggml_type for t in plan if t.fill == "blocks" and t.name != "output.weight"}:
+            check_locality(spec, qt)
         locality = Locality(spec, seed)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -154,9 +145,9 @@ def synthesize(
     t0 = time.perf_counter()
     try:
         with open(tmp, "wb", buffering=0) as f:
-            _write_all(f, memoryview(header))
+            write_all(f, memoryview(header))
             router = locality.router() if locality else _router(spec, seed)
-            _write_data(f, plan, sizes, np.random.default_rng(seed), router, locality)
+            write_data(f, plan, sizes, np.random.default_rng(seed), router, locality)
         written = tmp.stat().st_size
         if written != total:
             raise ModelFileError(out, f"synthesizer wrote {written} bytes, planned {total}: report this bug")
@@ -224,11 +215,7 @@ def _spec_record(spec: SynthSpec) -> dict[str, Any]:
 
 def _data_bytes(plan: Iterable[PlannedTensor]) -> int:
     """Bytes of the data section: every tensor padded to ALIGN."""
-    return sum(_padded(t.nbytes) for t in plan)
-
-
-def _padded(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+    return sum(padded(t.nbytes) for t in plan)
 
 
 def _layout(
@@ -241,9 +228,9 @@ def _layout(
         dims = struct.pack(f"<I{len(t.shape)}Q", len(t.shape), *t.shape)
         infos.append(string(t.name) + dims + struct.pack("<IQ", t.ggml_type, off))
         sizes.append(t.nbytes)
-        off += _padded(t.nbytes)
+        off += padded(t.nbytes)
     header = b"GGUF" + struct.pack("<IQQ", 3, len(plan), len(kvs)) + b"".join(kvs) + b"".join(infos)
-    return header + b"\0" * (_padded(len(header)) - len(header)), sizes
+    return header + b"\0" * (padded(len(header)) - len(header)), sizes
 
 
 def _metadata(spec: SynthSpec, name: str, quant: Quant, seed: int) -> list[bytes]:
@@ -338,83 +325,3 @@ def _hybrid_hparams(spec: SynthSpec) -> dict[str, int]:
         "ssm.inner_size": spec.ssm_d_state * spec.ssm_dt_rank,
         "full_attention_interval": spec.full_attn_interval,
     }
-
-
-# ---- tensor data -------------------------------------------------------------------------------------
-
-
-def _write_all(f: BinaryIO | io.BytesIO, data: memoryview) -> None:
-    """Write all of `data`: a raw (unbuffered) write may write less than asked."""
-    while data:
-        data = data[f.write(data) :]
-
-
-def _write_data(
-    f: BinaryIO, plan: list[PlannedTensor], sizes: list[int], rng: np.random.Generator,
-    router: RouterTransform | None, locality: Locality | None = None,
-) -> None:
-    """Write every tensor's data, block tensors streamed from per-(type, std) random pools.
-
-    ``router`` reshapes the drawn f32 tensors of a routing profile (router rows), after the same draw as a
-    uniform twin's: the two twins differ only in those tensors. ``locality`` (the local profile) also writes its
-    structure into the drawn blocks of the embedding and the attention tensors.
-    """
-    need: dict[tuple[Q, float], int] = {}
-    for t in plan:
-        if t.fill == "blocks":
-            need[(t.ggml_type, t.std)] = need.get((t.ggml_type, t.std), 0) + t.nbytes
-    pools: dict[tuple[Q, float], NDArray[np.uint8]] = {}
-    for t, size in zip(plan, sizes, strict=True):
-        if t.fill == "blocks" and t.name == "output.weight":
-            _stream_fresh(f, t, size, rng)
-        elif t.fill == "blocks":
-            key = (t.ggml_type, t.std)
-            if key not in pools:
-                block_bytes = GGML_QUANT_SIZES[t.ggml_type][1]
-                n_blocks = max(1, min(_POOL_BYTES, need[key]) // block_bytes)
-                pools[key] = BLOCK_MAKERS[t.ggml_type](n_blocks, t.std, rng).reshape(-1)
-            if locality and locality.claims(t.name):
-                drawn = io.BytesIO()
-                _stream(drawn, pools[key], GGML_QUANT_SIZES[t.ggml_type][1], size, rng)
-                blocks = np.frombuffer(drawn.getbuffer(), dtype=np.uint8).copy()
-                locality.edit(t, blocks.reshape(int(np.prod(t.shape[1:])), -1))
-                _write_all(f, memoryview(blocks.tobytes()))
-            else:
-                _stream(f, pools[key], GGML_QUANT_SIZES[t.ggml_type][1], size, rng)
-        else:
-            shape = t.shape[::-1]
-            data = rng.normal(0.0, t.std, size=shape) if t.fill == "normal" else np.full(shape, _CONST[t.fill])
-            if router is not None:
-                data = router(t.name, data)
-            _write_all(f, memoryview(data.astype("<f4").tobytes()))
-        _write_all(f, memoryview(b"\0" * (_padded(size) - size)))
-
-
-def _stream_fresh(f: BinaryIO, t: PlannedTensor, size: int, rng: np.random.Generator) -> None:
-    """Write a tensor of freshly drawn blocks, no pool: every vocabulary row of the output layer differs.
-
-    Pooled chunks drawn at random offsets can overlap, which repeats rows; two equal rows of the output
-    layer are two tokens with exactly equal logits, and greedy decoding then breaks ties by index.
-    """
-    block_bytes = GGML_QUANT_SIZES[t.ggml_type][1]
-    left = size // block_bytes
-    chunk = max(1, _CHUNK_BYTES // block_bytes)
-    while left:
-        n = min(left, chunk)
-        _write_all(f, memoryview(BLOCK_MAKERS[t.ggml_type](n, t.std, rng).tobytes()))
-        left -= n
-
-
-def _stream(
-    f: BinaryIO | io.BytesIO, pool: NDArray[np.uint8], block_bytes: int, size: int, rng: np.random.Generator
-) -> None:
-    """Write `size` bytes as chunks of whole blocks, each from a random block offset of the pool."""
-    pool_blocks = pool.size // block_bytes
-    chunk_blocks = max(1, min(_CHUNK_BYTES // block_bytes, pool_blocks))
-    view = memoryview(pool)  # type: ignore[arg-type]  # a 1-D uint8 array exports the buffer protocol
-    left = size // block_bytes
-    while left:
-        n = min(left, chunk_blocks)
-        start = int(rng.integers(0, pool_blocks - n + 1)) * block_bytes
-        _write_all(f, view[start : start + n * block_bytes])
-        left -= n

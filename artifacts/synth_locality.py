@@ -149,15 +149,19 @@ class Locality:
         v_std = s.weight_std * math.sqrt(self.token_dims) * math.sqrt(float((w**2).sum()))
         return _KAPPA * s.embd_std / v_std
 
-    def rho(self, layer: int) -> float:
-        """Router weight on the layer's slot, relative to its random weights on the token dims."""
+    @functools.cached_property
+    def share(self) -> float:
+        """The share of router-logit variance the context gets (fitted to ``routing_repeat``)."""
         s = self.spec
         w = window(s.head_dim, s.rope_base)
         corr = float((w[1:] * w[:-1]).sum() / (w**2).sum())
-        f = context_share(s.n_expert, s.n_expert_used, s.routing_top_half, corr, s.routing_repeat)
+        return context_share(s.n_expert, s.n_expert_used, s.routing_top_half, corr, s.routing_repeat)
+
+    def rho(self, layer: int) -> float:
+        """Router weight on the layer's slot, relative to its random weights on the token dims."""
         writers = layer // self.slots + 1  # layers that wrote into this slot by now (their parts add up)
-        ctx_var = s.head_dim * writers * _KAPPA**2
-        return math.sqrt(f / (1 - f) * self.token_dims / ctx_var)
+        ctx_var = self.spec.head_dim * writers * _KAPPA**2
+        return math.sqrt(self.share / (1 - self.share) * self.token_dims / ctx_var)
 
     # ---- quant tensors ------------------------------------------------------------------------------
 

@@ -1,0 +1,106 @@
+"""A twin's tensor data: every tensor drawn and written, block tensors streamed from pools of random blocks.
+
+:mod:`artifacts.synth` lays a twin out and writes its header; this writes what follows it.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import BinaryIO
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from numpy.typing import NDArray
+
+from artifacts.synth_blocks import BLOCK_MAKERS
+from artifacts.synth_layout import PlannedTensor
+from artifacts.synth_locality import Locality
+from artifacts.synth_routing import RouterTransform
+
+ALIGN = 32
+_POOL_BYTES = 64 << 20  # random blocks per (type, std) pool
+_CHUNK_BYTES = 16 << 20  # one write, taken from a random block offset of a pool
+_CONST = {"ones": 1.0, "neg_ones": -1.0}  # constant f32 fills (norm weights; a delta-net's ssm_a)
+
+
+def padded(n: int) -> int:
+    """``n`` rounded up to ALIGN: where the next tensor's data starts."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def write_all(f: BinaryIO | io.BytesIO, data: memoryview) -> None:
+    """Write all of `data`: a raw (unbuffered) write may write less than asked."""
+    while data:
+        data = data[f.write(data) :]
+
+
+def write_data(
+    f: BinaryIO, plan: list[PlannedTensor], sizes: list[int], rng: np.random.Generator,
+    router: RouterTransform | None, locality: Locality | None = None,
+) -> None:
+    """Write every tensor's data, block tensors streamed from per-(type, std) random pools.
+
+    ``router`` reshapes the drawn f32 tensors of a routing profile (router rows), after the same draw as a
+    uniform twin's: the two twins differ only in those tensors. ``locality`` (the local profile) also writes its
+    structure into the drawn blocks of the embedding and the attention tensors.
+    """
+    need: dict[tuple[Q, float], int] = {}
+    for t in plan:
+        if t.fill == "blocks":
+            need[(t.ggml_type, t.std)] = need.get((t.ggml_type, t.std), 0) + t.nbytes
+    pools: dict[tuple[Q, float], NDArray[np.uint8]] = {}
+    for t, size in zip(plan, sizes, strict=True):
+        if t.fill == "blocks" and t.name == "output.weight":
+            _stream_fresh(f, t, size, rng)
+        elif t.fill == "blocks":
+            key = (t.ggml_type, t.std)
+            if key not in pools:
+                block_bytes = GGML_QUANT_SIZES[t.ggml_type][1]
+                n_blocks = max(1, min(_POOL_BYTES, need[key]) // block_bytes)
+                pools[key] = BLOCK_MAKERS[t.ggml_type](n_blocks, t.std, rng).reshape(-1)
+            if locality and locality.claims(t.name):
+                drawn = io.BytesIO()
+                _stream(drawn, pools[key], GGML_QUANT_SIZES[t.ggml_type][1], size, rng)
+                blocks = np.frombuffer(drawn.getbuffer(), dtype=np.uint8).copy()
+                locality.edit(t, blocks.reshape(int(np.prod(t.shape[1:])), -1))
+                write_all(f, memoryview(blocks.tobytes()))
+            else:
+                _stream(f, pools[key], GGML_QUANT_SIZES[t.ggml_type][1], size, rng)
+        else:
+            shape = t.shape[::-1]
+            data = rng.normal(0.0, t.std, size=shape) if t.fill == "normal" else np.full(shape, _CONST[t.fill])
+            if router is not None:
+                data = router(t.name, data)
+            write_all(f, memoryview(data.astype("<f4").tobytes()))
+        write_all(f, memoryview(b"\0" * (padded(size) - size)))
+
+
+def _stream_fresh(f: BinaryIO, t: PlannedTensor, size: int, rng: np.random.Generator) -> None:
+    """Write a tensor of freshly drawn blocks, no pool: every vocabulary row of the output layer differs.
+
+    Pooled chunks drawn at random offsets can overlap, which repeats rows; two equal rows of the output
+    layer are two tokens with exactly equal logits, and greedy decoding then breaks ties by index.
+    """
+    block_bytes = GGML_QUANT_SIZES[t.ggml_type][1]
+    left = size // block_bytes
+    chunk = max(1, _CHUNK_BYTES // block_bytes)
+    while left:
+        n = min(left, chunk)
+        write_all(f, memoryview(BLOCK_MAKERS[t.ggml_type](n, t.std, rng).tobytes()))
+        left -= n
+
+
+def _stream(
+    f: BinaryIO | io.BytesIO, pool: NDArray[np.uint8], block_bytes: int, size: int, rng: np.random.Generator
+) -> None:
+    """Write `size` bytes as chunks of whole blocks, each from a random block offset of the pool."""
+    pool_blocks = pool.size // block_bytes
+    chunk_blocks = max(1, min(_CHUNK_BYTES // block_bytes, pool_blocks))
+    view = memoryview(pool)  # type: ignore[arg-type]  # a 1-D uint8 array exports the buffer protocol
+    left = size // block_bytes
+    while left:
+        n = min(left, chunk_blocks)
+        start = int(rng.integers(0, pool_blocks - n + 1)) * block_bytes
+        write_all(f, view[start : start + n * block_bytes])
+        left -= n
