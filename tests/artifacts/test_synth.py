@@ -12,7 +12,7 @@ from gguf.quants import dequantize
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from artifacts import synth
+from artifacts import synth, synth_data
 from artifacts.synth import PRESETS, QUANTS, Quant, apply_overrides, plan_tensors, planned_bytes, synthesize
 from artifacts.synth_layout import vocab
 from artifacts.synth_presets import MIN_VOCAB, SPECIALS
@@ -156,7 +156,7 @@ def test_failed_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyP
     def fail(*_args: object) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(synth, "_write_data", fail)
+    monkeypatch.setattr(synth, "write_data", fail)
     with pytest.raises(OSError, match="disk full"):
         synthesize("tiny-dense", tmp_path / "m.gguf")
     assert list(tmp_path.iterdir()) == []
@@ -191,8 +191,8 @@ def test_output_rows_are_all_distinct_even_when_pooled_chunks_overlap(tmp_path: 
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     # Shrink the pools and chunks so a tiny twin's tensors are written as many overlapping chunks, as a
     # real-size twin's are: repeated output rows would be tokens with exactly tied logits.
-    monkeypatch.setattr(synth, "_POOL_BYTES", 64 * 1024)
-    monkeypatch.setattr(synth, "_CHUNK_BYTES", 8 * 1024)
+    monkeypatch.setattr(synth_data, "_POOL_BYTES", 64 * 1024)
+    monkeypatch.setattr(synth_data, "_CHUNK_BYTES", 8 * 1024)
     out = tmp_path / "t.gguf"
     synthesize("tiny-dense", out, quant="Q4_0")
     tensors = {t.name: t for t in GGUFReader(out).tensors}
