@@ -117,6 +117,9 @@ class GpuMemoryMeter:
         return GpuReading(per_gpu=tuple(max(0, u - b) for u, b in zip(now, base, strict=True)), method="device-delta")
 
 
+OVER_BUDGET = "over the GPU memory budget"
+
+
 def over_budget(used: list[int] | tuple[int, ...] | None, budgets: list[int] | None) -> str | None:
     """Why a measured use breaks the per-GPU budgets, or ``None``.
 
@@ -127,8 +130,8 @@ def over_budget(used: list[int] | tuple[int, ...] | None, budgets: list[int] | N
     if not used or not budgets:
         return None
     if max(used) > max(budgets):
-        return (f"over the GPU memory budget: measured {max(used) / GIB:.2f} GiB on one GPU, "
+        return (f"{OVER_BUDGET}: measured {max(used) / GIB:.2f} GiB on one GPU, "
                 f"budget {max(budgets) / GIB:.2f} GiB")
     if sum(used) > sum(budgets):
-        return f"over the GPU memory budget: measured {sum(used) / GIB:.2f} GiB in all, budget {sum(budgets) / GIB:.2f} GiB"
+        return f"{OVER_BUDGET}: measured {sum(used) / GIB:.2f} GiB in all, budget {sum(budgets) / GIB:.2f} GiB"
     return None

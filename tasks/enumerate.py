@@ -27,8 +27,15 @@ from tasks import expert_select, layer_split
 from tasks.costmodel import EXPERT_PARTS, all_on, head_bytes, layer_bytes
 from tasks.errors import ImpossiblePlan
 from tasks.expert_hot import hot_placement, mapped_bytes, split_bytes
-from tasks.gpu_budget import check_gpu_budgets, gpu_devices, gpu_limits
-from tasks.gpu_memory import DEFAULT_MARGIN, compute_bytes, correction, offloads_host_weights
+from tasks.gpu_budget import check_gpu_budgets, gpu_devices, gpu_limits, no_placement_fits
+from tasks.gpu_memory import (
+    DEFAULT_MARGIN,
+    FILL_HEADROOM,
+    SIZING_UBATCH,
+    compute_bytes,
+    correction,
+    offloads_host_weights,
+)
 from tasks.remote import remote_candidates, rpc_limits
 
 log = logging.getLogger(__name__)
@@ -221,8 +228,9 @@ class _Shape:
 
 def gpu_overhead(info: ModelInfo, n_ctx: int, kv_bytes: float, margin: int = DEFAULT_MARGIN) -> int:
     """What a GPU needs besides weights: ``margin`` (this machine's correction of the memory model:
-    :mod:`tasks.gpu_memory`), a 512-token micro-batch's compute buffer, ``kv_bytes``."""
-    return int(margin + compute_bytes(info, 512, n_ctx, True) + kv_bytes)
+    :mod:`tasks.gpu_memory`), a 512-token micro-batch's compute buffer, ``kv_bytes``, and the headroom a
+    placement sized to the budget leaves free."""
+    return int(margin + compute_bytes(info, SIZING_UBATCH, n_ctx, True) + kv_bytes + FILL_HEADROOM)
 
 
 def smallest_context(info: ModelInfo, hw: HardwareReport, req: PlanRequest, reserve_percent: float) -> int:
@@ -291,7 +299,7 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest, 
     gpus = [name for name, _ in gpu_devices(hw)]
     limits = {"CPU": host, **{f"CUDA{i}": b for i, b in enumerate(per_gpu)}}
     shapes = [_Shape("cpu", all_on(info, "CPU"), n_ctx, "host")]
-    margins = [correction(hw, name, offloads=True) for name in gpus[:len(per_gpu)]]
+    margins = [correction(hw, name, True, SIZING_UBATCH) for name in gpus[:len(per_gpu)]]
     margins += [DEFAULT_MARGIN] * (len(per_gpu) - len(margins))
     for ctx in _contexts(n_ctx, req, len(gpus)):
         shapes += _gpu_shapes(info, req, per_gpu, ctx, "" if ctx == n_ctx else f"@{ctx}", routing, margins)
@@ -322,7 +330,7 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest, 
         cands += remote_candidates(info, hw, req, n_ctx, kv_layer_bytes(info, req.kv, n_ctx, req.concurrency), host,
                                    remote_limits, [hw.cpu.physical_cores], len(cands))
     if not cands:
-        raise _explain(info, req, rejected, limits, n_ctx)
+        raise no_placement_fits(info, req, rejected, limits, n_ctx)
     log.info("enumerate: %d candidates (%d placements), %d rejected, n_ctx %s", len(cands), len(unique),
              sum(rejected.values()), "/".join(str(c) for c in sorted({s.n_ctx for s in unique.values()}, reverse=True)))
     return PlacementSpace(candidates=cands, rejected=rejected, memory_limits=limits, n_ctx=n_ctx,
@@ -375,25 +383,10 @@ def _over_limit(limits: dict[str, int], weights: dict[str, int], kv: dict[str, i
     for dev, limit in limits.items():
         resident = kv.get(dev, 0) + comp.get(dev, 0)
         if dev != "CPU" and (weights.get(dev, 0) or kv.get(dev, 0)):
-            resident += correction(hw, dev, offloads)
+            resident += correction(hw, dev, offloads, params.n_ubatch)
         if dev != "CPU" or params.load_mode != "mmap" or not req.allow_storage_streaming:
             resident += weights.get(dev, 0)
         if resident > limit:
             return f"{dev} memory"
     return None
 
-
-def _explain(info: ModelInfo, req: PlanRequest, rejected: dict[str, int], limits: dict[str, int],
-             n_ctx: int) -> ImpossiblePlan:
-    kv = info.kv_bytes_per_token[req.kv] * n_ctx * req.concurrency
-    host = limits["CPU"]
-    if info.weight_bytes > host and not req.allow_storage_streaming:
-        return ImpossiblePlan(
-            f"the weights ({info.weight_bytes / GIB:.1f} GiB) exceed usable RAM ({host / GIB:.1f} GiB)",
-            "pass --allow-storage-streaming to read the rest from the drive (decode is then bound by its "
-            "read speed), or use a smaller quant")
-    return ImpossiblePlan(
-        f"no placement fits: weights {info.weight_bytes / GIB:.2f} GiB + KV {kv / GIB:.2f} GiB "
-        f"(ctx {n_ctx} x {req.concurrency}) vs limits " +
-        ", ".join(f"{d} {b / GIB:.1f} GiB" for d, b in limits.items()) + f" ({rejected})",
-        "lower --ctx or --concurrency, or use --kv q8_0")

@@ -54,3 +54,20 @@ def gpu_limits(hw: HardwareReport, req: PlanRequest) -> list[int]:
         b = _budget_gib(budgets, i)
         out.append(int(min(free, b * GIB)) if b is not None else free)
     return out
+
+
+def no_placement_fits(info: ModelInfo, req: PlanRequest, rejected: dict[str, int], limits: dict[str, int],
+                      n_ctx: int) -> ImpossiblePlan:
+    """The refusal when no candidate fits: the weights beyond RAM, else every limit against what they hold."""
+    kv = info.kv_bytes_per_token[req.kv] * n_ctx * req.concurrency
+    host = limits["CPU"]
+    if info.weight_bytes > host and not req.allow_storage_streaming:
+        return ImpossiblePlan(
+            f"the weights ({info.weight_bytes / GIB:.1f} GiB) exceed usable RAM ({host / GIB:.1f} GiB)",
+            "pass --allow-storage-streaming to read the rest from the drive (decode is then bound by its "
+            "read speed), or use a smaller quant")
+    return ImpossiblePlan(
+        f"no placement fits: weights {info.weight_bytes / GIB:.2f} GiB + KV {kv / GIB:.2f} GiB "
+        f"(ctx {n_ctx} x {req.concurrency}) vs limits " +
+        ", ".join(f"{d} {b / GIB:.1f} GiB" for d, b in limits.items()) + f" ({rejected})",
+        "lower --ctx or --concurrency, or use --kv q8_0")

@@ -2,12 +2,17 @@
 does not model (the CUDA context, cuBLAS workspaces, the staging buffers the scheduler allocates to copy host
 weights for offloaded micro-batches), learned from the probe's own loads on this machine.
 
-The probe loads the model on each GPU it fits twice and reads each load's memory through NVML
+The probe loads the model on each GPU it fits and reads each load's memory through NVML
 (:func:`calibration_loads`): the whole model at a small micro-batch (its kernel timing), and — for a MoE
-model — its experts on the host at a large micro-batch with op offload on, the shape of a hybrid finalist.
-The residual of each (measured minus modelled) is the correction: ``base_bytes`` for every placement on the
-GPU, plus ``offload_bytes`` for one whose host weights are copied to the GPU for large micro-batches. Without
-a calibration (no GPU, an older probe) the fixed :data:`DEFAULT_MARGIN` stands in.
+model — its experts on the host with op offload on, the shape of a hybrid finalist, at each micro-batch the
+GPU search tries (:data:`HYBRID_UBATCHES`). The residual of each (measured minus modelled) is the correction:
+``base_bytes`` for every placement on the GPU, plus, for one whose host weights are copied to the GPU for
+large micro-batches, the offload load's extra at the candidate's own micro-batch (``offload_by_ubatch``;
+``offload_bytes``, the largest, where that micro-batch was not calibrated). The extra is not one figure: on
+the H200 the qwen35moe twin's hybrid load at a 512-token micro-batch held 0.08 GiB more than its whole load's
+residual while at 2,048 the generic compute-buffer term over-counted by 1.8 GiB, so one calibration at 2,048
+let a split filled to the budget measure over it. Without a calibration (no GPU, an older probe) the fixed
+:data:`DEFAULT_MARGIN` stands in.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ DEFAULT_MARGIN = GIB  # the old fixed margin: H200 finalists measured 0.3-0.9 Gi
 DEFAULT_OFFLOAD_MIN_BATCH = 32
 EXPERTS_ON_HOST = TensorOverride(pattern=r"\.ffn_(up|down|gate)_exps\.", device="CPU")
 CALIBRATION_UBATCH = 2048  # the largest micro-batch the search tries
+HYBRID_UBATCHES = (256, 512, CALIBRATION_UBATCH)  # the GPU search's micro-batches (tasks.enumerate)
+SIZING_UBATCH = 512  # the micro-batch a GPU placement's expert share is sized at (tasks.enumerate.gpu_overhead)
+FILL_HEADROOM = 64 * 2**20  # what a placement sized to the budget leaves free: NVML's per-process reading varies
 
 
 def compute_bytes(info: ModelInfo, n_ubatch: int, n_ctx: int, flash_attn: bool) -> int:
@@ -40,12 +48,14 @@ def offloads_host_weights(p: EngineParams, weights_bytes: dict[str, int]) -> boo
     return bool(on_gpu and host and p.op_offload and not p.no_host and p.n_ubatch >= threshold)
 
 
-def correction(hw: HardwareReport | None, device: str, offloads: bool) -> int:
-    """Bytes a GPU holds beyond the memory model's weights, KV cache and compute buffer."""
+def correction(hw: HardwareReport | None, device: str, offloads: bool, n_ubatch: int | None = None) -> int:
+    """Bytes a GPU holds beyond the memory model's weights, KV cache and compute buffer; for a placement that
+    offloads host weights, at its micro-batch ``n_ubatch`` where the probe calibrated it (else the largest)."""
     fit = next((f for f in (hw.gpu_memory if hw else []) if f.device == device), None)
     if fit is None:
         return DEFAULT_MARGIN
-    return max(0, fit.base_bytes + (fit.offload_bytes if offloads else 0))
+    extra = fit.offload_by_ubatch.get(n_ubatch, fit.offload_bytes) if n_ubatch is not None else fit.offload_bytes
+    return max(0, fit.base_bytes + (extra if offloads else 0))
 
 
 def modelled(cand: Candidate, device: str) -> int:
@@ -58,27 +68,35 @@ def predicted_gpu_bytes(cand: Candidate, hw: HardwareReport | None) -> dict[str,
     another machine's memory: not here)."""
     off = offloads_host_weights(cand.params, cand.weights_bytes)
     devices = {d for d in (*cand.weights_bytes, *cand.kv_bytes) if d != "CPU" and not d.startswith("RPC")}
-    return {d: modelled(cand, d) + correction(hw, d, off) for d in sorted(devices)}
+    return {d: modelled(cand, d) + correction(hw, d, off, cand.params.n_ubatch) for d in sorted(devices)}
+
+
+def offload_key(n_ubatch: int) -> str:
+    """A hybrid calibration load's name: ``offload`` at :data:`CALIBRATION_UBATCH` (as older probes named
+    their one), ``offload@N`` at another micro-batch."""
+    return "offload" if n_ubatch == CALIBRATION_UBATCH else f"offload@{n_ubatch}"
 
 
 def calibration_loads(info: ModelInfo, base: EngineParams) -> list[tuple[str, EngineParams]]:
     """The probe's loads whose memory fits the correction: ("whole", ``base``) — the whole model on the GPU,
-    as its kernels are timed — and, for a MoE model, ("offload", experts on the host at the largest
-    micro-batch with op offload on)."""
+    as its kernels are timed — and, for a MoE model, one per micro-batch of :data:`HYBRID_UBATCHES`
+    (:func:`offload_key`): experts on the host with op offload on, the shape of a hybrid finalist."""
     out = [("whole", base)]
     if info.is_moe:
-        out.append(("offload", base.model_copy(update={
-            "tensor_overrides": (EXPERTS_ON_HOST,), "n_ubatch": CALIBRATION_UBATCH, "n_batch": CALIBRATION_UBATCH,
-            "op_offload": True, "no_host": False})))
+        out += [(offload_key(ub), base.model_copy(update={
+            "tensor_overrides": (EXPERTS_ON_HOST,), "n_ubatch": ub, "n_batch": ub, "op_offload": True,
+            "no_host": False})) for ub in HYBRID_UBATCHES]
     return out
 
 
 def fit(device: str, residuals: dict[str, int]) -> GpuMemoryFit:
-    """The correction from the probe's residuals (measured minus modelled) per calibration load."""
+    """The correction from the probe's residuals (measured minus modelled) per calibration load: the whole
+    load's is the base; each hybrid load's excess over it, never below zero, is its micro-batch's extra."""
     base = residuals.get("whole", DEFAULT_MARGIN)
-    offload = residuals.get("offload", base) - base
-    return GpuMemoryFit(device=device, base_bytes=int(base), offload_bytes=int(max(0, offload)),
-                        residuals={k: int(v) for k, v in residuals.items()})
+    extra = {ub: int(max(0, residuals[offload_key(ub)] - base)) for ub in HYBRID_UBATCHES
+             if offload_key(ub) in residuals}
+    return GpuMemoryFit(device=device, base_bytes=int(base), offload_bytes=max(extra.values(), default=0),
+                        offload_by_ubatch=extra, residuals={k: int(v) for k, v in residuals.items()})
 
 
 def smallest_moe_budget(info: ModelInfo, n_ctx: int, n_seq: int, kv_type: str, hw: HardwareReport | None,
@@ -91,8 +109,8 @@ def smallest_moe_budget(info: ModelInfo, n_ctx: int, n_seq: int, kv_type: str, h
     from tasks.expert_hot import block_bytes
 
     kv = (info.kv_bytes_per_token.get(kv_type, 0) * n_ctx + info.recurrent_state_bytes) * n_seq
-    return int((block_bytes(info) + head_bytes(info) + kv) / max(1, n_gpus) + compute_bytes(info, 512, n_ctx, True)
-               + correction(hw, device, offloads=True))
+    return int((block_bytes(info) + head_bytes(info) + kv) / max(1, n_gpus)
+               + compute_bytes(info, SIZING_UBATCH, n_ctx, True) + correction(hw, device, True, SIZING_UBATCH))
 
 
 def budget_problem(info: ModelInfo, budget: int, free: int, n_ctx: int, n_seq: int, kv_type: str,

@@ -26,7 +26,7 @@ from engine_bridge.client import WorkerClient
 from engine_bridge.engines.process import peak_rss
 from engine_bridge.engines.spec import NATIVE, EngineSpec
 from engine_bridge.errors import EngineError
-from engine_bridge.gpumem import GpuMemoryMeter, over_budget
+from engine_bridge.gpumem import OVER_BUDGET, GpuMemoryMeter, over_budget
 from tasks.engines import engine_visit, spec_of
 from tasks.validate import score_loaded, scored_path
 
@@ -118,7 +118,8 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
             worker_env: Mapping[str, Mapping[str, str]] | None = None,
             gpu_budgets: list[int] | None = None, predicted_gpu: Mapping[str, int] | None = None,
             scoring: Scoring | None = None, engines: Sequence[EngineSpec] = (),
-            predicted_visit_s: Mapping[str, float] | None = None) -> tuple[list[MeasureSummary], pa.Table, float, bool]:
+            predicted_visit_s: Mapping[str, float] | None = None,
+            reserves: Sequence[Candidate] = ()) -> tuple[list[MeasureSummary], pa.Table, float, bool]:
     """Time every finalist; return (summaries, trials table, seconds spent, stopped by budget).
 
     A finalist on an engine other than the worker (``engine``, one of ``engines``) is visited through that
@@ -131,8 +132,17 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
     the finalists whose second visits (each as long as its first) do not all fit what is left are cut, slowest
     first, so that every finalist kept gets a second round (a spread); a cut one is an error row ("measured
     once"), never the plan.
+
+    ``reserves`` are finalists left out for the budget, best first: in the first round, a finalist that fails
+    (over the memory budget, a crash) hands its visit to the next reserve, so that a plan whose best-predicted
+    finalists all measure over the budget still measures the others (H200 run 15: both mapped splits of the
+    qwen35moe twin read 12.08 GiB of 12 and the four left out were never tried). A finalist over the memory
+    budget also takes with it the unvisited ones predicted to hold as much at the same micro-batch: their
+    visits would end the same way. Reserves never visited are in no summary.
     """
     rng = random.Random(seed)
+    finalists = list(finalists)
+    spare = list(reserves)
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
     failed: set[str] = set()
@@ -182,6 +192,20 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
             rows.extend(got)
             if any(r.get("error") for r in got):
                 failed.add(cand.id)
+                if rnd == 0:
+                    for cid, why in _like_over_budget(cand, got, order, failed, predicted_gpu or {}):
+                        failed.add(cid)
+                        rows.append({"candidate_id": cid, "round": 0, "prompt_index": -1, "error": why})
+                        if progress:
+                            progress(f"measure: {cid} dropped: {why}")
+                    spare = [c for c in spare if not _like_over_budget(cand, got, [c], failed, predicted_gpu or {})]
+                    if spare:
+                        finalists.append(spare.pop(0))
+                        order.append(finalists[-1])
+                        total += repeats
+                        if progress:
+                            progress(f"measure: {cand.id} failed; its visit goes to {finalists[-1].id}, "
+                                     "left out for the budget")
             if rnd == 0 and predicted_visit_s:
                 left = budget_s - (time.monotonic() - t0)
                 for cid, why in _drop_unvisited(finalists, first_visit, predicted_visit_s, failed, left):
@@ -196,6 +220,20 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
     pred = predicted_gpu or {}
     summaries = [summarize(c.id, rows).model_copy(update={"predicted_gpu_bytes": pred.get(c.id)}) for c in finalists]
     return summaries, table, time.monotonic() - t0, stopped
+
+
+def _like_over_budget(cand: Candidate, got: list[dict[str, Any]], others: Sequence[Candidate], failed: set[str],
+                      predicted: Mapping[str, int]) -> list[tuple[str, str]]:
+    """(id, reason) of the unvisited ``others`` that would measure over the memory budget as ``cand`` just did:
+    predicted to hold at least as much at the same micro-batch (nothing when ``cand`` failed otherwise)."""
+    why = next((r["error"] for r in got if r.get("error")), "")
+    mine = predicted.get(cand.id)
+    if not why.startswith(OVER_BUDGET) or mine is None:
+        return []
+    return [(c.id, f"not measured: predicted {predicted[c.id] / 2**30:.2f} GiB at micro-batch {c.params.n_ubatch}, "
+                   f"no less than {cand.id}, {why}")
+            for c in others if c.id not in failed and c.id != cand.id and predicted.get(c.id, -1) >= mine
+            and c.params.n_ubatch == cand.params.n_ubatch]
 
 
 def _drop_unvisited(finalists: list[Candidate], first_visit: Mapping[str, float], predicted: Mapping[str, float],

@@ -104,7 +104,9 @@ class GpuMemoryFit(Record):
 
     device: str
     base_bytes: int
-    offload_bytes: int = 0
+    offload_bytes: int = Field(0, description="the extra of a placement offloading host weights (the largest)")
+    offload_by_ubatch: dict[int, int] = Field(default_factory=dict, description=(
+        "that extra at each micro-batch the probe calibrated"))
     residuals: dict[str, int] = Field(default_factory=dict, description="measured minus modelled, per probe load")
 
 

@@ -62,19 +62,21 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport, fin: Finalists, ref: Re
     budget, rates, lengths, n_gen, kept = _sized(ctx, log, hw, fin)
     score_tokens = sum(len(p) + len(c) for p, c in ref.seqs())
     prompts = wl.tune_prompts(ctx.model, lengths, ctx.req.seed, ctx.worker_log)
+    ordered = wl.diverse_order(fin)
     summaries, table, used, stopped = measure(
         kept.finalists, ctx.model, prompts, n_gen, budget_s=budget, repeats=ctx.req.repeats,
         timeout_s=ctx.settings.plan.measure_timeout_s, log_path=ctx.worker_log, seed=ctx.req.seed,
         progress=log.info, gpu_budgets=gpu_limits(hw, ctx.req) if ctx.req.gpu_mem_budget_gib else None,
-        predicted_gpu={c.id: sum(predicted_gpu_bytes(c, hw).values()) for c in kept.finalists},
+        predicted_gpu={c.id: sum(predicted_gpu_bytes(c, hw).values()) for c in fin.finalists},
         scoring=Scoring(ref.seqs(), ref.held_out, scored_dir(ctx, key), ctx.info.n_vocab), engines=ctx.engines,
         predicted_visit_s={c.id: wl.visit_seconds(c, p, lengths, n_gen, rates, score_tokens)
-                           for c, p in zip(kept.finalists, kept.predictions, strict=True)})
+                           for c, p in zip(ordered.finalists, ordered.predictions, strict=True)},
+        reserves=ordered.finalists[len(kept.finalists):])
     tid = content_id({"measure": content_id(key), "rows": table.num_rows})
     ctx.store.put_table(TRIALS_RAW_TABLE, table, key=tid)
     dropped = [MeasureSummary(candidate_id=c.id, prefill_tps=None, decode_tps=None, workload_s=None, n_trials=0,
                               error="not measured: the budget left did not fit it") for c in fin.finalists
-               if c.id not in {k.id for k in kept.finalists}]
+               if c.id not in {s.candidate_id for s in summaries}]
     return MeasureResults(summaries=summaries + dropped, trials_table=tid, budget_s=budget, spent_s=used,
                           stopped_by_budget=stopped, lengths=lengths, n_gen=n_gen,
                           scored_dir=str(scored_dir(ctx, key)))

@@ -48,13 +48,30 @@ def test_the_fit_is_the_probe_residuals() -> None:
     assert correction(None, "CUDA0", offloads=False) == DEFAULT_MARGIN
 
 
+def test_a_hybrid_candidate_takes_the_extra_of_its_own_micro_batch() -> None:
+    """The qwen35moe twin on the H200 (run 15): whole load 0.73 GiB over the model; a hybrid load at 2,048
+    1.03 GiB under it (the generic compute term over-counts there), so one calibration at 2,048 gave no extra
+    and a split filled to 12 GiB measured 12.08. Each micro-batch now gets its own extra."""
+    f = fit("CUDA0", {"whole": 730 * MIB, "offload@256": 790 * MIB, "offload@512": 820 * MIB,
+                      "offload": -1030 * MIB})
+    assert f.offload_by_ubatch == {256: 60 * MIB, 512: 90 * MIB, 2048: 0}
+    assert f.offload_bytes == 90 * MIB  # the largest: a micro-batch the probe did not calibrate
+    hw = h200_report(1).model_copy(update={"gpu_memory": [f]})
+    assert correction(hw, "CUDA0", True, 512) == 820 * MIB
+    assert correction(hw, "CUDA0", True, 256) == 790 * MIB
+    assert correction(hw, "CUDA0", True, 2048) == 730 * MIB
+    assert correction(hw, "CUDA0", True, 128) == correction(hw, "CUDA0", True) == 820 * MIB
+    assert correction(hw, "CUDA0", False, 512) == 730 * MIB
+
+
 def test_calibration_loads_put_a_moe_models_experts_on_the_host(moe: ModelInfo) -> None:
     from engine_bridge.params import EngineParams
 
     base = EngineParams(n_ctx=512, n_batch=64, n_ubatch=64, n_gpu_layers=-1, flash_attn=True)
     loads = dict(calibration_loads(moe, base))
-    assert set(loads) == {"whole", "offload"}
+    assert set(loads) == {"whole", "offload@256", "offload@512", "offload"}
     assert loads["offload"].tensor_overrides and loads["offload"].n_ubatch == 2048
+    assert loads["offload@512"].tensor_overrides and loads["offload@512"].n_ubatch == 512
     whole = modelled_load(moe, loads["whole"], "CUDA0", experts_on_host=False)
     hybrid = modelled_load(moe, loads["offload"], "CUDA0", experts_on_host=True)
     experts = sum(v for layer in moe.layers for k, v in layer.bytes_by_role.items() if k.startswith("experts_"))
