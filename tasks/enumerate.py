@@ -255,8 +255,10 @@ def _contexts(n_ctx: int, req: PlanRequest, n_gpus: int) -> list[int]:
 
 
 def _gpu_shapes(info: ModelInfo, req: PlanRequest, per_gpu: list[int], n_ctx: int, tag: str,
-                routing: NDArray[np.float64] | None = None, margins: list[int] | None = None) -> list[_Shape]:
-    """GPU placements at one context, each with its KV placement, the KV cache taken from the weights' budget."""
+                routing: NDArray[np.float64] | None = None, margins: list[int] | None = None,
+                mapped_extra: int = 0) -> list[_Shape]:
+    """GPU placements at one context, each with its KV placement, the KV cache taken from the weights' budget
+    (a mapped split's also ``mapped_extra``, what its graph holds beyond a hybrid load's)."""
     if not per_gpu:
         return []
     kv_total = kv_at(info, n_ctx, req.concurrency, req.kv)
@@ -269,7 +271,8 @@ def _gpu_shapes(info: ModelInfo, req: PlanRequest, per_gpu: list[int], n_ctx: in
     # single experts on the GPU, chosen by measured routing (patched backend); then the same with every layer
     # split and the cold picks read by the GPU over the bus
     for cover, fam in ((False, "experts-hot"), (True, "experts-mapped")):
-        hot = hot_placement(info, routing, on_gpu[0], cover_layers=cover) if routing is not None and len(on_gpu) == 1 else None
+        room = on_gpu[0] - (mapped_extra if cover else 0)
+        hot = hot_placement(info, routing, room, cover_layers=cover) if routing is not None and len(on_gpu) == 1 else None
         if hot is not None:
             out.append(_Shape(fam + tag, hot.placement, n_ctx, "gpu", hot.split, hot.hot_share, mapped=cover))
     out += [_Shape(f + "/kv-host" + tag, pl, n_ctx, "host")
@@ -302,7 +305,8 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest, 
     margins = [correction(hw, name, True, SIZING_UBATCH) for name in gpus[:len(per_gpu)]]
     margins += [DEFAULT_MARGIN] * (len(per_gpu) - len(margins))
     for ctx in _contexts(n_ctx, req, len(gpus)):
-        shapes += _gpu_shapes(info, req, per_gpu, ctx, "" if ctx == n_ctx else f"@{ctx}", routing, margins)
+        shapes += _gpu_shapes(info, req, per_gpu, ctx, "" if ctx == n_ctx else f"@{ctx}", routing, margins,
+                              max(0, correction(hw, gpus[0], True, SIZING_UBATCH, True) - margins[0]) if margins else 0)
     unique: dict[tuple[str, int, str, str, bool], _Shape] = {}
     for sh in shapes:
         unique.setdefault((sh.placement.model_dump_json(), sh.n_ctx, sh.kv, sh.split.env_value() if sh.split else "",
@@ -383,7 +387,7 @@ def _over_limit(limits: dict[str, int], weights: dict[str, int], kv: dict[str, i
     for dev, limit in limits.items():
         resident = kv.get(dev, 0) + comp.get(dev, 0)
         if dev != "CPU" and (weights.get(dev, 0) or kv.get(dev, 0)):
-            resident += correction(hw, dev, offloads, params.n_ubatch)
+            resident += correction(hw, dev, offloads, params.n_ubatch, params.expert_mapped)
         if dev != "CPU" or params.load_mode != "mmap" or not req.allow_storage_streaming:
             resident += weights.get(dev, 0)
         if resident > limit:

@@ -17,10 +17,12 @@ let a split filled to the budget measure over it. Without a calibration (no GPU,
 
 from __future__ import annotations
 
-from artifacts.model_info import ModelInfo
+from typing import Any
+
+from artifacts.model_info import ModelInfo, expert_bytes
 from artifacts.records.hardware import GpuMemoryFit, HardwareReport
 from artifacts.records.search import Candidate
-from engine_bridge.params import EngineParams, TensorOverride
+from engine_bridge.params import EngineParams, ExpertSplit, TensorOverride
 
 GIB = 2**30
 DEFAULT_MARGIN = GIB  # the old fixed margin: H200 finalists measured 0.3-0.9 GiB above the uncorrected model
@@ -29,6 +31,7 @@ EXPERTS_ON_HOST = TensorOverride(pattern=r"\.ffn_(up|down|gate)_exps\.", device=
 CALIBRATION_UBATCH = 2048  # the largest micro-batch the search tries
 HYBRID_UBATCHES = (256, 512, CALIBRATION_UBATCH)  # the GPU search's micro-batches (tasks.enumerate)
 SIZING_UBATCH = 512  # the micro-batch a GPU placement's expert share is sized at (tasks.enumerate.gpu_overhead)
+MAPPED_KEY = f"mapped@{SIZING_UBATCH}"
 FILL_HEADROOM = 64 * 2**20  # what a placement sized to the budget leaves free: NVML's per-process reading varies
 
 
@@ -48,12 +51,16 @@ def offloads_host_weights(p: EngineParams, weights_bytes: dict[str, int]) -> boo
     return bool(on_gpu and host and p.op_offload and not p.no_host and p.n_ubatch >= threshold)
 
 
-def correction(hw: HardwareReport | None, device: str, offloads: bool, n_ubatch: int | None = None) -> int:
+def correction(hw: HardwareReport | None, device: str, offloads: bool, n_ubatch: int | None = None,
+               mapped: bool = False) -> int:
     """Bytes a GPU holds beyond the memory model's weights, KV cache and compute buffer; for a placement that
-    offloads host weights, at its micro-batch ``n_ubatch`` where the probe calibrated it (else the largest)."""
+    offloads host weights, at its micro-batch ``n_ubatch`` where the probe calibrated it (else the largest);
+    for a mapped per-expert split (``EngineParams.expert_mapped``), the probe's mapped load's extra."""
     fit = next((f for f in (hw.gpu_memory if hw else []) if f.device == device), None)
     if fit is None:
         return DEFAULT_MARGIN
+    if mapped and fit.mapped_by_ubatch:
+        return max(0, fit.base_bytes + fit.mapped_by_ubatch.get(n_ubatch or 0, max(fit.mapped_by_ubatch.values())))
     extra = fit.offload_by_ubatch.get(n_ubatch, fit.offload_bytes) if n_ubatch is not None else fit.offload_bytes
     return max(0, fit.base_bytes + (extra if offloads else 0))
 
@@ -68,7 +75,8 @@ def predicted_gpu_bytes(cand: Candidate, hw: HardwareReport | None) -> dict[str,
     another machine's memory: not here)."""
     off = offloads_host_weights(cand.params, cand.weights_bytes)
     devices = {d for d in (*cand.weights_bytes, *cand.kv_bytes) if d != "CPU" and not d.startswith("RPC")}
-    return {d: modelled(cand, d) + correction(hw, d, off, cand.params.n_ubatch) for d in sorted(devices)}
+    return {d: modelled(cand, d) + correction(hw, d, off, cand.params.n_ubatch, cand.params.expert_mapped)
+            for d in sorted(devices)}
 
 
 def offload_key(n_ubatch: int) -> str:
@@ -77,15 +85,24 @@ def offload_key(n_ubatch: int) -> str:
     return "offload" if n_ubatch == CALIBRATION_UBATCH else f"offload@{n_ubatch}"
 
 
-def calibration_loads(info: ModelInfo, base: EngineParams) -> list[tuple[str, EngineParams]]:
+def calibration_loads(info: ModelInfo, base: EngineParams, device: str = "CUDA0") -> list[tuple[str, EngineParams]]:
     """The probe's loads whose memory fits the correction: ("whole", ``base``) — the whole model on the GPU,
     as its kernels are timed — and, for a MoE model, one per micro-batch of :data:`HYBRID_UBATCHES`
-    (:func:`offload_key`): experts on the host with op offload on, the shape of a hybrid finalist."""
+    (:func:`offload_key`): experts on the host with op offload on, the shape of a hybrid finalist; then
+    (:data:`MAPPED_KEY`) a mapped per-expert split at :data:`SIZING_UBATCH`, one expert of each layer copied
+    to ``device``: its split graph holds more than the offload load (H200, qwen35moe twin: 0.23 GiB more at
+    512, so splits filled to 12 and 8 GiB read 12.01 and 8.02) and its loads need a worker of its own (the split
+    is read from the environment)."""
     out = [("whole", base)]
     if info.is_moe:
-        out += [(offload_key(ub), base.model_copy(update={
-            "tensor_overrides": (EXPERTS_ON_HOST,), "n_ubatch": ub, "n_batch": ub, "op_offload": True,
-            "no_host": False})) for ub in HYBRID_UBATCHES]
+        hybrid: dict[str, Any] = {"tensor_overrides": (EXPERTS_ON_HOST,), "op_offload": True, "no_host": False}
+        out += [(offload_key(ub), base.model_copy(update={**hybrid, "n_ubatch": ub, "n_batch": ub}))
+                for ub in HYBRID_UBATCHES]
+        layers: dict[int, list[int] | tuple[int, ...]] = {i: [0] for i, b in enumerate(expert_bytes(info)) if b}
+        if layers:
+            out.append((MAPPED_KEY, base.model_copy(update={
+                **hybrid, "n_ubatch": SIZING_UBATCH, "n_batch": SIZING_UBATCH, "expert_mapped": True,
+                "expert_split": ExpertSplit.on(device, layers)})))
     return out
 
 
@@ -95,8 +112,10 @@ def fit(device: str, residuals: dict[str, int]) -> GpuMemoryFit:
     base = residuals.get("whole", DEFAULT_MARGIN)
     extra = {ub: int(max(0, residuals[offload_key(ub)] - base)) for ub in HYBRID_UBATCHES
              if offload_key(ub) in residuals}
+    mapped = {SIZING_UBATCH: int(max(0, residuals[MAPPED_KEY] - base))} if MAPPED_KEY in residuals else {}
     return GpuMemoryFit(device=device, base_bytes=int(base), offload_bytes=max(extra.values(), default=0),
-                        offload_by_ubatch=extra, residuals={k: int(v) for k, v in residuals.items()})
+                        offload_by_ubatch=extra, mapped_by_ubatch=mapped,
+                        residuals={k: int(v) for k, v in residuals.items()})
 
 
 def smallest_moe_budget(info: ModelInfo, n_ctx: int, n_seq: int, kv_type: str, hw: HardwareReport | None,

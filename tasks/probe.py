@@ -25,10 +25,11 @@ from engine_bridge import ops, rpc
 from engine_bridge.client import HIDE_GPUS, WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.gpu_inventory import nvml_inventory
-from engine_bridge.gpumem import GpuMemoryMeter
+from engine_bridge.gpumem import GpuMemoryMeter, GpuReading
 from engine_bridge.params import EngineParams
 from tasks import gpu_memory
 from tasks.enumerate import modelled_load
+from tasks.expert_hot import split_bytes
 from tasks.probe_gpu import host_to_device_bandwidth
 from tasks.probe_host import ram_read_bandwidth, storage_read_speed, usable_cpus
 
@@ -117,15 +118,17 @@ def _gpu_kernels(w: WorkerClient, meter: GpuMemoryMeter, model_path: Path, info:
         try:
             timing = _time_kernels(w, model_path, params, name, info.n_layer, settings)
             residuals: dict[str, int] = {}
-            for kind, load in gpu_memory.calibration_loads(info, params):
-                if kind != "whole":
-                    w.request(ops.LOAD, ops.LoadArgs(model=str(model_path), params=load),
-                              timeout=settings.serve.worker_timeouts.load_s)
-                reading = meter.read(w.pid)
+            for kind, load in gpu_memory.calibration_loads(info, params, name):
+                try:
+                    reading = _calibration_reading(w, meter, model_path, load, settings, first=kind == "whole")
+                except EngineError as exc:
+                    log.warning("probe: %s memory, %s load failed (its correction is left out): %s", name, kind, exc)
+                    continue
                 if reading is None:
                     break
                 held = reading.per_gpu[k] if k < len(reading.per_gpu) else max(reading.per_gpu)
-                model = modelled_load(info, load, name, experts_on_host=kind != "whole")
+                model = modelled_load(info, load, name, experts_on_host=kind != "whole") + split_bytes(
+                    info, load.expert_split).get(name, 0)
                 residuals[kind] = held - model
                 if kind == "whole":
                     timing = timing.model_copy(update={"gpu_bytes": held, "gpu_bytes_predicted": model})
@@ -137,6 +140,27 @@ def _gpu_kernels(w: WorkerClient, meter: GpuMemoryMeter, model_path: Path, info:
         except EngineError as exc:
             log.warning("probe: kernel timing on %s failed: %s", name, exc)
     return out, fits
+
+
+def _calibration_reading(w: WorkerClient, meter: GpuMemoryMeter, model_path: Path, load: EngineParams,
+                         settings: Settings, first: bool) -> GpuReading | None:
+    """The GPU memory a calibration load holds (None: NVML has no reading). The first is the load the kernels
+    were timed on; a per-expert split, read from the environment when a model loads, gets a worker of its own."""
+    env = load.environment()
+    own = _worker(settings, env) if env.get("FLUX_MOE_SPLIT") else None
+    try:
+        if own is not None:
+            own.start()
+        if not first:
+            (own or w).request(ops.LOAD, ops.LoadArgs(model=str(model_path), params=load),
+                               timeout=settings.serve.worker_timeouts.load_s)
+        reading = meter.read((own or w).pid)
+    finally:
+        if own is not None:
+            own.close(timeout=5)
+    if own is not None and reading is not None and reading.method != "per-process":
+        return None  # a device-wide delta would count the first worker's load too (it is the last load)
+    return reading
 
 
 def engine_probe(model_path: Path, info: ModelInfo, threads: int,

@@ -107,6 +107,8 @@ class GpuMemoryFit(Record):
     offload_bytes: int = Field(0, description="the extra of a placement offloading host weights (the largest)")
     offload_by_ubatch: dict[int, int] = Field(default_factory=dict, description=(
         "that extra at each micro-batch the probe calibrated"))
+    mapped_by_ubatch: dict[int, int] = Field(default_factory=dict, description=(
+        "the extra of a mapped per-expert split (instead of the offload extra), per calibrated micro-batch"))
     residuals: dict[str, int] = Field(default_factory=dict, description="measured minus modelled, per probe load")
 
 

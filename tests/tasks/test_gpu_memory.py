@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from artifacts.model_info import ModelInfo, model_info
+from artifacts.model_info import ModelInfo, expert_bytes, model_info
 from artifacts.records.hardware import GpuMemoryFit
 from artifacts.records.plan import PlanRequest
 from tasks.enumerate import compute_bytes, enumerate_placements, gpu_overhead, kv_at, modelled_load
@@ -64,14 +64,63 @@ def test_a_hybrid_candidate_takes_the_extra_of_its_own_micro_batch() -> None:
     assert correction(hw, "CUDA0", False, 512) == 730 * MIB
 
 
+def test_a_mapped_split_takes_the_extra_its_own_calibration_load_read() -> None:
+    """The qwen35moe twin on the H200 (run 16): hybrid loads at 256/512 read 0.61/0.58 GiB over the model,
+    under the whole load's 0.74, so they added nothing; the mapped splits filled to 12 and 8 GiB then read
+    12.01 and 8.02 (0.81-0.82 GiB over the model) while the layer splits beside them read 0.12 under. The
+    probe's mapped load gives the split its own extra."""
+    f = fit("CUDA0", {"whole": 740 * MIB, "offload@512": 580 * MIB, "mapped@512": 830 * MIB})
+    assert f.mapped_by_ubatch == {512: 90 * MIB} and f.offload_by_ubatch == {512: 0}
+    hw = h200_report(1).model_copy(update={"gpu_memory": [f]})
+    assert correction(hw, "CUDA0", True, 512, mapped=True) == 830 * MIB
+    assert correction(hw, "CUDA0", True, 256, mapped=True) == 830 * MIB, "an uncalibrated micro-batch: the largest"
+    assert correction(hw, "CUDA0", True, 512) == 740 * MIB, "a split that is not mapped keeps the hybrid extra"
+    old = h200_report(1).model_copy(update={"gpu_memory": [fit("CUDA0", {"whole": 740 * MIB})]})
+    assert correction(old, "CUDA0", True, 512, mapped=True) == 740 * MIB, "an older probe: no mapped extra"
+
+
+def test_mapped_splits_fit_their_budget_with_their_own_extra(moe: ModelInfo) -> None:
+    import numpy as np
+
+    from tasks.expert_hot import block_bytes
+
+    f = fit("CUDA0", {"whole": 300 * MIB, "offload@512": 300 * MIB, "mapped@512": 300 * MIB + 256 * 1024})
+    hw = h200_report(1).model_copy(update={"gpu_memory": [f]})
+    shares = np.full((moe.n_layer, moe.n_expert), 1.0 / moe.n_expert)
+    shares[:, 0] += 1.0
+    shares /= shares.sum(axis=1, keepdims=True)
+    budget = (block_bytes(moe) + 0.3 * moe.weight_bytes + gpu_overhead(moe, 512, kv_at(moe, 512), 300 * MIB)) / GIB
+    space = enumerate_placements(moe, hw, PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=[budget]), 10,  # type: ignore[arg-type]
+                                 shares)
+    mapped = [c for c in space.candidates if c.params.expert_mapped]
+    hot = [c for c in space.candidates if c.family.startswith("experts-hot")]
+    assert mapped and hot, sorted({c.family for c in space.candidates})
+    for c in mapped:
+        pred = predicted_gpu_bytes(c, hw)["CUDA0"]  # type: ignore[arg-type]
+        assert pred == modelled_gpu(c) + 300 * MIB + 256 * 1024 and pred <= budget * GIB
+    assert min(c.weights_bytes["CUDA0"] for c in hot) > max(c.weights_bytes["CUDA0"] for c in mapped), (
+        "the mapped split leaves its graph's extra out of its expert copies")
+
+
+def modelled_gpu(c: object) -> int:
+    from tasks.gpu_memory import modelled
+
+    return modelled(c, "CUDA0")  # type: ignore[arg-type]
+
+
 def test_calibration_loads_put_a_moe_models_experts_on_the_host(moe: ModelInfo) -> None:
     from engine_bridge.params import EngineParams
 
     base = EngineParams(n_ctx=512, n_batch=64, n_ubatch=64, n_gpu_layers=-1, flash_attn=True)
     loads = dict(calibration_loads(moe, base))
-    assert set(loads) == {"whole", "offload@256", "offload@512", "offload"}
+    assert set(loads) == {"whole", "offload@256", "offload@512", "offload", "mapped@512"}
     assert loads["offload"].tensor_overrides and loads["offload"].n_ubatch == 2048
     assert loads["offload@512"].tensor_overrides and loads["offload@512"].n_ubatch == 512
+    mapped = loads["mapped@512"]
+    assert mapped.expert_mapped and mapped.expert_split and mapped.n_ubatch == 512
+    assert [h.layer for h in mapped.expert_split.layers] == [i for i, b in enumerate(expert_bytes(moe)) if b]
+    assert all(h.experts == (0,) and h.device == "CUDA0" for h in mapped.expert_split.layers)
+    assert "FLUX_MOE_MAPPED" in mapped.environment() and "FLUX_MOE_SPLIT" in mapped.environment()
     whole = modelled_load(moe, loads["whole"], "CUDA0", experts_on_host=False)
     hybrid = modelled_load(moe, loads["offload"], "CUDA0", experts_on_host=True)
     experts = sum(v for layer in moe.layers for k, v in layer.bytes_by_role.items() if k.startswith("experts_"))
