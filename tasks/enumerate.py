@@ -258,7 +258,7 @@ def _gpu_shapes(info: ModelInfo, req: PlanRequest, per_gpu: list[int], n_ctx: in
                 routing: NDArray[np.float64] | None = None, margins: list[int] | None = None,
                 mapped_extra: int = 0) -> list[_Shape]:
     """GPU placements at one context, each with its KV placement, the KV cache taken from the weights' budget
-    (a mapped split's also ``mapped_extra``, what its graph holds beyond a hybrid load's)."""
+    (a mapped split's also ``mapped_extra``, what its graph holds beyond a hybrid load's, or less)."""
     if not per_gpu:
         return []
     kv_total = kv_at(info, n_ctx, req.concurrency, req.kv)
@@ -306,7 +306,7 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest, 
     margins += [DEFAULT_MARGIN] * (len(per_gpu) - len(margins))
     for ctx in _contexts(n_ctx, req, len(gpus)):
         shapes += _gpu_shapes(info, req, per_gpu, ctx, "" if ctx == n_ctx else f"@{ctx}", routing, margins,
-                              max(0, correction(hw, gpus[0], True, SIZING_UBATCH, True) - margins[0]) if margins else 0)
+                              correction(hw, gpus[0], True, SIZING_UBATCH, True) - margins[0] if margins else 0)
     unique: dict[tuple[str, int, str, str, bool], _Shape] = {}
     for sh in shapes:
         unique.setdefault((sh.placement.model_dump_json(), sh.n_ctx, sh.kv, sh.split.env_value() if sh.split else "",

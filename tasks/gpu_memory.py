@@ -89,16 +89,19 @@ def calibration_loads(info: ModelInfo, base: EngineParams, device: str = "CUDA0"
     """The probe's loads whose memory fits the correction: ("whole", ``base``) — the whole model on the GPU,
     as its kernels are timed — and, for a MoE model, one per micro-batch of :data:`HYBRID_UBATCHES`
     (:func:`offload_key`): experts on the host with op offload on, the shape of a hybrid finalist; then
-    (:data:`MAPPED_KEY`) a mapped per-expert split at :data:`SIZING_UBATCH`, one expert of each layer copied
-    to ``device``: its split graph holds more than the offload load (H200, qwen35moe twin: 0.23 GiB more at
-    512, so splits filled to 12 and 8 GiB read 12.01 and 8.02) and its loads need a worker of its own (the split
-    is read from the environment)."""
+    (:data:`MAPPED_KEY`) a mapped per-expert split at :data:`SIZING_UBATCH`, half the experts of each layer
+    copied to ``device``, in a worker of its own (the split is read from the environment). A mapped split's
+    graph holds what neither the offload load nor a split of one expert per layer shows: on the H200 (run 16)
+    the qwen35moe twin's splits filled to 12 and 8 GiB (53% and 29% of the experts copied) both read 0.81 GiB
+    over the model, the offload load 0.58 and a one-expert split 0.51; the qwen3moe twin's 0.66, 0.59 and 0.52.
+    A split of half the experts has the finalists' shape (the whole model fits this GPU, or it is not probed)."""
     out = [("whole", base)]
     if info.is_moe:
         hybrid: dict[str, Any] = {"tensor_overrides": (EXPERTS_ON_HOST,), "op_offload": True, "no_host": False}
         out += [(offload_key(ub), base.model_copy(update={**hybrid, "n_ubatch": ub, "n_batch": ub}))
                 for ub in HYBRID_UBATCHES]
-        layers: dict[int, list[int] | tuple[int, ...]] = {i: [0] for i, b in enumerate(expert_bytes(info)) if b}
+        half = list(range(max(1, info.n_expert // 2)))
+        layers: dict[int, list[int] | tuple[int, ...]] = {i: half for i, b in enumerate(expert_bytes(info)) if b}
         if layers:
             out.append((MAPPED_KEY, base.model_copy(update={
                 **hybrid, "n_ubatch": SIZING_UBATCH, "n_batch": SIZING_UBATCH, "expert_mapped": True,
@@ -112,7 +115,8 @@ def fit(device: str, residuals: dict[str, int]) -> GpuMemoryFit:
     base = residuals.get("whole", DEFAULT_MARGIN)
     extra = {ub: int(max(0, residuals[offload_key(ub)] - base)) for ub in HYBRID_UBATCHES
              if offload_key(ub) in residuals}
-    mapped = {SIZING_UBATCH: int(max(0, residuals[MAPPED_KEY] - base))} if MAPPED_KEY in residuals else {}
+    # a mapped split's own residual, even below the base (the qwen3moe twin's split held 0.09 GiB under it)
+    mapped = {SIZING_UBATCH: int(residuals[MAPPED_KEY] - base)} if MAPPED_KEY in residuals else {}
     return GpuMemoryFit(device=device, base_bytes=int(base), offload_bytes=max(extra.values(), default=0),
                         offload_by_ubatch=extra, mapped_by_ubatch=mapped,
                         residuals={k: int(v) for k, v in residuals.items()})

@@ -108,7 +108,7 @@ class GpuMemoryFit(Record):
     offload_by_ubatch: dict[int, int] = Field(default_factory=dict, description=(
         "that extra at each micro-batch the probe calibrated"))
     mapped_by_ubatch: dict[int, int] = Field(default_factory=dict, description=(
-        "the extra of a mapped per-expert split (instead of the offload extra), per calibrated micro-batch"))
+        "the extra of a mapped per-expert split (instead of the offload extra; may be negative), per micro-batch"))
     residuals: dict[str, int] = Field(default_factory=dict, description="measured minus modelled, per probe load")
 
 
