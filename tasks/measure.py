@@ -137,8 +137,9 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
     (over the memory budget, a crash) hands its visit to the next reserve, so that a plan whose best-predicted
     finalists all measure over the budget still measures the others (H200 run 15: both mapped splits of the
     qwen35moe twin read 12.08 GiB of 12 and the four left out were never tried). A finalist over the memory
-    budget also takes with it the unvisited ones predicted to hold as much at the same micro-batch: their
-    visits would end the same way. Reserves never visited are in no summary.
+    budget also takes with it the unvisited ones predicted to hold as much at the same micro-batch (their
+    visits would end the same way), and each of those visits goes to a reserve too. Reserves never visited
+    are in no summary.
     """
     rng = random.Random(seed)
     finalists = list(finalists)
@@ -193,19 +194,20 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
             if any(r.get("error") for r in got):
                 failed.add(cand.id)
                 if rnd == 0:
-                    for cid, why in _like_over_budget(cand, got, order, failed, predicted_gpu or {}):
+                    like = _like_over_budget(cand, got, order, failed, predicted_gpu or {})
+                    for cid, why in like:
                         failed.add(cid)
                         rows.append({"candidate_id": cid, "round": 0, "prompt_index": -1, "error": why})
                         if progress:
                             progress(f"measure: {cid} dropped: {why}")
                     spare = [c for c in spare if not _like_over_budget(cand, got, [c], failed, predicted_gpu or {})]
-                    if spare:
+                    for _ in range(min(len(spare), 1 + len(like))):  # a reserve for every visit freed
                         finalists.append(spare.pop(0))
                         order.append(finalists[-1])
                         total += repeats
                         if progress:
-                            progress(f"measure: {cand.id} failed; its visit goes to {finalists[-1].id}, "
-                                     "left out for the budget")
+                            progress(f"measure: {cand.id} failed; a visit goes to {finalists[-1].id}, left out for "
+                                     "the budget")
             if rnd == 0 and predicted_visit_s:
                 left = budget_s - (time.monotonic() - t0)
                 for cid, why in _drop_unvisited(finalists, first_visit, predicted_visit_s, failed, left):
