@@ -158,13 +158,19 @@ def memory_record(plan_id: str, path: Path) -> None:
                       for c in (fin.finalists if fin else []) if c.id in measured]}))
 
 
+def per_expert(family: str) -> bool:
+    """A per-expert split's family (experts-hot, experts-mapped, with or without an ``@ctx`` suffix)."""
+    return family.startswith("experts-")
+
+
 def whole_tensor_facts(plan: Any) -> dict[str, Any]:
-    """The plan against the best whole-tensor finalist its own measurement raced (experts-hot plans only):
-    the same `flux plan` run timed both in its paired rounds."""
-    whole = [s for s in plan.finalists if plan.families.get(s.candidate_id, "experts-hot") != "experts-hot"
+    """The plan against the best whole-tensor finalist its own measurement raced (per-expert plans only): the
+    same `flux plan` run timed both in its paired rounds. (Before run 16 only a family spelled exactly
+    ``experts-hot`` counted, so no mapped plan, nor one with an ``@ctx`` suffix, had this comparison.)"""
+    whole = [s for s in plan.finalists if not per_expert(plan.families.get(s.candidate_id, "experts-hot"))
              and s.decode_tps and s.workload_s]
     best = min(whole, key=lambda s: s.workload_s, default=None)
-    if best is None or plan.candidate.family != "experts-hot":
+    if best is None or not per_expert(plan.candidate.family):
         return {}
     m = plan.measured
     return {"whole_id": best.candidate_id, "whole_family": plan.families[best.candidate_id],
