@@ -95,6 +95,9 @@ class ModelInfo(BaseModel):
     # (f32, whatever the context: llama.cpp's conv and SSM states). None / 0: every layer has a KV cache.
     n_kv_layers: int | None = None
     recurrent_state_bytes: int = 0
+    # next-token (MTP) blocks after the trunk (nextn_predict_layers): not in n_layer nor in layers; llama.cpp
+    # loads them only for an MTP drafting context
+    n_nextn_layers: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -225,7 +228,8 @@ def model_info(path: Path, supported: frozenset[str] | None = None) -> ModelInfo
     if not isinstance(arch, str) or not arch:
         raise ModelFileError(path, "GGUF has no general.architecture: not a llama.cpp model file")
     tensors = [t for h in headers for t in h.tensors]
-    n_layer = _int(md, f"{arch}.block_count")
+    n_nextn = _int(md, f"{arch}.nextn_predict_layers", 0)  # next-token (MTP) blocks after the trunk
+    n_layer = _int(md, f"{arch}.block_count") - n_nextn
     by_role, quant, layers = _summarize(tensors, n_layer)
     arch_ok = arch in (supported if supported is not None else supported_architectures())
     return ModelInfo(
@@ -241,6 +245,7 @@ def model_info(path: Path, supported: frozenset[str] | None = None) -> ModelInfo
         bytes_by_role=by_role, quant_types=quant, layers=layers,
         kv_bytes_per_token=_kv_per_token(md, arch, n_layer),
         n_kv_layers=_kv_layers(md, arch, n_layer), recurrent_state_bytes=_recurrent_state(md, arch, n_layer),
+        n_nextn_layers=n_nextn,
     )
 
 

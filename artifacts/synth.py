@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from artifacts.errors import ModelFileError
 from artifacts.gguf_encode import kv, kv_array, string
 from artifacts.ids import canonical_json
+from artifacts.model_info import tensor_layer
 from artifacts.synth_catalog import PRESETS
 from artifacts.synth_data import padded, write_all, write_data
 from artifacts.synth_layout import PlannedTensor, plan_tensors, vocab
@@ -147,7 +148,10 @@ def synthesize(
         with open(tmp, "wb", buffering=0) as f:
             write_all(f, memoryview(header))
             router = locality.router() if locality else _router(spec, seed)
-            write_data(f, plan, sizes, np.random.default_rng(seed), router, locality)
+            k = len(plan) - sum(1 for t in plan if (tensor_layer(t.name) or 0) >= spec.n_layer)
+            write_data(f, plan[:k], sizes[:k], np.random.default_rng(seed), router, locality)
+            # next-token blocks after the trunk, from their own draws: the trunk is the twin without them
+            write_data(f, plan[k:], sizes[k:], np.random.default_rng([seed, _MTP_STREAM]), router, locality)
         written = tmp.stat().st_size
         if written != total:
             raise ModelFileError(out, f"synthesizer wrote {written} bytes, planned {total}: report this bug")
@@ -163,6 +167,9 @@ def synthesize(
 
 
 # ---- plan ----------------------------------------------------------------------------------------------
+
+
+_MTP_STREAM = 0x3A7  # the random stream of next-token blocks, apart from the trunk's
 
 
 def cached_twin(cache_dir: Path, preset: str, quant: Quant = "Q4_0", routing: str = "uniform") -> Path:
@@ -238,7 +245,7 @@ def _metadata(spec: SynthSpec, name: str, quant: Quant, seed: int) -> list[bytes
     u32, f32, s = VT.UINT32, VT.FLOAT32, VT.STRING
     a = spec.arch
     hparams = {
-        "block_count": spec.n_layer, "context_length": spec.n_ctx_train, "embedding_length": spec.n_embd,
+        "block_count": spec.n_layer + spec.n_mtp, "context_length": spec.n_ctx_train, "embedding_length": spec.n_embd,
         "feed_forward_length": spec.n_ff, "attention.head_count": spec.n_head,
         "attention.head_count_kv": spec.n_head_kv, "attention.key_length": spec.head_dim,
         "attention.value_length": spec.head_dim, "rope.dimension_count": spec.n_rot or spec.head_dim,
@@ -255,6 +262,8 @@ def _metadata(spec: SynthSpec, name: str, quant: Quant, seed: int) -> list[bytes
         hparams["expert_feed_forward_length"] = spec.n_ff_exp
     if spec.arch in HYBRID_ARCHES:
         hparams |= _hybrid_hparams(spec)
+    if spec.n_mtp:
+        hparams["nextn_predict_layers"] = spec.n_mtp
     kvs = [
         kv("general.architecture", s, a),
         kv("general.name", s, f"flux-synth-{name}-{quant}"),
@@ -291,7 +300,7 @@ def _layer_arrays(spec: SynthSpec) -> list[bytes]:
     rope_parameters.mrope_section: which layers are recurrent (bool per layer) and the rope sections (int32)."""
     if spec.arch != "qwen35moe":
         return []
-    recurrent = [spec.is_recurrent(i) for i in range(spec.n_layer)]
+    recurrent = [spec.is_recurrent(i) for i in range(spec.n_layer)] + [False] * spec.n_mtp  # MTP: attention
     return [
         kv_array(f"{spec.arch}.attention.recurrent_layers", VT.BOOL, recurrent),
         kv_array(f"{spec.arch}.rope.dimension_sections", VT.INT32, list(spec.rope_sections)),

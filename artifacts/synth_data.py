@@ -9,7 +9,7 @@ import io
 from typing import BinaryIO
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES
+from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as Q
 from numpy.typing import NDArray
 
@@ -67,6 +67,8 @@ def write_data(
                 write_all(f, memoryview(blocks.tobytes()))
             else:
                 _stream(f, pools[key], GGML_QUANT_SIZES[t.ggml_type][1], size, rng)
+        elif t.fill == "pass_first":
+            write_all(f, memoryview(pass_first(t).tobytes()))
         else:
             shape = t.shape[::-1]
             data = rng.normal(0.0, t.std, size=shape) if t.fill == "normal" else np.full(shape, _CONST[t.fill])
@@ -74,6 +76,17 @@ def write_data(
                 data = router(t.name, data)
             write_all(f, memoryview(data.astype("<f4").tobytes()))
         write_all(f, memoryview(b"\0" * (padded(size) - size)))
+
+
+def pass_first(t: PlannedTensor) -> NDArray[np.uint8]:
+    """A projection that passes its first ``ne1`` inputs through (identity there, zero on the rest), encoded
+    exactly in ``t``'s type: a next-token block's eh_proj that keeps the embedding half (synth_layout)."""
+    n_in, n_out = t.shape[0], t.shape[1]
+    m = np.zeros((n_out, n_in), dtype=np.float32)
+    m[np.arange(n_out), np.arange(n_out)] = 1.0
+    if t.ggml_type == Q.F16:
+        return m.astype("<f2").view(np.uint8)
+    return np.asarray(quants.quantize(m, t.ggml_type), dtype=np.uint8)
 
 
 def _stream_fresh(f: BinaryIO, t: PlannedTensor, size: int, rng: np.random.Generator) -> None:

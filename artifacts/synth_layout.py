@@ -36,7 +36,7 @@ class PlannedTensor(NamedTuple):
     name: str
     shape: tuple[int, ...]
     ggml_type: Q
-    fill: Literal["ones", "neg_ones", "normal", "blocks"]
+    fill: Literal["ones", "neg_ones", "normal", "blocks", "pass_first"]  # pass_first: artifacts.synth_data
     std: float
 
     @property
@@ -64,7 +64,27 @@ def plan_tensors(spec: SynthSpec, quant: Quant) -> list[PlannedTensor]:
         plan += [_planned(f"rope_factors_{k}.weight", (spec.head_dim // 2,), None, 0.0) for k in ("long", "short")]
     for i in range(spec.n_layer):
         plan += _LAYERS[spec.arch](spec, f"blk.{i}.", i, wt)
+    for i in range(spec.n_layer, spec.n_layer + spec.n_mtp):
+        plan += _mtp_block(spec, f"blk.{i}.", wt)
     return plan
+
+
+def _mtp_block(spec: SynthSpec, b: str, wt: Q) -> list[PlannedTensor]:
+    """A qwen35moe next-token (MTP) block as the converter writes it after the trunk: a full-attention block
+    with its experts, then the nextn tensors (HF mtp.fc -> eh_proj, mtp.pre_fc_norm_embedding -> enorm,
+    mtp.pre_fc_norm_hidden -> hnorm, mtp.norm -> shared_head_norm; the embedding and the head are the trunk's).
+    eh_proj maps [normed embedding; normed hidden state] to the block's input: here it passes the embedding
+    of the token the trunk just chose, so the head reads what the trunk would read one position on, little
+    changed by the block (its updates are small next to it, as the trunk's are next to its embedding). It is
+    written exactly (``pass_first``): in the weight type where gguf can encode it (Q4_0, Q8_0, F16), else Q8_0."""
+    e = spec.n_embd
+    eh = _planned(b + "nextn.eh_proj.weight", (2 * e, e), wt if wt in (Q.Q4_0, Q.Q8_0, Q.F16) else Q.Q8_0, 0.0)
+    return _hybrid_layer(spec, b, -1, wt) + [
+        eh._replace(fill="pass_first"),
+        _planned(b + "nextn.enorm.weight", (e,), None, 0.0),
+        _planned(b + "nextn.hnorm.weight", (e,), None, 0.0),
+        _planned(b + "nextn.shared_head_norm.weight", (e,), None, 0.0),
+    ]
 
 
 _Raw = tuple[str, tuple[int, ...], Q | None, float]  # name, shape, weight type (None: f32), std (0: ones)
@@ -121,7 +141,7 @@ def _hybrid_layer(spec: SynthSpec, b: str, i: int, wt: Q) -> list[PlannedTensor]
         _planned(b + "attn_norm.weight", (e,), None, 0.0),
         _planned(b + "post_attention_norm.weight", (e,), None, 0.0),
     ]
-    if spec.is_recurrent(i):
+    if i >= 0 and spec.is_recurrent(i):  # i < 0: a next-token block, full attention
         plan += _delta_net(spec, b, wt)
     else:
         attn: list[_Raw] = [

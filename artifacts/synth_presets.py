@@ -168,6 +168,9 @@ class SynthSpec(BaseModel):
     scale_depth: float = Field(default=0.0, ge=0)
     dim_model_base: int = Field(default=0, ge=0)
     longrope: bool = False  # rope_scaling.rope_type longrope: rope_factors_long/short tensors, n_rot / 2 each
+    # qwen35moe: next-token (MTP) blocks after the trunk (mtp_num_hidden_layers; llama.cpp runs one), written as
+    # the converter writes them without --no-mtp; 0: left out, as with --no-mtp
+    n_mtp: int = Field(default=0, ge=0, le=1)
 
     def is_recurrent(self, layer: int) -> bool:
         """True when `layer` is a linear-attention (recurrent) layer, as llama.cpp's hybrid loaders decide."""
@@ -213,6 +216,7 @@ HYBRID_FIELDS = (
 ARCH_FIELDS: dict[str, tuple[Arch, ...]] = {
     **dict.fromkeys(HYBRID_FIELDS, HYBRID_ARCHES),
     "rope_sections": ("qwen35moe",),
+    "n_mtp": ("qwen35moe",),
     **dict.fromkeys(("scale_emb", "scale_depth", "dim_model_base", "longrope"), ("minicpm",)),
 }
 

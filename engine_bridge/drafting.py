@@ -1,8 +1,8 @@
 """Drafting settings (speculative decoding) and the prompt-lookup proposer, shared by planning and serving.
 
 A :class:`Drafting` says how a plan drafts tokens for greedy decoding: ``model`` (a separate draft model sharing
-the target's vocabulary) or ``ngram`` (prompt lookup: the tokens that followed the last time the context's last
-``ngram`` tokens appeared). The worker verifies every proposal with the target, so the output is the target's
+the target's vocabulary), ``ngram`` (prompt lookup: the tokens that followed the last time the context's last
+``ngram`` tokens appeared) or ``mtp`` (the model's own next-token head, on llama-server only). The worker verifies every proposal with the target, so the output is the target's
 greedy output either way; drafting only changes how many target steps it takes.
 
 The pinned llama.cpp has n-gram drafting only in its ``common`` library (``common/ngram-*.cpp``,
@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine_bridge.params import EngineParams
 
-DraftKind = Literal["model", "ngram"]
+DraftKind = Literal["model", "ngram", "mtp"]
 NGRAM_MIN = 2  # the shortest key prompt lookup matches: a single token repeats too often to predict much
 
 
@@ -35,8 +35,15 @@ class Drafting(BaseModel):
 
     @property
     def label(self) -> str:
-        """The suffix of a drafting candidate's id (``c3+draft``, ``c3+ngram``)."""
-        return "draft" if self.kind == "model" else "ngram"
+        """The suffix of a drafting candidate's id (``c3+draft``, ``c3+ngram``, ``c3@llama-server+mtp``)."""
+        return "draft" if self.kind == "model" else self.kind
+
+    def server_args(self) -> list[str]:
+        """llama-server's flags for this drafting: the model's own next-token (MTP) head (``mtp``, the one kind
+        Flux runs on llama-server: its worker does not drive the pin's MTP context); none for the others."""
+        if self.kind != "mtp":
+            return []
+        return ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(self.n_draft)]
 
 
 def draft_params(target: EngineParams) -> EngineParams:

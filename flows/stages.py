@@ -59,7 +59,8 @@ def context(req: PlanRequest, settings: Settings, reprobe: bool = False) -> Plan
                   settings.logs_dir / "engines.log")
     # and the draft model: it must share the model's vocabulary
     check_draft(req)
-    drafting = drafting_for(req, model_hash([Path(req.draft_model)], settings.cache_dir) if req.draft_model else None)
+    drafting = drafting_for(req, model_hash([Path(req.draft_model)], settings.cache_dir) if req.draft_model else None,
+                            info.n_nextn_layers)
     mh = model_hash([Path(s) for s in info.shards], settings.cache_dir)
     return PlanContext(req=req, settings=settings, store=Store(settings.data_dir), info=info.model_copy(
         update={"content_hash": mh}), model_hash=mh, backend_build=build, facts=facts, code=code_id(),

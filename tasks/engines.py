@@ -89,19 +89,21 @@ def engine_visit(cand: Candidate, spec: EngineSpec, model: Path, prompts: list[l
     (seqs, held-out prompts, vocabulary size, file), score the reference's continuations after the timed
     prompts. Errors become one row, as a worker's visit's."""
     rows: list[dict[str, Any]] = []
-    proc = EngineProcess(spec, str(model), cand.params, log_path=log_path.with_name("engines.log"))
+    proc = EngineProcess(spec, str(model), cand.params, log_path=log_path.with_name("engines.log"),
+                         drafting=cand.draft)
     load_ms: float | None = None
     try:
         load_ms = proc.start() * 1e3
         with client(timeout_s) as http:
             completion(http, proc.base, body(prompts[0][:16], 2))  # the first run after a load is slow
             for i, prompt in enumerate(prompts):
-                t = completion(http, proc.base, body(prompt, n_gen)).timing(len(prompt))
+                got = completion(http, proc.base, body(prompt, n_gen))
+                t = got.timing(len(prompt))
                 rows.append({"candidate_id": cand.id, "round": rnd, "prompt_index": i,
                              "prompt_tokens": t.prompt_tokens, "prompt_ms": t.prompt_ms, "gen_tokens": t.gen_tokens,
                              "gen_ms": t.gen_ms, "prefill_tps": t.prefill_tps if t.prompt_ms else None,
                              "decode_tps": t.decode_tps if t.gen_ms else None, "load_ms": load_ms,
-                             "peak_rss_bytes": peak_rss(proc.pid), "error": None})
+                             "peak_rss_bytes": peak_rss(proc.pid), "error": None, **_drafted(cand, got.timings)})
             if scoring is not None:
                 seqs, held_out, n_vocab, path = scoring
                 _scores(http, proc.base, cand, seqs, held_out, n_vocab, path)
@@ -112,6 +114,15 @@ def engine_visit(cand: Candidate, spec: EngineSpec, model: Path, prompts: list[l
     finally:
         proc.stop()
     return rows
+
+
+def _drafted(cand: Candidate, timings: Mapping[str, float] | None) -> dict[str, int]:
+    """A drafting candidate's proposed and kept tokens, as llama-server's timings count them (draft_n,
+    draft_n_accepted); nothing for one that does not draft."""
+    if cand.draft is None:
+        return {}
+    t = timings or {}
+    return {"drafted": int(t.get("draft_n", 0)), "accepted": int(t.get("draft_n_accepted", 0))}
 
 
 def engine_notes(summaries: Mapping[str, Any], engines: Sequence[EngineSpec], winner: Candidate) -> list[str]:

@@ -179,7 +179,7 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
             # that hangs or crawls becomes a timeout row instead of holding the plan for measure_timeout_s
             wait_s = min(timeout_s, max(MIN_VISIT_TIMEOUT_S, budget_s - spent))
             if cand.engine != NATIVE:
-                score = scoring if rnd == 0 else None
+                score = scoring if rnd == 0 and cand.draft is None else None  # a draft's placement scores
                 got = engine_visit(cand, spec_of(engines, cand.engine), model, prompts, n_gen, rnd, wait_s, log_path,
                                    (score.seqs, score.held_out, score.n_vocab, scored_path(score.directory, cand.id))
                                    if score else None)

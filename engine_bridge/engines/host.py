@@ -97,7 +97,7 @@ class Host:
         self.vocab = WorkerClient(log_path=None)
         self.vocab.start()
         got = self.vocab.request(ops.LOAD, ops.LoadArgs(model=a.model, params=a.params, vocab_only=True))
-        self.engine = EngineProcess(self.spec, a.model, a.params, log_path=None)
+        self.engine = EngineProcess(self.spec, a.model, a.params, log_path=None, drafting=a.drafting)
         load_s = self.engine.start()
         threading.Thread(target=self._watch, name="engine-watch", daemon=True).start()
         return ops.ServeInfo(n_ctx=a.params.n_ctx, n_seq_max=a.params.n_seq_max, n_vocab=got.n_vocab,

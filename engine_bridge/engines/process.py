@@ -16,6 +16,7 @@ from typing import IO
 
 import httpx
 
+from engine_bridge.drafting import Drafting
 from engine_bridge.engines.spec import HOST, EngineSpec, launch
 from engine_bridge.errors import EngineError
 from engine_bridge.llama_server import free_port
@@ -49,9 +50,9 @@ class EngineProcess:
     """An engine of ``spec`` serving ``model`` with the placement ``params`` on 127.0.0.1."""
 
     def __init__(self, spec: EngineSpec, model: str, params: EngineParams, *, log_path: Path | None,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, drafting: Drafting | None = None) -> None:
         """Describe the process; nothing starts before :meth:`start`."""
-        self.spec, self.model, self.params = spec, model, params
+        self.spec, self.model, self.params, self.drafting = spec, model, params, drafting
         self.log_path, self.extra_env = log_path, dict(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
@@ -79,7 +80,7 @@ class EngineProcess:
             EngineStartError: the command could not run, exited, or did not answer within ``start_timeout_s``.
         """
         self.port = free_port()
-        argv, env = launch(self.spec, self.model, self.params, self.port)
+        argv, env = launch(self.spec, self.model, self.params, self.port, self.drafting)
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = self.log_path.open("ab")

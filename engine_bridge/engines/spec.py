@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine_bridge.drafting import Drafting
 from engine_bridge.params import EngineParams
 
 EngineKind = Literal["native", "llama-server", "command"]
@@ -84,11 +85,13 @@ def check_template(command: tuple[str, ...] | list[str]) -> None:
         raise BadEngineTemplate("the command does not name {port}: Flux picks the port the engine listens on")
 
 
-def launch(spec: EngineSpec, model: str, params: EngineParams, port: int) -> tuple[list[str], dict[str, str]]:
+def launch(spec: EngineSpec, model: str, params: EngineParams, port: int,
+           drafting: Drafting | None = None) -> tuple[list[str], dict[str, str]]:
     """The argv and extra environment that start ``spec`` on ``model`` with the placement ``params``.
 
-    llama-server holds ``n_seq_max`` slots of ``n_ctx`` tokens each (its ``-c`` is split among ``-np`` slots);
-    a configured engine gets its template with ``{ctx}`` the context per sequence.
+    llama-server holds ``n_seq_max`` slots of ``n_ctx`` tokens each (its ``-c`` is split among ``-np`` slots),
+    and drafts with the model's next-token head when ``drafting`` says so; a configured engine gets its
+    template with ``{ctx}`` the context per sequence.
     """
     ctx = params.n_ctx
     env = params.environment()
@@ -97,6 +100,6 @@ def launch(spec: EngineSpec, model: str, params: EngineParams, port: int) -> tup
         i = args.index("-c")
         args[i + 1] = str(ctx * params.n_seq_max)
         return [*spec.command, "-m", model, *args, "-np", str(params.n_seq_max), "--host", HOST,
-                "--port", str(port), "--no-webui"], env
+                "--port", str(port), "--no-webui", *(drafting.server_args() if drafting else [])], env
     values = {"port": str(port), "model": model, "ctx": str(ctx)}
     return [part.format(**values) for part in spec.command], env

@@ -8,8 +8,11 @@ model's greedy output), scored once for both. Drafting is tried on prune's :data
 and its candidates follow their placement in the finalists' order: a budget that cannot measure every finalist
 drops prune's last-ranked placements before the drafting of its best.
 
-The pinned llama.cpp's library has an MTP context type (``LLAMA_CONTEXT_TYPE_MTP``) for some architectures, but
-Flux's worker does not drive it: a model with next-token heads is measured without them (:func:`mtp_note`).
+A model with next-token (MTP) heads drafts with them on llama-server (``--spec-type draft-mtp``): when
+``--engines`` names llama-server, the best placement there gets an ``mtp`` drafting candidate
+(``c3@llama-server+mtp``), measured like the others (its drafted and kept tokens from llama-server's timings).
+Flux's worker does not drive the pin's MTP context, so without llama-server the heads are not measured
+(:func:`mtp_note` says so).
 """
 
 from __future__ import annotations
@@ -20,13 +23,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from artifacts.gguf_header import read_header
-from artifacts.model_info import model_info
+from artifacts.model_info import model_info, read_tensors, tensor_layer
 from artifacts.records.evidence import MeasureSummary
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.plan import DraftTrial, PlanRequest
 from artifacts.records.search import Candidate, Finalists
 from engine_bridge.drafting import Drafting
-from engine_bridge.engines.spec import NATIVE
+from engine_bridge.engines.spec import LLAMA_SERVER, NATIVE
 from engine_bridge.params import EngineParams
 from tasks.engines import on_engines
 from tasks.gpu_budget import gpu_devices, gpu_limits
@@ -35,13 +38,15 @@ from tasks.gpu_memory import predicted_gpu_bytes
 if TYPE_CHECKING:
     from tasks.stage import PlanContext
 
-MAX_BASES = 1  # placements drafting is tried on: prune's best
+MAX_BASES = 1  # placements drafting is tried on: prune's best (on llama-server for next-token heads)
+MTP_DRAFT = 3  # tokens a next-token head proposes per step (llama-server's --spec-draft-n-max)
 DRAFT_COMPUTE_BYTES = 256 * 2**20  # a draft model's compute buffer on the GPU (small models: ~100-300 MiB)
 BOOTSTRAP = 2000
 
 
-def drafting_for(req: PlanRequest, draft_hash: str | None) -> tuple[Drafting, ...]:
-    """The ways ``req`` asks drafting to be measured: its draft model, and prompt lookup for the agent workload."""
+def drafting_for(req: PlanRequest, draft_hash: str | None, n_nextn_layers: int = 0) -> tuple[Drafting, ...]:
+    """The ways ``req`` asks drafting to be measured: its draft model, prompt lookup for the agent workload, and
+    the model's next-token heads (``n_nextn_layers``) when llama-server is among the engines."""
     if not req.speculation:
         return ()
     out = []
@@ -49,6 +54,8 @@ def drafting_for(req: PlanRequest, draft_hash: str | None) -> tuple[Drafting, ..
         out.append(Drafting(kind="model", model=req.draft_model, model_hash=draft_hash))
     if req.workload == "agent":
         out.append(Drafting(kind="ngram"))
+    if n_nextn_layers and LLAMA_SERVER in req.engines:
+        out.append(Drafting(kind="mtp", n_draft=MTP_DRAFT))
     return tuple(out)
 
 
@@ -57,11 +64,24 @@ def base_id(cid: str) -> str:
     return cid.split("+", 1)[0]
 
 
-def draft_bytes(d: Drafting, target: EngineParams) -> int:
+def mtp_block_bytes(model: Path) -> int:
+    """Bytes of the next-token (MTP) blocks after the model's trunk (its tensors of blocks >= n_layer)."""
+    info = model_info(model)
+    if not info.n_nextn_layers:
+        return 0
+    layers = [(tensor_layer(t.name), t.n_bytes) for t in read_tensors(model)]
+    return sum(b for i, b in layers if i is not None and i >= info.n_layer)
+
+
+def draft_bytes(d: Drafting, target: EngineParams, model: str | None = None) -> int:
     """Bytes a draft model holds on its target's main GPU (:func:`engine_bridge.drafting.draft_params` puts the
     whole draft there when the target uses a GPU): its weights, its KV cache at the target's context, a compute
     buffer. 0 for prompt lookup and for a target on the CPU."""
-    if d.kind != "model" or d.model is None or not target.n_gpu_layers:
+    if not target.n_gpu_layers or d.kind == "ngram":
+        return 0
+    if d.kind == "mtp":  # the next-token block, loaded with the model for llama-server's MTP context
+        return (mtp_block_bytes(Path(model)) if model else 0) + DRAFT_COMPUTE_BYTES
+    if d.model is None:
         return 0
     info = model_info(Path(d.model))
     kv = info.kv_bytes_per_token.get(target.type_k, 0) * target.n_ctx * target.n_seq_max
@@ -69,23 +89,28 @@ def draft_bytes(d: Drafting, target: EngineParams) -> int:
 
 
 def with_drafting(fin: Finalists, drafting: Sequence[Drafting],
-                  gpu_room: Callable[[Candidate], dict[str, int]] | None = None) -> Finalists:
-    """``fin`` with each way of drafting added on its first :data:`MAX_BASES` native finalists, each drafting
-    candidate right after its placement, a draft model's bytes counted on the placement's main GPU.
+                  gpu_room: Callable[[Candidate], dict[str, int]] | None = None, model: str | None = None) -> Finalists:
+    """``fin`` with each way of drafting added on its first :data:`MAX_BASES` native finalists (next-token heads:
+    on llama-server), each drafting candidate right after its placement, a draft model's bytes (a next-token
+    block's) counted on the placement's main GPU.
 
     ``gpu_room(c)``: per GPU, the bytes ``c``'s budget leaves beside its predicted use; a draft model that does not
     fit there is not measured (its candidate is left out, the same way wherever the finalists are rebuilt)."""
     if not drafting:
         return fin
-    bases = {c.id for c in [c for c in fin.finalists if c.engine == NATIVE and c.draft is None][:MAX_BASES]}
+
+    def bases(engine: str) -> set[str]:
+        return {c.id for c in [c for c in fin.finalists if c.engine == engine and c.draft is None][:MAX_BASES]}
+
+    on = {NATIVE: bases(NATIVE), LLAMA_SERVER: bases(LLAMA_SERVER)}
     by_id = {p.candidate_id: p for p in fin.predictions}
     cands, preds = [], []
     for c in fin.finalists:
         cands.append(c)
         preds += [by_id[c.id]] if c.id in by_id else []
-        for d in drafting if c.id in bases else ():
+        for d in [d for d in drafting if c.id in on[LLAMA_SERVER if d.kind == "mtp" else NATIVE]]:
             cid = f"{c.id}+{d.label}"
-            extra, dev = draft_bytes(d, c.params), f"CUDA{c.params.main_gpu}"
+            extra, dev = draft_bytes(d, c.params, model), f"CUDA{c.params.main_gpu}"
             if extra and gpu_room is not None and gpu_room(c).get(dev, extra) < extra:
                 continue
             weights = {**c.weights_bytes, dev: c.weights_bytes.get(dev, 0) + extra} if extra else c.weights_bytes
@@ -102,7 +127,7 @@ def drafted(ctx: PlanContext, hw: HardwareReport, fin: Finalists) -> Finalists:
     def room(c: Candidate) -> dict[str, int]:
         return {d: limits[d] - b for d, b in predicted_gpu_bytes(c, hw).items() if d in limits}
 
-    return with_drafting(on_engines(fin, ctx.engines), ctx.drafting, room)
+    return with_drafting(on_engines(fin, ctx.engines), ctx.drafting, room, str(ctx.model))
 
 
 def drafting_that_won(summaries: Sequence[MeasureSummary]) -> list[MeasureSummary]:
@@ -121,8 +146,10 @@ def drafting_that_won(summaries: Sequence[MeasureSummary]) -> list[MeasureSummar
     return [s for s in summaries if won(s)]
 
 
-def mtp_note(model: Path) -> list[str]:
-    """A note when the model has next-token (MTP) heads, which planning does not use."""
+def mtp_note(model: Path, engines: Sequence[str] = (NATIVE,)) -> list[str]:
+    """A note when the model has next-token (MTP) heads that planning did not measure (no llama-server)."""
+    if LLAMA_SERVER in engines:
+        return []
     try:
         md = read_header(model).metadata
     except (OSError, ValueError):
@@ -131,8 +158,8 @@ def mtp_note(model: Path) -> list[str]:
     n = md.get(f"{arch}.nextn_predict_layers")
     if not n:
         return []
-    return [f"the model has {n} next-token (MTP) head layer(s); models with next-token heads are measured without "
-            "them (Flux's worker does not drive the pin's MTP context)"]
+    return [f"the model has {n} next-token (MTP) head layer(s); Flux drafts with them on llama-server only (its "
+            "worker does not drive the pin's MTP context): `--engines native,llama-server` measures them"]
 
 
 def _round_seconds(rows: Sequence[Mapping[str, object]], cid: str) -> dict[int, float]:

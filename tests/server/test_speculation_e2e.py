@@ -98,3 +98,22 @@ def test_bad_draft_input_is_one_line_exit_2_and_no_plan(tmp_path: Path, tiny_moe
     assert out.returncode == 2, out.stderr[-2000:]
     assert says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert not Records.at(env.settings.data_dir).all(PLAN), "a refused request saved a plan"
+
+
+def test_a_plan_on_llama_server_measures_the_models_next_token_head(tmp_path: Path) -> None:
+    """`flux plan --speculation --engines native,llama-server` of a qwen35moe twin with its next-token (MTP)
+    block: the best llama-server placement is also measured drafting with the block (`+mtp`), its proposals
+    counted from llama-server's timings, beside the same placement without it; the note that says the block
+    was not measured is absent."""
+    env = _env(tmp_path)
+    model = synthesize("tiny-qwen35moe", tmp_path / "mtp.gguf", overrides={"n_mtp": "1"}).path
+    planned = _flux(env, "plan", str(model), "--ctx", "512", "--speculation", "--engines", "native,llama-server",
+                    "--budget-s", "300")
+    assert planned.returncode == 0, planned.stderr[-4000:]
+    plan = json.loads(_flux(env, "show", planned.stdout.strip().splitlines()[-1][:12], "--json").stdout)
+    trials = {t["candidate_id"]: t for t in plan["speculation"] if t["kind"] == "mtp"}
+    assert len(trials) == 1, plan["speculation"]
+    (cid, trial), = trials.items()
+    assert cid.endswith("@llama-server+mtp") and trial["base_id"] == cid.removesuffix("+mtp")
+    assert trial["acceptance"] is not None and trial["acceptance"] >= 0.9 and trial["speedup"] > 0, trial
+    assert not any("next-token (MTP)" in n for n in plan["notes"]), plan["notes"]

@@ -55,3 +55,37 @@ def test_a_drafting_candidate_counts_only_when_it_drafted_and_beat_its_placement
     got = drafting_that_won([s("c028", 4.74), s("c028+ngram", 4.73, 0, 0), s("c028+draft", 6.40, 88, 26),
                              s("c030", 4.78), s("c030+draft", 3.10, 90, 80)])
     assert [x.candidate_id for x in got] == ["c028", "c030", "c030+draft"]
+
+
+def test_next_token_heads_draft_on_llama_server_only(tmp_path: Path) -> None:
+    """A model with a next-token (MTP) block gets an ``mtp`` drafting candidate when llama-server is among the
+    engines (Flux's worker does not drive the pin's MTP context), on the best llama-server placement, its block's
+    bytes counted on the placement's GPU."""
+    from artifacts.records.plan import PlanRequest
+    from artifacts.synth import synthesize
+    from tasks.engines import on_engines
+    from tasks.measurement.speculation import drafting_for, mtp_block_bytes, mtp_note
+
+    model = synthesize("tiny-qwen35moe", tmp_path / "mtp.gguf", overrides={"n_mtp": "1"}).path
+    info = model_info(model)
+    both = PlanRequest(model=str(model), speculation=True, engines=["native", "llama-server"])
+    def kinds(req: PlanRequest, n: int) -> list[str]:
+        return [d.kind for d in drafting_for(req, None, n)]
+
+    mtp = next(d for d in drafting_for(both, None, info.n_nextn_layers) if d.kind == "mtp")
+    assert mtp.label == "mtp" and mtp.server_args() == ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3"]
+    assert "mtp" not in kinds(both.model_copy(update={"engines": ["native"]}), info.n_nextn_layers)
+    assert "mtp" not in kinds(both, 0), "no block, no drafting with it"
+    assert mtp_note(model, ["native"]) and not mtp_note(model, ["native", "llama-server"])
+    block = mtp_block_bytes(model)
+    assert 0 < block < info.file_bytes and mtp_block_bytes(synthesize("tiny-qwen35moe", tmp_path / "t.gguf").path) == 0
+    from engine_bridge.engines.spec import EngineSpec
+
+    engines = [EngineSpec(name="native", kind="native"), EngineSpec(name="llama-server", kind="llama-server")]
+    on_gpu = EngineParams(n_ctx=512, n_gpu_layers=-1)
+    fin = with_drafting(on_engines(_fin(on_gpu), engines), [mtp], None, str(model))
+    ids = [c.id for c in fin.finalists]
+    assert ids == ["c0", "c0@llama-server", "c0@llama-server+mtp"]
+    drafted = fin.finalists[-1]
+    assert drafted.engine == "llama-server" and drafted.draft == mtp
+    assert drafted.weights_bytes["CUDA0"] == 10**9 + block + DRAFT_COMPUTE_BYTES
