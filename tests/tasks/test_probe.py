@@ -247,7 +247,7 @@ def test_machine_facts_on_this_machine_match_the_probe(report: HardwareReport) -
 
 
 def test_each_calibration_load_is_read_and_a_failed_mapped_load_is_left_out(
-        tiny_moe: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        tiny_moe: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     """The probe's memory calibration with real workers and loads. NVML's per-process answer (no GPU here) is
     replaced by a fixed figure. The mapped split's load gets a worker of its own, started with the split in its
     environment; this CPU build refuses a split onto CUDA0 (the H200 run reads it), so its correction is left
@@ -262,18 +262,22 @@ def test_each_calibration_load_is_read_and_a_failed_mapped_load_is_left_out(
 
     monkeypatch.setattr(GpuMemoryMeter, "read", lambda self, pid: GpuReading(per_gpu=(2 * GIB,), method="per-process"))
     info = model_info(tiny_moe)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]  # the CLI's log set-up may stop propagation
+    logging.getLogger("tasks.probe").addHandler(handler)
     w = _worker(settings)
     w.start()
     try:
-        with caplog.at_level(logging.WARNING, logger="tasks.probe"):
-            timings, (fit,) = _gpu_kernels(w, GpuMemoryMeter(), tiny_moe, info,
-                                           [{"name": "CUDA0", "memory_free": 64 * GIB}], 1, settings)
+        timings, (fit,) = _gpu_kernels(w, GpuMemoryMeter(), tiny_moe, info,
+                                       [{"name": "CUDA0", "memory_free": 64 * GIB}], 1, settings)
     finally:
         w.close(timeout=5)
+        logging.getLogger("tasks.probe").removeHandler(handler)
     assert [t.device for t in timings] == ["CUDA0"] and timings[0].gpu_bytes == 2 * GIB
     assert set(fit.residuals) == {"whole", "offload@256", "offload@512", "offload"} and not fit.mapped_by_ubatch
     base = _params(info, 1, n_gpu_layers=-1, split_mode="none", main_gpu=0, flash_attn=True)
     assert fit.base_bytes == 2 * GIB - modelled_load(info, base, "CUDA0", experts_on_host=False)
-    (warning,) = [r.getMessage() for r in caplog.records]
+    (warning,) = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
     assert "mapped@512 load failed (its correction is left out)" in warning and "not in this build" in warning
     assert not [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != "zombie"]
