@@ -8,10 +8,11 @@ model — its experts on the host with op offload on, the shape of a hybrid fina
 GPU search tries (:data:`HYBRID_UBATCHES`). The residual of each (measured minus modelled) is the correction:
 ``base_bytes`` for every placement on the GPU, plus, for one whose host weights are copied to the GPU for
 large micro-batches, the offload load's extra at the candidate's own micro-batch (``offload_by_ubatch``;
-``offload_bytes``, the largest, where that micro-batch was not calibrated). The extra is not one figure: on
-the H200 the qwen35moe twin's hybrid load at a 512-token micro-batch held 0.08 GiB more than its whole load's
-residual while at 2,048 the generic compute-buffer term over-counted by 1.8 GiB, so one calibration at 2,048
-let a split filled to the budget measure over it. Without a calibration (no GPU, an older probe) the fixed
+``offload_bytes``, the largest, where that micro-batch was not calibrated); for a mapped per-expert split, its
+own load's (``mapped_by_ubatch``). None of them is one figure: on the H200 (run 16) the qwen35moe twin's hybrid
+loads at 256 and 512 read 0.13-0.16 GiB under its whole load's residual, at 2,048 1.8 GiB under (the generic
+compute-buffer term over-counts there), and its mapped splits 0.07 GiB over it, so that splits filled to the
+budget by the whole load's residual measured over it. Without a calibration (no GPU, an older probe) the fixed
 :data:`DEFAULT_MARGIN` stands in.
 """
 
