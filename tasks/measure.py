@@ -194,7 +194,8 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
             if any(r.get("error") for r in got):
                 failed.add(cand.id)
                 if rnd == 0:
-                    like = _like_over_budget(cand, got, order, failed, predicted_gpu or {})
+                    unvisited = [c for c in order if c.id not in first_visit]  # a measured one keeps its rows
+                    like = _like_over_budget(cand, got, unvisited, failed, predicted_gpu or {})
                     for cid, why in like:
                         failed.add(cid)
                         rows.append({"candidate_id": cid, "round": 0, "prompt_index": -1, "error": why})

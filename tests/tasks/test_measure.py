@@ -156,3 +156,31 @@ def test_a_finalist_over_budget_hands_its_visit_to_one_left_out(tiny_moe: Path, 
         assert by[cid].error is None and by[cid].n_rounds == 2 and by[cid].gpu_bytes == int(11.5 * GIB)
     assert "small3" not in by, "no visit was freed for a third reserve"
     assert {r["candidate_id"] for r in table.to_pylist()} == {"big1", "big2", "small", "small2"}
+
+
+def test_a_finalist_already_measured_keeps_its_rows_when_a_look_alike_is_over(
+        tiny_moe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only unvisited look-alikes go with a finalist over budget: one measured within it before stays measured."""
+    import random
+
+    def reading(self: GpuMemoryMeter, pid: int | None) -> GpuReading | None:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if pid else []
+        gib = 12.08 if b"FLUX_TEST_GPU=big" in env else 11.5
+        return GpuReading(per_gpu=(int(gib * GIB),), method="per-process") if pid else None
+
+    monkeypatch.setattr(GpuMemoryMeter, "read", reading)
+    finalists = [cand("ok"), cand("big")]
+
+    def first(seed: int) -> str:
+        order = list(finalists)
+        random.Random(seed).shuffle(order)
+        return order[0].id
+
+    seed = next(s for s in range(20) if first(s) == "ok")
+    summaries, _, _, _ = measure(
+        finalists, tiny_moe, [list(range(10, 40))], 2, budget_s=120, repeats=2, timeout_s=60,
+        log_path=tmp_path / "w.log", gpu_budgets=[12 * GIB], predicted_gpu={"ok": 12 * GIB, "big": 12 * GIB},
+        seed=seed, worker_env={"big": {"FLUX_TEST_GPU": "big"}})
+    by = {s.candidate_id: s for s in summaries}
+    assert by["ok"].error is None and by["ok"].n_rounds == 2, by["ok"]
+    assert (by["big"].error or "").startswith("over the GPU memory budget")
