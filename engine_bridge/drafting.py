@@ -2,8 +2,9 @@
 
 A :class:`Drafting` says how a plan drafts tokens for greedy decoding: ``model`` (a separate draft model sharing
 the target's vocabulary), ``ngram`` (prompt lookup: the tokens that followed the last time the context's last
-``ngram`` tokens appeared) or ``mtp`` (the model's own next-token head, on llama-server only). The worker verifies every proposal with the target, so the output is the target's
-greedy output either way; drafting only changes how many target steps it takes.
+``ngram`` tokens appeared) or ``mtp`` (the model's own next-token head, on llama-server only). The target
+verifies every proposal, so the output is its greedy output either way; drafting only changes how many target
+steps it takes.
 
 The pinned llama.cpp has n-gram drafting only in its ``common`` library (``common/ngram-*.cpp``,
 ``common/speculative.cpp``), which llama-cpp-python does not bind; :func:`ngram_proposals` is the same simple

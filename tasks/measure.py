@@ -201,7 +201,8 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
                         rows.append({"candidate_id": cid, "round": 0, "prompt_index": -1, "error": why})
                         if progress:
                             progress(f"measure: {cid} dropped: {why}")
-                    spare = [c for c in spare if not _like_over_budget(cand, got, [c], failed, predicted_gpu or {})]
+                    gone = {cid for cid, _ in _like_over_budget(cand, got, spare, failed, predicted_gpu or {})}
+                    spare = [c for c in spare if c.id not in gone]
                     for _ in range(min(len(spare), 1 + len(like))):  # a reserve for every visit freed
                         finalists.append(spare.pop(0))
                         order.append(finalists[-1])

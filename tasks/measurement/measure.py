@@ -62,7 +62,6 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport, fin: Finalists, ref: Re
     budget, rates, lengths, n_gen, kept = _sized(ctx, log, hw, fin)
     score_tokens = sum(len(p) + len(c) for p, c in ref.seqs())
     prompts = wl.tune_prompts(ctx.model, lengths, ctx.req.seed, ctx.worker_log)
-    ordered = wl.diverse_order(fin)
     # a freed visit goes to the best-ranked left out (run 16: in the family order it went to a layer split
     # decoding 100 tok/s, while the mapped split at a smaller micro-batch, predicted 158, was never tried)
     kept_ids = {c.id for c in kept.finalists}
@@ -73,7 +72,7 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport, fin: Finalists, ref: Re
         predicted_gpu={c.id: sum(predicted_gpu_bytes(c, hw).values()) for c in fin.finalists},
         scoring=Scoring(ref.seqs(), ref.held_out, scored_dir(ctx, key), ctx.info.n_vocab), engines=ctx.engines,
         predicted_visit_s={c.id: wl.visit_seconds(c, p, lengths, n_gen, rates, score_tokens)
-                           for c, p in zip(ordered.finalists, ordered.predictions, strict=True)},
+                           for c, p in zip(fin.finalists, fin.predictions, strict=True)},
         reserves=[c for c in fin.finalists if c.id not in kept_ids])
     tid = content_id({"measure": content_id(key), "rows": table.num_rows})
     ctx.store.put_table(TRIALS_RAW_TABLE, table, key=tid)
