@@ -16,10 +16,15 @@ model's trained context; WORKLOAD = ``flux plan --workload``, agent unless given
    plan's own measured decode against its decode through HTTP, GPU memory of every contender, planning
    time, ``plan_id`` and ``ctx``.
 
+With ``--depths``, after every pair, the first pair's plan is raced once more against ``--fit`` alone, one turn per depth
+(``flux bench run --via serve --turns D:32,...``, one round): decode at each depth, plan and ``--fit``, one row
+per depth in ``h200_depths.parquet`` (``--import --record R`` appends them to ``R``'s sibling depths.parquet).
+
 Nothing here plans, times or races on its own: it drives the ``flux`` commands and reads what they stored.
 
     python3 scripts/bench_gpu.py --out DIR --model-dir DIR --pairs qwen3-30b-a3b/skewed:8,qwen3-30b-a3b:12@8192 \\
         [--plan-budget-s 300] [--rounds 3] [--run NAME]
+    python3 scripts/bench_gpu.py ... --depths 4096,32768,131072   # and the first pair's plan at those depths
     python3 scripts/bench_gpu.py --import --out DIR      # put DIR's record into the store (table bench_gpu)
     python3 scripts/bench_gpu.py --import --out DIR --record docs/benchmarks/h200/record.parquet   # and append
         # its rows to the docs' record (a row already there, same run and plan, is not added twice)
@@ -43,6 +48,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 GIB = 2**30
 RESULTS = "h200_results.parquet"
+DEPTHS = "h200_depths.parquet"
+DEPTH_GEN = 32
 BASELINE_KEYS = {"fit": "fit", "n-cpu-moe": "ncmoe", "most-ngl": "ngl"}
 
 
@@ -207,6 +214,31 @@ def record_row(run: str, preset: str, routing: str, budget: float, plan_id: str,
     return mask_invalid(out)
 
 
+def depth_rows(run: str, tag: str, plan_id: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per depth from a depth race's summary rows (``per_turn`` of the race against ``--fit``): the
+    prompt each turn actually held (a turn is shortened to fit the plan's context), decode and prefill of the
+    plan and of ``--fit``, the paired turn speedup, and whether ``--fit`` held its budget."""
+    fit = next((r for r in rows if r["baseline"] == "fit"), None)
+    if fit is None:
+        return []
+    m = json.loads(fit["metrics"] or "{}")
+    specs = {t["name"]: t for t in m.get("turn_specs") or []}
+    out = []
+    for name, turn in (m.get("per_turn") or {}).items():
+        plan, base = turn.get("plan") or {}, turn.get("fit") or {}
+        speedup = turn.get("turn_speedup") or {}
+        out.append({"run": run, "pair": tag, "plan_id": plan_id, "ctx": m.get("ctx"),
+                    "depth_tokens": (specs.get(name) or {}).get("prompt"), "gen_tokens": (specs.get(name) or {}).get("gen"),
+                    "plan_decode_tps": plan.get("decode_tps"), "fit_decode_tps": base.get("decode_tps"),
+                    "plan_prefill_tps": plan.get("prefill_tps"), "fit_prefill_tps": base.get("prefill_tps"),
+                    "tg_vs_fit": (plan["decode_tps"] / base["decode_tps"]
+                                  if plan.get("decode_tps") and base.get("decode_tps") else None),
+                    "turn_vs_fit": speedup.get("ratio"), "fit_valid": m.get("baseline_valid"),
+                    "fit_gpu_gib": (m.get("baseline_gpu_bytes") or 0) / GIB or None,
+                    "plan_gpu_gib": (m.get("plan_gpu_bytes") or 0) / GIB or None})
+    return sorted(out, key=lambda r: r["depth_tokens"] or 0)
+
+
 def mask_invalid(row: dict[str, Any]) -> dict[str, Any]:
     """No ratio against a flagged baseline (or of a flagged plan) stands as a result: each moves to
     ``<key>_<ratio>_unreported`` and its result column is emptied."""
@@ -236,6 +268,15 @@ def append_record(out: Path, record: Path) -> int:
     if new:
         write_rows(new, record)
     log(f"appended {len(new)} row(s) to {record}")
+    depths, record_depths = out / DEPTHS, record.with_name("depths.parquet")
+    if depths.exists():
+        seen = {(r.get("run"), r.get("plan_id"), r.get("depth_tokens"))
+                for r in pq.read_table(record_depths).to_pylist()} if record_depths.exists() else set()
+        more = [r for r in pq.read_table(depths).to_pylist()
+                if (r.get("run"), r.get("plan_id"), r.get("depth_tokens")) not in seen]
+        if more:
+            write_rows(more, record_depths)
+        log(f"appended {len(more)} depth row(s) to {record_depths}")
     return len(new)
 
 
@@ -251,6 +292,22 @@ def store_results(out: Path) -> None:
     log(f"stored {out / RESULTS} as bench_gpu/{key[:12]}")
 
 
+def race_depths(args: argparse.Namespace, tag: str, plan_id: str) -> None:
+    """The plan against ``--fit`` at each of ``--depths`` (one turn each, one round), rows in DEPTHS."""
+    turns = ",".join(f"{int(d)}:{DEPTH_GEN}" for d in args.depths.split(","))
+    t1 = time.time()
+    bench = flux("bench", "run", plan_id, "--via", "serve", "--rounds", "1", "--baselines", "fit", "--turns", turns,
+                 out=args.out, name=f"depths-{tag}")
+    rows = depth_rows(args.run, tag, plan_id, summary_rows(plan_id, t1))
+    if not rows:
+        log(f"{tag}: the depth race stored nothing ({bench.returncode}): {bench.stderr.strip()[-300:]}")
+        return
+    for r in rows:
+        log(f"{tag} at {r['depth_tokens']} tokens: decode {r['plan_decode_tps'] or 0:.1f} vs --fit "
+            f"{r['fit_decode_tps'] or 0:.1f} tok/s")
+    write_rows(rows, args.out / DEPTHS)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -261,6 +318,8 @@ def main() -> int:
     ap.add_argument("--baselines", default="fit,n-cpu-moe,most-ngl")
     ap.add_argument("--run", default=time.strftime("run-%Y%m%d-%H%M"))
     ap.add_argument("--synth", default="", help="extra flux synth flags, e.g. '--routing skewed'")
+    ap.add_argument("--depths", default="", help="prompt tokens, e.g. 4096,32768,131072: the first pair's plan "
+                    "raced against --fit at each depth (one round)")
     ap.add_argument("--import", dest="import_only", action="store_true")
     ap.add_argument("--record", type=Path, default=None, help="with --import: also append the rows to this Parquet file")
     args = ap.parse_args()
@@ -271,7 +330,8 @@ def main() -> int:
             append_record(args.out, args.record)
         return 0
     args.model_dir.mkdir(parents=True, exist_ok=True)
-    for text in args.pairs.split(","):
+    first: tuple[str, str] | None = None
+    for i, text in enumerate(args.pairs.split(",")):
         preset, routing, budget, ctx, workload = parse_pair(text)
         model = twin(args.model_dir, preset, routing, args.synth.split(), args.out)
         tag = f"{preset}-{routing}-{budget:g}" + (f"@{ctx}" if ctx else "") + (f"-{workload}" if workload else "")
@@ -303,6 +363,10 @@ def main() -> int:
         log(f"{tag}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k.endswith(("_vs_fit", "_vs_whole", "_vs_plan_decode"))
                                    and isinstance(v, float)))
         write_rows([row], args.out / RESULTS)
+        if i == 0:
+            first = (tag, plan_id)
+    if args.depths and first:  # last: a long prompt's race may take what is left of the machine's time
+        race_depths(args, *first)
     store_results(args.out)
     return 0
 

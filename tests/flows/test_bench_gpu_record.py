@@ -57,3 +57,32 @@ def test_a_per_expert_plan_is_compared_with_its_best_whole_tensor_finalist() -> 
     assert got["tg_vs_whole"] == 140.0 / 90.0 and got["workload_vs_whole"] == 3.0 / 2.2
     plan.candidate = NS(family="milp-decode@32768")
     assert bench_gpu.whole_tensor_facts(plan) == {}, "a whole-tensor plan has no such comparison"
+
+
+def test_a_depth_race_gives_one_row_per_depth_held(tmp_path: Path) -> None:
+    """--depths (#22): the race's per-turn medians become one row per depth, in depth order, with the prompt
+    the turn held (a turn longer than the plan's context is shortened by the race), and they are appended to the
+    record's depths.parquet once."""
+    import json
+
+    bench_gpu = _script()
+    specs = [{"name": "p32768-g32", "prompt": 32768, "gen": 32}, {"name": "p4096-g32", "prompt": 4096, "gen": 32}]
+    per_turn = {"p32768-g32": {"plan": {"decode_tps": 60.0, "prefill_tps": 900.0}, "fit": {"decode_tps": 50.0},
+                               "turn_speedup": {"ratio": 1.1}},
+                "p4096-g32": {"plan": {"decode_tps": 80.0}, "fit": {"decode_tps": 64.0}, "turn_speedup": None}}
+    metrics = {"turn_specs": specs, "per_turn": per_turn, "ctx": 262144, "baseline_valid": True,
+               "baseline_gpu_bytes": 15 * 2**30, "plan_gpu_bytes": 14 * 2**30}
+    rows = [{"baseline": "fit", "metrics": json.dumps(metrics)}]
+    got = bench_gpu.depth_rows("r17", "m-skewed-16", "p1", rows)
+    assert [r["depth_tokens"] for r in got] == [4096, 32768]
+    assert got[0]["tg_vs_fit"] == 80.0 / 64.0 and got[0]["turn_vs_fit"] is None
+    assert got[1]["turn_vs_fit"] == 1.1 and got[1]["fit_gpu_gib"] == 15 and got[1]["ctx"] == 262144
+    assert bench_gpu.depth_rows("r17", "t", "p1", [{"baseline": "n-cpu-moe", "metrics": "{}"}]) == []
+    out = tmp_path / "out"
+    out.mkdir()
+    bench_gpu.write_rows([{"run": "r17", "plan_id": "p1"}], out / bench_gpu.RESULTS)
+    bench_gpu.write_rows(got, out / bench_gpu.DEPTHS)
+    record = tmp_path / "record.parquet"
+    bench_gpu.append_record(out, record)
+    bench_gpu.append_record(out, record)
+    assert [r["depth_tokens"] for r in pq.read_table(tmp_path / "depths.parquet").to_pylist()] == [4096, 32768]
