@@ -10,9 +10,10 @@ GPU search tries (:data:`HYBRID_UBATCHES`). The residual of each (measured minus
 large micro-batches, the offload load's extra at the candidate's own micro-batch (``offload_by_ubatch``;
 ``offload_bytes``, the largest, where that micro-batch was not calibrated); for a mapped per-expert split, its
 own load's (``mapped_by_ubatch``). None of them is one figure: on the H200 (run 16) the qwen35moe twin's hybrid
-loads at 256 and 512 read 0.13-0.16 GiB under its whole load's residual, at 2,048 1.8 GiB under (the generic
-compute-buffer term over-counts there), and its mapped splits 0.07 GiB over it, so that splits filled to the
-budget by the whole load's residual measured over it. Without a calibration (no GPU, an older probe) the fixed
+loads at 256 and 512 read 0.13-0.16 GiB under its whole load's residual and its mapped splits 0.07 GiB over
+it, so that splits filled to the budget by the whole load's residual measured over it. (Its "2,048" load read
+1.8 GiB under: llama.cpp had capped that micro-batch at the probe's 512-token context; since run 17 each load's
+context holds its micro-batch, :func:`holding`, and each is read after a run, as finalists are.) Without a calibration (no GPU, an older probe) the fixed
 :data:`DEFAULT_MARGIN` stands in.
 """
 
@@ -33,6 +34,10 @@ CALIBRATION_UBATCH = 2048  # the largest micro-batch the search tries
 HYBRID_UBATCHES = (256, 512, CALIBRATION_UBATCH)  # the GPU search's micro-batches (tasks.enumerate)
 SIZING_UBATCH = 512  # the micro-batch a GPU placement's expert share is sized at (tasks.enumerate.gpu_overhead)
 MAPPED_KEY = f"mapped@{SIZING_UBATCH}"
+# each calibration load is read after one run of this many prompt tokens and generated ones, as the measure
+# stage reads its finalists after their runs: memory a graph takes lazily (CUDA's pools, cuBLAS) counts too
+CALIBRATION_PROMPT = 256
+CALIBRATION_GEN = 8
 FILL_HEADROOM = 64 * 2**20  # what a placement sized to the budget leaves free: NVML's per-process reading varies
 
 
@@ -99,15 +104,23 @@ def calibration_loads(info: ModelInfo, base: EngineParams, device: str = "CUDA0"
     out = [("whole", base)]
     if info.is_moe:
         hybrid: dict[str, Any] = {"tensor_overrides": (EXPERTS_ON_HOST,), "op_offload": True, "no_host": False}
-        out += [(offload_key(ub), base.model_copy(update={**hybrid, "n_ubatch": ub, "n_batch": ub}))
-                for ub in HYBRID_UBATCHES]
+        out += [(offload_key(ub), base.model_copy(update={**hybrid, **holding(base, ub)})) for ub in HYBRID_UBATCHES]
         half = list(range(max(1, info.n_expert // 2)))
         layers: dict[int, list[int] | tuple[int, ...]] = {i: half for i, b in enumerate(expert_bytes(info)) if b}
         if layers:
             out.append((MAPPED_KEY, base.model_copy(update={
-                **hybrid, "n_ubatch": SIZING_UBATCH, "n_batch": SIZING_UBATCH, "expert_mapped": True,
+                **hybrid, **holding(base, SIZING_UBATCH), "expert_mapped": True,
                 "expert_split": ExpertSplit.on(device, layers)})))
     return out
+
+
+def holding(base: EngineParams, n_ubatch: int) -> dict[str, int]:
+    """A calibration load's micro-batch and a context that holds it and the probe's read-out run. llama.cpp
+    caps a micro-batch at the context: the probe's 512-token context made every "2048" load a 512 one (runs 16
+    and 17 read the same GiB at both), so the 2048 residual was the 512 load's against a 2048 compute buffer,
+    and its extra fell to zero."""
+    return {"n_ubatch": n_ubatch, "n_batch": n_ubatch,
+            "n_ctx": max(base.n_ctx, n_ubatch, CALIBRATION_PROMPT + CALIBRATION_GEN + 8)}
 
 
 def fit(device: str, residuals: dict[str, int]) -> GpuMemoryFit:

@@ -61,12 +61,12 @@ def _with_copy_bandwidth(gpus: list[GpuInfo], bus_ids: list[str]) -> list[GpuInf
     return out
 
 
-def _prompt(w: WorkerClient, timeout_s: float) -> list[int]:
-    """PREFILL_BATCH tokens of the fixed text (repeated if the tokenizer packs it tighter)."""
+def _prompt(w: WorkerClient, timeout_s: float, n: int = PREFILL_BATCH) -> list[int]:
+    """``n`` tokens of the fixed text (repeated as often as it takes)."""
     toks = w.tokenize(PROMPT_TEXT, special=False, timeout=timeout_s)
     if not toks:
         raise EngineError("probe_failed", "the model's tokenizer turned the probe text into no tokens")
-    return (toks * (PREFILL_BATCH // len(toks) + 1))[:PREFILL_BATCH]
+    return (toks * (n // len(toks) + 1))[:n]
 
 
 def _time_kernels(w: WorkerClient, model_path: Path, params: EngineParams, device: str, n_layer: int,
@@ -144,17 +144,22 @@ def _gpu_kernels(w: WorkerClient, meter: GpuMemoryMeter, model_path: Path, info:
 
 def _calibration_reading(w: WorkerClient, meter: GpuMemoryMeter, model_path: Path, load: EngineParams,
                          settings: Settings, first: bool) -> GpuReading | None:
-    """The GPU memory a calibration load holds (None: NVML has no reading). The first is the load the kernels
-    were timed on; a per-expert split, read from the environment when a model loads, gets a worker of its own."""
+    """The GPU memory a calibration load holds after one run (None: NVML has no reading). The first is the
+    load the kernels were timed on (read after their runs); a per-expert split, read from the environment when
+    a model loads, gets a worker of its own."""
     env = load.environment()
     own = _worker(settings, env) if env.get("FLUX_MOE_SPLIT") else None
     try:
         if own is not None:
             own.start()
+        use = own or w
         if not first:
-            (own or w).request(ops.LOAD, ops.LoadArgs(model=str(model_path), params=load),
-                               timeout=settings.serve.worker_timeouts.load_s)
-        reading = meter.read((own or w).pid)
+            t = settings.serve.worker_timeouts
+            use.request(ops.LOAD, ops.LoadArgs(model=str(model_path), params=load), timeout=t.load_s)
+            run = ops.TimedRunArgs(prompt=_prompt(use, t.rpc_s, gpu_memory.CALIBRATION_PROMPT),
+                                   n_gen=gpu_memory.CALIBRATION_GEN)
+            use.request(ops.TIMED_RUN, run, timeout=settings.plan.measure_timeout_s)  # read as finalists are
+        reading = meter.read(use.pid)
     finally:
         if own is not None:
             own.close(timeout=5)

@@ -13,6 +13,8 @@ from artifacts.records.plan import PlanRequest
 from tasks.enumerate import compute_bytes, enumerate_placements, gpu_overhead, kv_at, modelled_load
 from tasks.errors import ImpossiblePlan
 from tasks.gpu_memory import (
+    CALIBRATION_GEN,
+    CALIBRATION_PROMPT,
     DEFAULT_MARGIN,
     budget_problem,
     calibration_loads,
@@ -118,6 +120,9 @@ def test_calibration_loads_put_a_moe_models_experts_on_the_host(moe: ModelInfo) 
     assert set(loads) == {"whole", "offload@256", "offload@512", "offload", "mapped@512"}
     assert loads["offload"].tensor_overrides and loads["offload"].n_ubatch == 2048
     assert loads["offload@512"].tensor_overrides and loads["offload@512"].n_ubatch == 512
+    # llama.cpp caps a micro-batch at the context: each load's context holds its micro-batch and the read-out run
+    assert all(p.n_ctx >= max(p.n_ubatch, CALIBRATION_PROMPT + CALIBRATION_GEN) for p in loads.values())
+    assert loads["offload"].n_ctx == 2048 and loads["offload@256"].n_ctx == 512 == loads["whole"].n_ctx
     mapped = loads["mapped@512"]
     assert mapped.expert_mapped and mapped.expert_split and mapped.n_ubatch == 512
     assert [h.layer for h in mapped.expert_split.layers] == [i for i, b in enumerate(expert_bytes(moe)) if b]
