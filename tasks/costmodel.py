@@ -35,6 +35,12 @@ HOST_ATTN_GFLOPS_PER_CORE = 4.6
 # pinned copy rate: on the H200 (runs 8-9) plans served 1,533-1,633 tok/s and measured 1,547-1,585 where the
 # probe's 53.5 GB/s predicted 2,560-3,090 (the copies do not overlap the GPU's own compute of the micro-batch).
 PINNED_OFFLOAD_SHARE = 0.5
+# Prefill of a hybrid whose host computes its experts (no op offload, or repacked --no-host weights) is slower
+# than the probe's whole-model CPU rate per byte says: on the H200 (runs 16-17, qwen3next and qwen35moe twins,
+# 64-256-token prompts) four such finalists measured 90-308 tok/s where that rate predicted 2.02-2.20x as much.
+# The probe's rate averages the dense weights, which a batch reuses across its tokens, with the experts, which
+# see 1-2 tokens each (10 of 512, 8 of 256 experts per token); a hybrid leaves the host only the experts.
+HYBRID_HOST_PREFILL_SLOWDOWN = 2.1
 # A per-expert split layer (patches 0003-0004) pays its host round trip every step, priced like any hybrid layer
 # (two hand-overs at HYBRID_LAYER_SYNC_MS: 0.10 ms against the 0.096 ms per layer the H200 anatomy measured,
 # patches/llama.cpp/README.md), and its host part runs only on a step where one of its picks is cold (the idle
@@ -350,7 +356,7 @@ def _prefill_ms(info: ModelInfo, hw: HardwareReport, cand: Candidate, per_dev: d
         return cpu_ms
     threshold = p.offload_min_batch or DEFAULT_OFFLOAD_MIN_BATCH
     if p.n_ubatch < threshold or not p.op_offload or p.no_host:  # repacked weights are never offloaded
-        return cpu_ms + 0.02
+        return cpu_ms * HYBRID_HOST_PREFILL_SLOWDOWN + 0.02
     gpu = next((g for g in hw.gpus), None)
     pinned = p.load_mode != "mmap"
     h2d = (gpu.h2d_pinned_gbs if pinned else gpu.h2d_pageable_gbs) if gpu else None

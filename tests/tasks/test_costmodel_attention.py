@@ -108,3 +108,21 @@ def test_the_whole_model_on_the_gpu_is_predicted_at_the_probes_step() -> None:
     probe_step = next(k.decode_ms_per_token for k in hw.kernels if k.device == "CUDA0")
     got = predict(info, hw, whole, Workload(prefill_tokens=64, decode_tokens=32, mean_prompt_tokens=64)).decode_tps
     assert got == pytest.approx(1e3 / probe_step, rel=0.05)
+
+
+@pytest.mark.parametrize(("recorded", "cid", "measured"), [
+    ("qwen3-next-80b-a3b-skewed-16-chat-run17", "c175", 90.2),
+    ("qwen3-next-80b-a3b-skewed-16-chat-run17", "c143", 124.5),
+    ("qwen3.6-35b-a3b-skewed-12-chat-run16", "c167", 308.2),
+    ("qwen3.6-35b-a3b-skewed-8-chat-run16", "c187", 223.7),
+])
+def test_a_hybrids_host_computed_prefill_matches_what_runs_16_and_17_measured(recorded: str, cid: str,
+                                                                               measured: float) -> None:
+    """Runs 16-17 on the H200 (qwen3next and qwen35moe twins, `--workload chat`): finalists whose host computes
+    its experts at prefill (repacked ``--no-host`` weights, never offloaded) measured at half the rate the probe's
+    whole-model CPU prefill gave per byte; the measure stage's prompts (64-256 tokens) with the recorded probe."""
+    info, hw, cands = _recorded(f"memory-{recorded}")
+    c = cands[cid]
+    assert c.params.no_host and any(d != "CPU" for d in c.weights_bytes), "a hybrid with repacked host weights"
+    work = Workload(prefill_tokens=256, decode_tokens=256, mean_prompt_tokens=149)
+    assert predict(info, hw, c, work).prefill_tps == pytest.approx(measured, rel=0.15)
