@@ -322,7 +322,7 @@ def predict(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: Workload
             decode_ms += len(p.expert_split.layers) * CACHE_READ_MS
     if gpu_read and p.flash_attn != _gpu_probe_fa(hw):  # flash attention: ~15% off a GPU step (notes)
         decode_ms *= 0.85 if p.flash_attn else 1 / 0.85
-    prefill_ms = _prefill_ms(info, hw, cand, per_dev, prefill_ms_per_byte, probe_threads)
+    prefill_ms = _prefill_ms(info, hw, cand, per_dev, prefill_ms_per_byte, probe_threads, work.mean_prompt_tokens)
     decode_tps, prefill_tps = 1e3 / max(decode_ms, 1e-6), 1e3 / max(prefill_ms, 1e-6)
     score = work.prefill_tokens / prefill_tps + work.decode_tokens / decode_tps
     return Prediction(candidate_id=cand.id, prefill_tps=prefill_tps, decode_tps=decode_tps, score_s=score)
@@ -345,7 +345,7 @@ def _predict_remote(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: 
 
 
 def _prefill_ms(info: ModelInfo, hw: HardwareReport, cand: Candidate, per_dev: dict[str, tuple[float, float]],
-                ms_per_byte: float, probe_threads: int) -> float:
+                ms_per_byte: float, probe_threads: int, prompt_tokens: float) -> float:
     """Prefill ms per token: CPU compute scaled by threads; host weights copied per offloaded micro-batch."""
     p = cand.params
     cpu_read = per_dev.get("CPU", (0.0, 0.0))[0]
@@ -357,10 +357,13 @@ def _prefill_ms(info: ModelInfo, hw: HardwareReport, cand: Candidate, per_dev: d
     threshold = p.offload_min_batch or DEFAULT_OFFLOAD_MIN_BATCH
     if p.n_ubatch < threshold or not p.op_offload or p.no_host:  # repacked weights are never offloaded
         return cpu_ms * HYBRID_HOST_PREFILL_SLOWDOWN + 0.02
+    host_resident = per_dev.get("CPU", (0.0, 0.0))[1] - info.bytes_by_role.get("embeddings", 0)
+    if p.expert_mapped:  # the GPU's kernels read the whole expert tensors in place, once per micro-batch
+        batch = max(1.0, min(p.n_ubatch, prompt_tokens))
+        return 0.08 + host_resident / mapped_bandwidth(hw) * 1e3 / batch
     gpu = next((g for g in hw.gpus), None)
     pinned = p.load_mode != "mmap"
     h2d = (gpu.h2d_pinned_gbs if pinned else gpu.h2d_pageable_gbs) if gpu else None
     h2d_gbs = (h2d or 45.0) * PINNED_OFFLOAD_SHARE if pinned else (h2d or 7.5)
-    host_resident = per_dev.get("CPU", (0.0, 0.0))[1] - info.bytes_by_role.get("embeddings", 0)
     copy_ms_per_token = host_resident / (h2d_gbs * 1e9) * 1e3 / p.n_ubatch
     return 0.08 + copy_ms_per_token * (0.9 if p.flash_attn else 1.0)
