@@ -46,6 +46,8 @@ import pyarrow.parquet as pq
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from tasks.bench.step_facts import step_facts, step_facts_from_show, step_times  # noqa: E402
+
 GIB = 2**30
 RESULTS = "h200_results.parquet"
 DEPTHS = "h200_depths.parquet"
@@ -121,7 +123,7 @@ def plan_facts(plan_id: str) -> dict[str, Any]:
 
     plan = Records.at(load_settings().data_dir).find_by_prefix(PLAN, plan_id)
     c = plan.candidate
-    return {**whole_tensor_facts(plan), "plan_family": c.family, "workload": plan.request.workload, "plan_flags": " ".join(c.params.cli_args()), "ctx": c.params.n_ctx,
+    return {**whole_tensor_facts(plan), **step_facts(c), "plan_family": c.family, "workload": plan.request.workload, "plan_flags": " ".join(c.params.cli_args()), "ctx": c.params.n_ctx,
             "plan_prefill_tps": plan.measured.prefill_tps, "plan_decode_tps": plan.measured.decode_tps,
             "plan_workload_s": plan.measured.workload_s, "plan_workload_iqr": plan.measured.workload_iqr,
             "plan_rounds": plan.measured.n_rounds, "plan_kv_gpu_gib": sum(b for d, b in c.kv_bytes.items() if d != "CPU") / GIB,
@@ -211,6 +213,7 @@ def record_row(run: str, preset: str, routing: str, budget: float, plan_id: str,
                     "baseline_threads_note": m.get("baseline_threads_note")})
     if out.get("served_decode_tps") and out.get("plan_decode_tps"):
         out["http_vs_plan_decode"] = out["served_decode_tps"] / out["plan_decode_tps"]
+    out.update(step_times(out.get("served_decode_tps"), out.get("all_gpu_decode_tps")))
     return mask_invalid(out)
 
 
@@ -280,6 +283,28 @@ def append_record(out: Path, record: Path) -> int:
     return len(new)
 
 
+def backfill_steps(record: Path) -> int:
+    """Give the record's rows made before the step columns (:mod:`tasks.bench.step_facts`) their figures: the
+    split from the ``flux show`` log saved with the row's run (``runN/show-*.log`` beside the record, found by
+    plan id), the step times from the row's own speeds. Returns how many rows gained a figure."""
+    shows = {}
+    for log_path in record.parent.glob("run*/**/show-*.log"):
+        first = log_path.read_text().split("\n", 1)[0]
+        shows[first.rsplit(" ", 1)[-1]] = log_path.read_text()
+    rows, changed = pq.read_table(record).to_pylist(), 0
+    for r in rows:
+        if not r.get("plan_id") or r.get("step_ms") is not None:
+            continue
+        facts = step_facts_from_show(shows.get(r["plan_id"], ""))
+        r.update({k: v for k, v in facts.items() if r.get(k) is None})
+        r.update(step_times(r.get("served_decode_tps"), r.get("all_gpu_decode_tps")))
+        changed += 1
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), record)
+    log(f"{record}: step figures for {changed} row(s)")
+    return changed
+
+
 def store_results(out: Path) -> None:
     """Put the record into the store as table ``bench_gpu`` (DuckDB: SELECT * FROM bench_gpu)."""
     from artifacts.config import load_settings
@@ -310,7 +335,7 @@ def race_depths(args: argparse.Namespace, tag: str, plan_id: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=None, help="the run's folder (required but with --backfill-steps)")
     ap.add_argument("--model-dir", type=Path, default=Path("/dev/shm/flux-models"))
     ap.add_argument("--pairs", default="qwen3-30b-a3b:8,qwen3-30b-a3b:12,qwen3-30b-a3b:16,qwen3-30b-a3b:0")
     ap.add_argument("--plan-budget-s", type=float, default=None, help="flux plan --budget-s (default: its own)")
@@ -320,9 +345,16 @@ def main() -> int:
     ap.add_argument("--synth", default="", help="extra flux synth flags, e.g. '--routing skewed'")
     ap.add_argument("--depths", default="", help="prompt tokens, e.g. 4096,32768,131072: the first pair's plan "
                     "raced against --fit at each depth (one round)")
+    ap.add_argument("--backfill-steps", type=Path, default=None, metavar="RECORD",
+                    help="give RECORD's older rows the step columns (from the show logs beside it) and exit")
     ap.add_argument("--import", dest="import_only", action="store_true")
     ap.add_argument("--record", type=Path, default=None, help="with --import: also append the rows to this Parquet file")
     args = ap.parse_args()
+    if args.backfill_steps:
+        backfill_steps(args.backfill_steps)
+        return 0
+    if args.out is None:
+        ap.error("--out DIR is required: the run's folder")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.import_only:
         store_results(args.out)
