@@ -31,10 +31,13 @@ PLAIN_LAYOUT_SLOWDOWN = 30.5 / 23.0
 # decoded 38.3 tok/s at a 64-token depth and 8.3 at 16,384, 94 ms more per token for 7.0 GFLOP of attention =
 # 74 GFLOPS, 6x what the cache's bytes cost at the CPU's read bandwidth.
 HOST_ATTN_GFLOPS_PER_CORE = 4.6
-# Prefill of hybrids with pinned host weights (--no-mmap) moves them to the GPU at about half the probe's
-# pinned copy rate: on the H200 (runs 8-9) plans served 1,533-1,633 tok/s and measured 1,547-1,585 where the
-# probe's 53.5 GB/s predicted 2,560-3,090 (the copies do not overlap the GPU's own compute of the micro-batch).
-PINNED_OFFLOAD_SHARE = 0.5
+# Prefill of a hybrid with op offload copies its host weights to the GPU once per micro-batch (a prompt shorter
+# than the micro-batch is a micro-batch of its own) at the probe's copy rate, then computes the micro-batch there;
+# the two do not overlap. The GPU's compute per token is the probe's whole-model prefill (timed at 64 tokens),
+# cheaper at larger batches by (64 / batch) ** 0.2: on the H200 run 9b's pinned hybrids (512-token micro-batches)
+# measured 1,547 and 1,585 tok/s (predicted 1,600 and 1,490), run 13's host splits on 256-token prompts 620-676
+# (predicted 620-640). A copy alone at the probe's rate had predicted 2,560-3,090 for run 9b.
+GPU_PREFILL_BATCH_EXP = 0.2
 # Prefill of a hybrid whose host computes its experts (no op offload, or repacked --no-host weights) is slower
 # than the probe's whole-model CPU rate per byte says: on the H200 (runs 16-17, qwen3next and qwen35moe twins,
 # 64-256-token prompts) four such finalists measured 90-308 tok/s where that rate predicted 2.02-2.20x as much.
@@ -364,6 +367,15 @@ def _prefill_ms(info: ModelInfo, hw: HardwareReport, cand: Candidate, per_dev: d
     gpu = next((g for g in hw.gpus), None)
     pinned = p.load_mode != "mmap"
     h2d = (gpu.h2d_pinned_gbs if pinned else gpu.h2d_pageable_gbs) if gpu else None
-    h2d_gbs = (h2d or 45.0) * PINNED_OFFLOAD_SHARE if pinned else (h2d or 7.5)
-    copy_ms_per_token = host_resident / (h2d_gbs * 1e9) * 1e3 / p.n_ubatch
-    return 0.08 + copy_ms_per_token * (0.9 if p.flash_attn else 1.0)
+    batch = max(1.0, min(p.n_ubatch, prompt_tokens))  # a prompt shorter than the micro-batch is one of its own
+    copy_ms_per_token = host_resident / ((h2d or (45.0 if pinned else 7.5)) * 1e9) * 1e3 / batch
+    return copy_ms_per_token + _gpu_prefill_ms(hw, batch)
+
+
+def _gpu_prefill_ms(hw: HardwareReport, batch: float) -> float:
+    """GPU compute per prompt token of the whole model at ``batch`` tokens a micro-batch: the probe's (timed at
+    its small batch), cheaper per token as the batch grows (:data:`GPU_PREFILL_BATCH_EXP`)."""
+    k = next((k for k in hw.kernels if k.device != "CPU" and k.prefill_ms_per_token > 0), None)
+    if k is None:
+        return 0.08
+    return k.prefill_ms_per_token * (k.prefill_batch / max(k.prefill_batch, min(batch, 512.0))) ** GPU_PREFILL_BATCH_EXP
