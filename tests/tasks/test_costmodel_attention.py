@@ -126,3 +126,19 @@ def test_a_hybrids_host_computed_prefill_matches_what_runs_16_and_17_measured(re
     assert c.params.no_host and any(d != "CPU" for d in c.weights_bytes), "a hybrid with repacked host weights"
     work = Workload(prefill_tokens=256, decode_tokens=256, mean_prompt_tokens=149)
     assert predict(info, hw, c, work).prefill_tps == pytest.approx(measured, rel=0.15)
+
+
+@pytest.mark.parametrize(("recorded", "cid", "measured"), [
+    ("qwen3-30b-a3b-skewed-12-chat-run13", "c238", 672.9), ("qwen3-30b-a3b-skewed-8-chat-run13", "c218", 675.6),
+    ("qwen3-30b-a3b-uniform-10-chat-run13", "c238", 620.1),
+])
+def test_an_offloading_hybrids_prefill_on_a_prompt_shorter_than_its_micro_batch(recorded: str, cid: str,
+                                                                                measured: float) -> None:
+    """Run 13 on the H200: host splits with pinned whole expert tensors and op offload, 256-token prompts at a
+    512-token micro-batch. Each prompt is one micro-batch of 256 tokens, so each pays a whole copy of the host
+    weights: a copy spread over 512 tokens at half the copy rate had predicted 892 (1.3-1.4x)."""
+    info, hw, cands = _recorded(f"memory-{recorded}")
+    c = cands[cid]
+    assert c.params.op_offload and not c.params.expert_mapped and c.params.n_ubatch == 512
+    got = predict(info, hw, c, Workload(prefill_tokens=256, decode_tokens=256, mean_prompt_tokens=256)).prefill_tps
+    assert got == pytest.approx(measured, rel=0.15)
