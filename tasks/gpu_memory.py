@@ -13,8 +13,8 @@ own load's (``mapped_by_ubatch``). None of them is one figure: on the H200 (run 
 loads at 256 and 512 read 0.13-0.16 GiB under its whole load's residual and its mapped splits 0.07 GiB over
 it, so that splits filled to the budget by the whole load's residual measured over it. (Its "2,048" load read
 1.8 GiB under: llama.cpp had capped that micro-batch at the probe's 512-token context; since run 17 each load's
-context holds its micro-batch, :func:`holding`, and each is read after a run, as finalists are.) Without a calibration (no GPU, an older probe) the fixed
-:data:`DEFAULT_MARGIN` stands in.
+context holds its micro-batch, :func:`holding`, and each is read after a run, as finalists are.) Without a
+calibration (no GPU, an older probe) the fixed :data:`DEFAULT_MARGIN` stands in.
 """
 
 from __future__ import annotations

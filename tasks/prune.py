@@ -86,8 +86,9 @@ def prune(space: PlacementSpace, info: ModelInfo, hw: HardwareReport, work: Work
                                                                  if c.params.n_ubatch == u))]
     for c in by_ub[:2]:
         take(c)
-    if ranked and _hybrid(ranked[0]):
-        take(next((c for c in plausible if _hybrid(c) and c.params.no_host != ranked[0].params.no_host), None))
+    if ranked and _hybrid(ranked[0]):  # pinned against repacked host weights (a mapped split's experts are neither)
+        take(next((c for c in plausible if _hybrid(c) and c.params.no_host != ranked[0].params.no_host
+                   and not c.params.expert_mapped), None))
     if any(c.params.expert_split for c in ranked):  # per-expert split against the best whole-tensor placement
         first = next((c for c in ranked if c.params.expert_split), None)
         take(first)  # and the best split whose cold experts run elsewhere (host / GPU over the bus): measured
