@@ -35,8 +35,8 @@ HOST_ATTN_GFLOPS_PER_CORE = 4.6
 # than the micro-batch is a micro-batch of its own) at the probe's copy rate, then computes the micro-batch there;
 # the two do not overlap. The GPU's compute per token is the probe's whole-model prefill (timed at 64 tokens),
 # cheaper at larger batches by (64 / batch) ** 0.2: on the H200 run 9b's pinned hybrids (512-token micro-batches)
-# measured 1,547 and 1,585 tok/s (predicted 1,600 and 1,490), run 13's host splits on 256-token prompts 620-676
-# (predicted 620-640). A copy alone at the probe's rate had predicted 2,560-3,090 for run 9b.
+# measured 1,547 and 1,585 tok/s (predicted 1,748 and 1,594), run 13's host splits on 256-token prompts 620-676
+# (predicted 629-664). A copy alone at the probe's rate had predicted 2,560-3,090 for run 9b.
 GPU_PREFILL_BATCH_EXP = 0.2
 # Prefill of a hybrid whose host computes its experts (no op offload, or repacked --no-host weights) is slower
 # than the probe's whole-model CPU rate per byte says: on the H200 (runs 16-17, qwen3next and qwen35moe twins,
