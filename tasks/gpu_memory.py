@@ -123,7 +123,8 @@ def holding(base: EngineParams, n_ubatch: int) -> dict[str, int]:
             "n_ctx": max(base.n_ctx, n_ubatch, CALIBRATION_PROMPT + CALIBRATION_GEN + 8)}
 
 
-def fit(device: str, residuals: dict[str, int]) -> GpuMemoryFit:
+def fit(device: str, residuals: dict[str, int],
+        steps: dict[str, tuple[float, float]] | None = None) -> GpuMemoryFit:
     """The correction from the probe's residuals (measured minus modelled) per calibration load: the whole
     load's is the base; each hybrid load's excess over it, never below zero, is its micro-batch's extra."""
     base = residuals.get("whole", DEFAULT_MARGIN)
@@ -133,7 +134,7 @@ def fit(device: str, residuals: dict[str, int]) -> GpuMemoryFit:
     mapped = {SIZING_UBATCH: int(residuals[MAPPED_KEY] - base)} if MAPPED_KEY in residuals else {}
     return GpuMemoryFit(device=device, base_bytes=int(base), offload_bytes=max(extra.values(), default=0),
                         offload_by_ubatch=extra, mapped_by_ubatch=mapped,
-                        residuals={k: int(v) for k, v in residuals.items()})
+                        residuals={k: int(v) for k, v in residuals.items()}, step_ms_by_load=steps or {})
 
 
 def smallest_moe_budget(info: ModelInfo, n_ctx: int, n_seq: int, kv_type: str, hw: HardwareReport | None,

@@ -118,12 +118,17 @@ def _gpu_kernels(w: WorkerClient, meter: GpuMemoryMeter, model_path: Path, info:
         try:
             timing = _time_kernels(w, model_path, params, name, info.n_layer, settings)
             residuals: dict[str, int] = {}
+            steps: dict[str, tuple[float, float]] = {}
             for kind, load in gpu_memory.calibration_loads(info, params, name):
                 try:
-                    reading = _calibration_reading(w, meter, model_path, load, settings, first=kind == "whole")
+                    reading, step = _calibration_reading(w, meter, model_path, load, settings, first=kind == "whole")
                 except EngineError as exc:
                     log.warning("probe: %s memory, %s load failed (its correction is left out): %s", name, kind, exc)
                     continue
+                if step is not None:  # the hybrid shape's own step, for the cost model to be checked against
+                    steps[kind] = step
+                    log.info("probe: %s %s load: prefill %.2f ms/token (%d tokens), decode %.2f ms/token", name,
+                             kind, step[0], gpu_memory.CALIBRATION_PROMPT, step[1])
                 if reading is None:
                     break
                 held = reading.per_gpu[k] if k < len(reading.per_gpu) else max(reading.per_gpu)
@@ -136,19 +141,20 @@ def _gpu_kernels(w: WorkerClient, meter: GpuMemoryMeter, model_path: Path, info:
                          held / GIB, reading.method, model / GIB)
             out.append(timing)
             if residuals:
-                fits.append(gpu_memory.fit(name, residuals))
+                fits.append(gpu_memory.fit(name, residuals, steps))
         except EngineError as exc:
             log.warning("probe: kernel timing on %s failed: %s", name, exc)
     return out, fits
 
 
 def _calibration_reading(w: WorkerClient, meter: GpuMemoryMeter, model_path: Path, load: EngineParams,
-                         settings: Settings, first: bool) -> GpuReading | None:
+                         settings: Settings, first: bool) -> tuple[GpuReading | None, tuple[float, float] | None]:
     """The GPU memory a calibration load holds after one run (None: NVML has no reading). The first is the
     load the kernels were timed on (read after their runs); a per-expert split, read from the environment when
     a model loads, gets a worker of its own."""
     env = load.environment()
     own = _worker(settings, env) if env.get("FLUX_MOE_SPLIT") else None
+    step = None
     try:
         if own is not None:
             own.start()
@@ -158,14 +164,16 @@ def _calibration_reading(w: WorkerClient, meter: GpuMemoryMeter, model_path: Pat
             use.request(ops.LOAD, ops.LoadArgs(model=str(model_path), params=load), timeout=t.load_s)
             run = ops.TimedRunArgs(prompt=_prompt(use, t.rpc_s, gpu_memory.CALIBRATION_PROMPT),
                                    n_gen=gpu_memory.CALIBRATION_GEN)
-            use.request(ops.TIMED_RUN, run, timeout=settings.plan.measure_timeout_s)  # read as finalists are
+            tm = use.request(ops.TIMED_RUN, run, timeout=settings.plan.measure_timeout_s)  # read as finalists are
+            if tm.prompt_tokens and tm.gen_tokens:
+                step = (tm.prompt_ms / tm.prompt_tokens, tm.gen_ms / tm.gen_tokens)
         reading = meter.read(use.pid)
     finally:
         if own is not None:
             own.close(timeout=5)
     if own is not None and reading is not None and reading.method != "per-process":
-        return None  # a device-wide delta would count the first worker's load too (it is the last load)
-    return reading
+        return None, step  # a device-wide delta would count the first worker's load too (it is the last load)
+    return reading, step
 
 
 def engine_probe(model_path: Path, info: ModelInfo, threads: int,

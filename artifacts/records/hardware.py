@@ -110,6 +110,8 @@ class GpuMemoryFit(Record):
     mapped_by_ubatch: dict[int, int] = Field(default_factory=dict, description=(
         "the extra of a mapped per-expert split (instead of the offload extra; may be negative), per micro-batch"))
     residuals: dict[str, int] = Field(default_factory=dict, description="measured minus modelled, per probe load")
+    step_ms_by_load: dict[str, tuple[float, float]] = Field(default_factory=dict, description=(
+        "(prefill, decode) ms per token of each calibration load's read-out run: a hybrid shape's own step"))
 
 
 class HardwareReport(Record):

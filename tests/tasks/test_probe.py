@@ -277,6 +277,9 @@ def test_each_calibration_load_is_read_and_a_failed_mapped_load_is_left_out(
         logging.getLogger("tasks.probe").removeHandler(handler)
     assert [t.device for t in timings] == ["CUDA0"] and timings[0].gpu_bytes == 2 * GIB
     assert set(fit.residuals) == {"whole", "offload@256", "offload@512", "offload"} and not fit.mapped_by_ubatch
+    # each hybrid load was read after a run of its own, whose step is kept (the whole load's is its kernel timing)
+    assert set(fit.step_ms_by_load) == {"offload@256", "offload@512", "offload"}
+    assert all(prefill > 0 and decode > 0 for prefill, decode in fit.step_ms_by_load.values())
     base = _params(info, 1, n_gpu_layers=-1, split_mode="none", main_gpu=0, flash_attn=True)
     assert fit.base_bytes == 2 * GIB - modelled_load(info, base, "CUDA0", experts_on_host=False)
     (warning,) = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
