@@ -149,9 +149,9 @@ def _gpu_kernels(w: WorkerClient, meter: GpuMemoryMeter, model_path: Path, info:
 
 def _calibration_reading(w: WorkerClient, meter: GpuMemoryMeter, model_path: Path, load: EngineParams,
                          settings: Settings, first: bool) -> tuple[GpuReading | None, tuple[float, float] | None]:
-    """The GPU memory a calibration load holds after one run (None: NVML has no reading). The first is the
-    load the kernels were timed on (read after their runs); a per-expert split, read from the environment when
-    a model loads, gets a worker of its own."""
+    """The GPU memory a calibration load holds after one run (None: NVML has no reading) and that run's
+    (prefill, decode) ms per token (None for the first: the load the kernels were timed on, read after their
+    runs). A per-expert split, read from the environment when a model loads, gets a worker of its own."""
     env = load.environment()
     own = _worker(settings, env) if env.get("FLUX_MOE_SPLIT") else None
     step = None
