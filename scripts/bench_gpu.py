@@ -289,8 +289,8 @@ def backfill_steps(record: Path) -> int:
     plan id), the step times from the row's own speeds. Returns how many rows gained a figure."""
     shows = {}
     for log_path in record.parent.glob("run*/**/show-*.log"):
-        first = log_path.read_text().split("\n", 1)[0]
-        shows[first.rsplit(" ", 1)[-1]] = log_path.read_text()
+        text = log_path.read_text()
+        shows[text.split("\n", 1)[0].rsplit(" ", 1)[-1]] = text  # "$ flux show <plan id>"
     rows, changed = pq.read_table(record).to_pylist(), 0
     for r in rows:
         if not r.get("plan_id") or r.get("step_ms") is not None:

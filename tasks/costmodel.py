@@ -358,16 +358,15 @@ def _prefill_ms(info: ModelInfo, hw: HardwareReport, cand: Candidate, per_dev: d
     if not gpu_resident:
         return cpu_ms
     host_resident = per_dev.get("CPU", (0.0, 0.0))[1] - info.bytes_by_role.get("embeddings", 0)
+    batch = max(1.0, min(p.n_ubatch, prompt_tokens))  # a prompt shorter than the micro-batch is one of its own
     if p.expert_mapped:  # the GPU's kernels read the whole expert tensors in place (the read is their compute),
-        batch = max(1.0, min(p.n_ubatch, prompt_tokens))  # once per micro-batch, offload or not
-        return 0.08 + host_resident / mapped_bandwidth(hw) * 1e3 / batch
+        return 0.08 + host_resident / mapped_bandwidth(hw) * 1e3 / batch  # once per micro-batch, offload or not
     threshold = p.offload_min_batch or DEFAULT_OFFLOAD_MIN_BATCH
     if p.n_ubatch < threshold or not p.op_offload or p.no_host:  # repacked weights are never offloaded
         return cpu_ms * HYBRID_HOST_PREFILL_SLOWDOWN + 0.02
     gpu = next((g for g in hw.gpus), None)
     pinned = p.load_mode != "mmap"
     h2d = (gpu.h2d_pinned_gbs if pinned else gpu.h2d_pageable_gbs) if gpu else None
-    batch = max(1.0, min(p.n_ubatch, prompt_tokens))  # a prompt shorter than the micro-batch is one of its own
     copy_ms_per_token = host_resident / ((h2d or (45.0 if pinned else 7.5)) * 1e9) * 1e3 / batch
     return copy_ms_per_token + _gpu_prefill_ms(hw, batch)
 

@@ -22,7 +22,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from artifacts.gguf_header import read_header
 from artifacts.model_info import model_info, read_tensors, tensor_layer
 from artifacts.records.evidence import MeasureSummary
 from artifacts.records.hardware import HardwareReport
@@ -146,20 +145,13 @@ def drafting_that_won(summaries: Sequence[MeasureSummary]) -> list[MeasureSummar
     return [s for s in summaries if won(s)]
 
 
-def mtp_note(model: Path, engines: Sequence[str] = (NATIVE,)) -> list[str]:
-    """A note when the model has next-token (MTP) heads that planning did not measure (no llama-server)."""
-    if LLAMA_SERVER in engines:
+def mtp_note(n_nextn_layers: int, engines: Sequence[str] = (NATIVE,)) -> list[str]:
+    """A note when the model has next-token (MTP) heads (``ModelInfo.n_nextn_layers``) that planning did not
+    measure (no llama-server)."""
+    if not n_nextn_layers or LLAMA_SERVER in engines:
         return []
-    try:
-        md = read_header(model).metadata
-    except (OSError, ValueError):
-        return []
-    arch = md.get("general.architecture")
-    n = md.get(f"{arch}.nextn_predict_layers")
-    if not n:
-        return []
-    return [f"the model has {n} next-token (MTP) head layer(s); Flux drafts with them on llama-server only (its "
-            "worker does not drive the pin's MTP context): `--engines native,llama-server` measures them"]
+    return [f"the model has {n_nextn_layers} next-token (MTP) head layer(s); Flux drafts with them on llama-server "
+            "only (its worker does not drive the pin's MTP context): `--engines native,llama-server` measures them"]
 
 
 def _round_seconds(rows: Sequence[Mapping[str, object]], cid: str) -> dict[int, float]:

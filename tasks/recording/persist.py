@@ -72,7 +72,7 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport, space: PlacementSpace, 
                    memory_limits=space.memory_limits, prefill_share=work.prefill_share,
                    notes=plan_notes(space, fin, measured, report) + rpc_notes(hw, winner) + engine_notes(
                        {s.candidate_id: s for s in measured.summaries}, ctx.engines, winner)
-                       + speculation_notes(drafts, winner) + (mtp_note(ctx.model, ctx.req.engines) if ctx.req.speculation else []),
+                       + speculation_notes(drafts, winner) + (mtp_note(ctx.info.n_nextn_layers, ctx.req.engines) if ctx.req.speculation else []),
                    speculation=drafts,
                    engine=None if winner.engine == NATIVE else spec_of(ctx.engines, winner.engine),
                    stage_seconds=ctx.clock.record())

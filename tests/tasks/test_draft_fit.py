@@ -76,7 +76,7 @@ def test_next_token_heads_draft_on_llama_server_only(tmp_path: Path) -> None:
     assert mtp.label == "mtp" and mtp.server_args() == ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3"]
     assert "mtp" not in kinds(both.model_copy(update={"engines": ["native"]}), info.n_nextn_layers)
     assert "mtp" not in kinds(both, 0), "no block, no drafting with it"
-    assert mtp_note(model, ["native"]) and not mtp_note(model, ["native", "llama-server"])
+    assert mtp_note(info.n_nextn_layers, ["native"]) and not mtp_note(info.n_nextn_layers, ["native", "llama-server"])
     block = mtp_block_bytes(model)
     assert 0 < block < info.file_bytes and mtp_block_bytes(synthesize("tiny-qwen35moe", tmp_path / "t.gguf").path) == 0
     from engine_bridge.engines.spec import EngineSpec
