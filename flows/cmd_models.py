@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+import psutil
 from rich.table import Table
 
 from artifacts.errors import FluxError, UnsupportedArchitecture
@@ -87,7 +88,10 @@ def _draft(args: argparse.Namespace) -> int:
     con.print(f"wrote {res.path}: the first {res.n_layer} of {res.target_layers} layers of {args.draft_of.name}, "
               f"{res.n_tensors} tensors, {res.file_bytes / 1e6:.1f} MB in {res.seconds:.1f} s")
     settings = args.settings
-    got = agreement(args.draft_of, res.path, log_path=settings.logs_dir / "draft.log")
+    # every physical core (2 where psutil has no count): the target's greedy continuations, on the CPU, are most
+    # of the time for a large target
+    got = agreement(args.draft_of, res.path, threads=psutil.cpu_count(logical=False) or 2,
+                    log_path=settings.logs_dir / "draft.log")
     con.print(f"acceptance: the draft's greedy token is the target's at {got.acceptance:.0%} of {got.positions} "
               f"positions ({got.prompts} validation prompts); {got.mean_run:.1f} tokens accepted in a row on average")
     return 0

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """GPU benchmark record, on the path a user runs: `flux plan` → the persisted plan → `flux serve` / `flux bench`.
 
-For each ``MODEL:BUDGET[@CTX][~WORKLOAD]`` pair (GiB per GPU, 0 = the whole cards; CTX = ``--ctx``, else the
-model's trained context; WORKLOAD = ``flux plan --workload``, agent unless given):
+For each ``MODEL:BUDGET[@CTX][~WORKLOAD][+spec|+draftK]`` pair (GiB per GPU, 0 = the whole cards; CTX = ``--ctx``,
+else the model's trained context; WORKLOAD = ``flux plan --workload``, agent unless given; ``+spec``: ``flux plan
+--speculation``, ``+draftK``: also ``--draft-model`` of a draft twin of the model's first K layers):
 
 1. ``flux plan <twin> --gpu-mem-budget BUDGET [--ctx CTX] --budget-s S`` — the Prefect flow with its store,
    exactly as a user runs it; the plan id it prints is the plan raced below, and its wall time is
@@ -46,6 +47,7 @@ import pyarrow.parquet as pq
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from tasks.bench.spec_facts import speculation_facts, split_drafting  # noqa: E402
 from tasks.bench.step_facts import step_facts, step_facts_from_show, step_times  # noqa: E402
 
 GIB = 2**30
@@ -70,7 +72,8 @@ def flux(*args: str, out: Path, name: str, timeout_s: float = 3600) -> subproces
 
 
 def parse_pair(text: str) -> tuple[str, str, float, int | None, str]:
-    """``MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD]`` → (model, routing, budget GiB, ctx or None, workload or "")."""
+    """``MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD]`` → (model, routing, budget GiB, ctx or None, workload or "")
+    (a ``+spec`` or ``+draftK`` suffix is :func:`tasks.bench.spec_facts.split_drafting`'s)."""
     text, _, workload = text.partition("~")
     if workload not in ("", "agent", "chat"):
         raise SystemExit(f"--pairs {text}~{workload}: the workload must be agent or chat (flux plan --workload)")
@@ -101,6 +104,18 @@ def twin(model_dir: Path, preset: str, routing: str, extra: list[str], out: Path
     return path
 
 
+def draft_twin(model: Path, layers: int, out: Path) -> Path:
+    """A draft of ``model`` made of its first ``layers`` layers, written once by ``flux synth --draft-of`` (which
+    also measures and logs how often the draft's greedy token is the model's)."""
+    path = model.with_name(f"{model.name.removesuffix('-Q4_0.gguf')}-draft{layers}-Q4_0.gguf")
+    if not path.exists():
+        proc = flux("synth", "--draft-of", str(model), "--layers", str(layers), "-o", str(path),
+                    out=out, name=f"synth-{path.stem}")
+        if proc.returncode != 0:
+            raise SystemExit(f"flux synth --draft-of failed: {proc.stderr[-500:]}")
+    return path
+
+
 def summary_rows(plan_id: str, run_after: float) -> list[dict[str, Any]]:
     """The bench_summary rows `flux bench run` stored for this plan since ``run_after``."""
     from artifacts.config import load_settings
@@ -123,7 +138,7 @@ def plan_facts(plan_id: str) -> dict[str, Any]:
 
     plan = Records.at(load_settings().data_dir).find_by_prefix(PLAN, plan_id)
     c = plan.candidate
-    return {**whole_tensor_facts(plan), **step_facts(c), "plan_family": c.family, "workload": plan.request.workload, "plan_flags": " ".join(c.params.cli_args()), "ctx": c.params.n_ctx,
+    return {**whole_tensor_facts(plan), **step_facts(c), **speculation_facts(plan), "plan_family": c.family, "workload": plan.request.workload, "plan_flags": " ".join(c.params.cli_args()), "ctx": c.params.n_ctx,
             "plan_prefill_tps": plan.measured.prefill_tps, "plan_decode_tps": plan.measured.decode_tps,
             "plan_workload_s": plan.measured.workload_s, "plan_workload_iqr": plan.measured.workload_iqr,
             "plan_rounds": plan.measured.n_rounds, "plan_kv_gpu_gib": sum(b for d, b in c.kv_bytes.items() if d != "CPU") / GIB,
@@ -364,12 +379,19 @@ def main() -> int:
     args.model_dir.mkdir(parents=True, exist_ok=True)
     first: tuple[str, str] | None = None
     for i, text in enumerate(args.pairs.split(",")):
-        preset, routing, budget, ctx, workload = parse_pair(text)
+        try:
+            pair, draft_layers, spec = split_drafting(text)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        preset, routing, budget, ctx, workload = parse_pair(pair)
         model = twin(args.model_dir, preset, routing, args.synth.split(), args.out)
-        tag = f"{preset}-{routing}-{budget:g}" + (f"@{ctx}" if ctx else "") + (f"-{workload}" if workload else "")
+        drafting = [*(["--speculation"] if spec else []), *(
+            ["--draft-model", str(draft_twin(model, draft_layers, args.out))] if draft_layers else [])]
+        tag = (f"{preset}-{routing}-{budget:g}" + (f"@{ctx}" if ctx else "") + (f"-{workload}" if workload else "")
+               + (f"+draft{draft_layers}" if draft_layers else "+spec" if spec else ""))
         plan_args = ["plan", str(model), *(["--gpu-mem-budget", f"{budget:g}"] if budget else []),
                      *(["--ctx", str(ctx)] if ctx else []), *(["--workload", workload] if workload else []),
-                     *(["--budget-s", f"{args.plan_budget_s:g}"] if args.plan_budget_s else [])]
+                     *(["--budget-s", f"{args.plan_budget_s:g}"] if args.plan_budget_s else []), *drafting]
         t0 = time.monotonic()
         proc = flux(*plan_args, out=args.out, name=f"plan-{tag}")
         plan_s = time.monotonic() - t0
@@ -392,7 +414,8 @@ def main() -> int:
         if not got:
             log(f"{tag}: flux bench run stored nothing ({bench.returncode}): {bench.stderr.strip()[-300:]}")
         row = record_row(args.run, preset, routing, budget, plan_id, plan_s, got)
-        log(f"{tag}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k.endswith(("_vs_fit", "_vs_whole", "_vs_plan_decode"))
+        log(f"{tag}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()
+                                   if k.endswith(("_vs_fit", "_vs_whole", "_vs_plan_decode", "spec_speedup", "acceptance"))
                                    and isinstance(v, float)))
         write_rows([row], args.out / RESULTS)
         if i == 0:

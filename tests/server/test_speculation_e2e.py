@@ -16,11 +16,13 @@ import pytest
 from support import ServeEnv, serve_env, start_server, stop_server
 
 from artifacts.records.kinds import PLAN
+from artifacts.records.plan import Plan
 from artifacts.records.store import Records
 from artifacts.synth import synthesize
 from artifacts.synth_draft import draft_twin
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient
+from tasks.bench.spec_facts import speculation_facts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,6 +55,12 @@ def test_a_plan_measures_drafting_and_serves_it(tmp_path: Path, tiny_moe: Path) 
     assert all(t["acceptance"] is not None and 0.0 <= t["acceptance"] <= 1.0 and t["speedup"] > 0
                for t in trials.values()), (trials, measured)
     assert any(n.startswith("speculation ") for n in plan["notes"]), plan["notes"]
+    # the GPU record's row of this plan (scripts/bench_gpu.py, a `+draftK` pair): its drafting and its best trial
+    facts = speculation_facts(Plan.model_validate(plan))
+    best = max(trials.values(), key=lambda t: t["speedup"])
+    assert facts["spec_trials"] == len(trials) and facts["spec_candidate"] == best["candidate_id"]
+    assert facts["spec_speedup"] == best["speedup"] and facts["spec_acceptance"] == best["acceptance"]
+    assert facts["plan_draft"] == (plan["candidate"].get("draft") or {}).get("kind")
     shown = _flux(env, "show", plan_id[:12]).stdout
     assert "acceptance" in shown and "speedup" in shown, shown[-3000:]
 
