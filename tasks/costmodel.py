@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from artifacts.model_info import KV_TYPES, ModelInfo
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.search import Candidate, Placement, Prediction
+from tasks.gpu_memory import offload_step
 from tasks.rpc_link import link_ms
 
 EXPERT_PARTS = ("gate", "up", "down")
@@ -359,16 +360,35 @@ def _prefill_ms(info: ModelInfo, hw: HardwareReport, cand: Candidate, per_dev: d
         return cpu_ms
     host_resident = per_dev.get("CPU", (0.0, 0.0))[1] - info.bytes_by_role.get("embeddings", 0)
     batch = max(1.0, min(p.n_ubatch, prompt_tokens))  # a prompt shorter than the micro-batch is one of its own
-    if p.expert_mapped:  # the GPU's kernels read the whole expert tensors in place (the read is their compute),
+    pinned = p.load_mode != "mmap"
+    if p.expert_mapped and pinned:  # the whole expert tensors read over the bus from the pinned host buffer
         return 0.08 + host_resident / mapped_bandwidth(hw) * 1e3 / batch  # once per micro-batch, offload or not
     threshold = p.offload_min_batch or DEFAULT_OFFLOAD_MIN_BATCH
-    if p.n_ubatch < threshold or not p.op_offload or p.no_host:  # repacked weights are never offloaded
-        return cpu_ms * HYBRID_HOST_PREFILL_SLOWDOWN + 0.02
+    if not p.expert_mapped and (p.n_ubatch < threshold or not p.op_offload or p.no_host):  # repacked: never
+        return cpu_ms * HYBRID_HOST_PREFILL_SLOWDOWN + 0.02  # offloaded
+    # an offloaded micro-batch copies the host weights (a mapped split's prefill takes this stock path too: its
+    # pinned copies of the cold experts serve decode only, the whole tensors stay in the file's pageable pages)
+    return host_resident / _copy_rate(info, hw, pinned) * 1e3 / batch + _gpu_prefill_ms(hw, batch)
+
+
+def _copy_rate(info: ModelInfo, hw: HardwareReport, pinned: bool) -> float:
+    """Bytes/s at which an offloaded micro-batch copies host weights to the GPU: the probe's pinned copy rate
+    from pinned memory; from the file's pageable pages, the rate the probe's offloading load ran at (its routed
+    experts' bytes over its read-out's prefill time per micro-batch, the GPU's compute taken off), else the
+    probe's pageable copy rate. On the H200 (run 18) the offload loads ran at 10-11 GB/s against 7.3 GB/s
+    pageable copies, and mapped splits on the file's pages prefilled at 97-265 tok/s where the pinned rate
+    predicted 377-1,335."""
     gpu = next((g for g in hw.gpus), None)
-    pinned = p.load_mode != "mmap"
-    h2d = (gpu.h2d_pinned_gbs if pinned else gpu.h2d_pageable_gbs) if gpu else None
-    copy_ms_per_token = host_resident / ((h2d or (45.0 if pinned else 7.5)) * 1e9) * 1e3 / batch
-    return copy_ms_per_token + _gpu_prefill_ms(hw, batch)
+    if pinned:
+        return ((gpu.h2d_pinned_gbs if gpu else None) or 45.0) * 1e9
+    step = offload_step(hw)
+    if step is not None:
+        tokens, ms = step
+        copy_s = (ms - _gpu_prefill_ms(hw, tokens)) * tokens / 1e3
+        experts = sum(layer.expert_bytes for layer in info.layers)
+        if copy_s > 0 and experts:
+            return experts / copy_s
+    return ((gpu.h2d_pageable_gbs if gpu else None) or 7.5) * 1e9
 
 
 def _gpu_prefill_ms(hw: HardwareReport, batch: float) -> float:

@@ -91,6 +91,19 @@ def offload_key(n_ubatch: int) -> str:
     return "offload" if n_ubatch == CALIBRATION_UBATCH else f"offload@{n_ubatch}"
 
 
+def offload_step(hw: HardwareReport | None) -> tuple[int, float] | None:
+    """(prompt tokens, prefill ms per token) of the probe's read-out run of an offloading hybrid load (every routed
+    expert on the host, the weights mapped from the file as the probe loads them) at the smallest micro-batch it
+    calibrated: what a micro-batch that copies pageable host experts to the GPU costs on this machine. None
+    from a probe made before the read-out runs."""
+    for f in hw.gpu_memory if hw else []:
+        for ub in HYBRID_UBATCHES:
+            step = f.step_ms_by_load.get(offload_key(ub))
+            if step and step[0] > 0:
+                return CALIBRATION_PROMPT, step[0]
+    return None
+
+
 def calibration_loads(info: ModelInfo, base: EngineParams, device: str = "CUDA0") -> list[tuple[str, EngineParams]]:
     """The probe's loads whose memory fits the correction: ("whole", ``base``) — the whole model on the GPU,
     as its kernels are timed — and, for a MoE model, one per micro-batch of :data:`HYBRID_UBATCHES`

@@ -197,10 +197,12 @@ def test_predictions_match_what_the_h200_measured() -> None:
     errors = {(tag, c.id): (sum(predicted_gpu_bytes(c, hw).values()) - m) / m  # type: ignore[arg-type,attr-defined]
               for tag, c, hw, m in rows}
     misses = {k: e for k, e in errors.items() if abs(e) > 0.03}
-    # one known miss: a dense model's whole weights on the GPU with its KV cache on the host (-nkvo) held
-    # 0.36 GiB more than modelled (6.8% under); every other family is within 3%, most within 1%
-    assert set(misses) == {("memory-llama3-8b-uniform-0", "c068")}, misses
-    assert -0.08 < misses[("memory-llama3-8b-uniform-0", "c068")] < 0
+    # one known miss, read in two runs (2026-12-02 and run 18): a dense model's whole weights on the GPU with its
+    # KV cache on the host (-nkvo) held 0.36 GiB more than modelled (6.8% under); every other family is within 3%,
+    # most within 1%
+    assert set(misses) == {("memory-llama3-8b-uniform-0", "c068"),
+                           ("memory-llama3-8b-uniform-0-chat-draft2-run18", "c068")}, misses
+    assert all(-0.08 < e < 0 for e in misses.values()), misses
 
 
 def test_no_recorded_finalist_broke_its_budget() -> None:

@@ -196,3 +196,32 @@ def test_a_mapped_splits_prefill_reads_the_expert_tensors_once_per_micro_batch(r
     assert cands[cid].params.expert_mapped
     got = predict(info, hw, cands[cid], workload(lengths, 256)).prefill_tps
     assert got == pytest.approx(measured, rel=0.15)
+
+
+@pytest.mark.parametrize(("recorded", "cid", "measured"), [
+    ("qwen3.6-35b-a3b-skewed-12-ctx262144-chat-run18", "c084", 96.5),
+    ("qwen3.6-35b-a3b-skewed-12-ctx262144-chat-run18", "c085", 102.1),
+    ("qwen3-30b-a3b-skewed-12-spec-run18", "c207", 265.5),
+])
+def test_a_mapped_split_on_the_files_pages_prefills_at_the_probes_offload_rate(recorded: str, cid: str,
+                                                                               measured: float) -> None:
+    """Run 18 on the H200: mapped splits left on the file's pages (`load_mode` mmap) prefilled at 97-265 tok/s
+    where the pinned path predicted 377-1,335. Their prefill takes the stock path, which copies the whole expert
+    tensors from pageable memory each micro-batch: at the rate the probe's offloading load ran at (its read-out,
+    GpuMemoryFit.step_ms_by_load), 10-11 GB/s there. The same split loaded into pinned memory keeps the pinned
+    prediction, so prune now ranks it first (both were predicted alike, and the file's pages won the tie)."""
+    import json
+
+    from tasks.workload import workload
+
+    info, hw, cands = _recorded(f"memory-{recorded}")
+    doc = json.loads((Path(__file__).parent / "data" / "h200_memory" / f"memory-{recorded}.json").read_text())
+    f = next(f for f in doc["finalists"] if f["candidate"]["id"] == cid)
+    work = workload(f["prompt_tokens"], f["n_gen"])
+    cand = cands[cid]
+    assert cand.params.expert_mapped and cand.params.load_mode == "mmap"
+    got = predict(info, hw, cand, work)
+    assert got.prefill_tps == pytest.approx(measured, rel=0.2)
+    pinned = cand.model_copy(update={"params": cand.params.model_copy(update={"load_mode": "load"})})
+    assert predict(info, hw, pinned, work).prefill_tps > 3 * got.prefill_tps
+    assert predict(info, hw, pinned, work).score_s < got.score_s
