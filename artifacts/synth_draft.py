@@ -56,11 +56,14 @@ def vocabulary_mismatch(target: Path, draft: Path) -> str | None:
     return None if diff is None else f"token {diff} is {theirs[diff]!r} in the draft, {ours[diff]!r} in the model"
 
 
-def draft_twin(target: Path, out: Path, n_layer: int) -> DraftResult:
-    """Write the draft of ``target`` made of its first ``n_layer`` layers (see the module's docstring).
+def draft_twin(target: Path, out: Path, n_layer: int, last: int = 0) -> DraftResult:
+    """Write the draft of ``target`` made of ``n_layer`` of its layers (see the module's docstring): its first
+    ``n_layer - last`` and its last ``last`` (a layer-skipping draft: the layers between are left out, the last
+    ones that shape the output kept), renumbered in order.
 
     Raises:
-        ValueError: ``target`` is not a GGUF with layers, or ``n_layer`` is not between 1 and its layer count - 1.
+        ValueError: ``target`` is not a GGUF with layers, ``n_layer`` is not between 1 and its layer count - 1,
+            or ``last`` is not between 0 and ``n_layer``.
     """
     t0 = time.monotonic()
     try:
@@ -74,11 +77,19 @@ def draft_twin(target: Path, out: Path, n_layer: int) -> DraftResult:
     total = int(reader.fields[key].contents())
     if not 1 <= n_layer < total:
         raise ValueError(f"a draft of {target.name} takes 1 to {total - 1} of its {total} layers, not {n_layer}")
+    if not 0 <= last <= n_layer:
+        raise ValueError(f"a draft of {n_layer} layers keeps 0 to {n_layer} of the model's last layers, not {last}")
+    keep = [*range(n_layer - last), *range(total - last, total)]  # the target's layers, in the draft's order
+    renumber = {old: new for new, old in enumerate(keep)}
     interval = f"{arch}.full_attention_interval"
     if interval in reader.fields and n_layer < int(reader.fields[interval].contents()):
         every = int(reader.fields[interval].contents())
         raise ValueError(f"{target.name} has a full-attention layer every {every} layers: a draft needs at least "
                          f"{every} of them, not {n_layer}")
+    if last and interval in reader.fields and last % int(reader.fields[interval].contents()):
+        every = int(reader.fields[interval].contents())  # a layer's kind follows its index: keep whole periods
+        raise ValueError(f"{target.name} has a full-attention layer every {every} layers: a draft keeps its last "
+                         f"layers in whole periods of {every}, not {last}")
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = GGUFWriter(out, arch)
     for name, field in reader.fields.items():
@@ -91,21 +102,26 @@ def draft_twin(target: Path, out: Path, n_layer: int) -> DraftResult:
         elif name == "general.name":
             value = f"{value}-draft{n_layer}"
         elif vtype == GGUFValueType.ARRAY and isinstance(value, list) and len(value) == total:
-            value = value[:n_layer]  # per-layer arrays (head counts, sliding windows ...)
+            value = [value[i] for i in keep]  # per-layer arrays (head counts, sliding windows ...)
         writer.add_key_value(name, value, vtype, sub_type=field.types[-1] if vtype == GGUFValueType.ARRAY else None)
     writer.add_uint32("flux.draft.layers", n_layer)
     writer.add_uint32("flux.draft.target_layers", total)
+    if last:
+        writer.add_uint32("flux.draft.last_layers", last)
     n = 0
     for tensor in reader.tensors:
-        m = _BLOCK.match(tensor.name)
-        if m and int(m.group(1)) >= n_layer:
-            continue
+        name = tensor.name
+        m = _BLOCK.match(name)
+        if m:
+            if int(m.group(1)) not in renumber:
+                continue
+            name = f"blk.{renumber[int(m.group(1))]}.{name[m.end():]}"
         qtype = GGMLQuantizationType(int(tensor.tensor_type))
         data = np.asarray(tensor.data)  # float tensors in their numpy shape, quantized ones as rows of bytes
         if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            writer.add_tensor(tensor.name, data)
+            writer.add_tensor(name, data)
         else:
-            writer.add_tensor(tensor.name, data, raw_shape=data.shape, raw_dtype=qtype)
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
         n += 1
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

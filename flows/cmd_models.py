@@ -27,6 +27,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       help="write a draft model of TARGET (its first --layers layers, head and tokenizer) and "
                            "measure how often its greedy token is the target's")
     p.add_argument("--layers", type=int, default=1, help="with --draft-of: the draft's layer count (default 1)")
+    p.add_argument("--last", type=int, default=0, help=(
+        "with --draft-of: how many of those layers are the model's last ones (the rest its first; default 0)"))
     p.add_argument("--quant", default="Q4_0", choices=QUANTS, help="weight type (default Q4_0)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a shape field, e.g. --set n_layer=4 (repeatable)")
@@ -81,11 +83,12 @@ def _draft(args: argparse.Namespace) -> int:
     if not args.draft_of.is_file():
         raise FluxError(f"flux synth --draft-of: {args.draft_of} is not a file; give the target model's .gguf")
     try:
-        res = draft_twin(args.draft_of, args.output, args.layers)
+        res = draft_twin(args.draft_of, args.output, args.layers, args.last)
     except ValueError as exc:
         raise FluxError(f"flux synth --draft-of: {exc}") from exc
     con = console()
-    con.print(f"wrote {res.path}: the first {res.n_layer} of {res.target_layers} layers of {args.draft_of.name}, "
+    which = (f"the first {res.n_layer - args.last} and the last {args.last}" if args.last else f"the first {res.n_layer}")
+    con.print(f"wrote {res.path}: {which} of {res.target_layers} layers of {args.draft_of.name}, "
               f"{res.n_tensors} tensors, {res.file_bytes / 1e6:.1f} MB in {res.seconds:.1f} s")
     settings = args.settings
     # every physical core (2 where psutil has no count): the target's greedy continuations, on the CPU, are most

@@ -55,3 +55,36 @@ def test_a_file_that_is_not_a_gguf_is_refused(tmp_path: Path) -> None:
     bad.write_bytes(b"not a model")
     with pytest.raises(ValueError, match="not a readable GGUF"):
         draft_twin(bad, tmp_path / "d.gguf", 1)
+
+
+def test_a_layer_skipping_draft_keeps_the_targets_last_layers_renumbered(tiny_moe: Path, tmp_path: Path) -> None:
+    """`flux synth --draft-of T --layers 2 --last 1`: the target's layer 0 and its last layer (3), as the draft's
+    layers 0 and 1, which llama.cpp loads and which drafts tokens the agreement can measure."""
+    res = draft_twin(tiny_moe, tmp_path / "d.gguf", 2, last=1)
+    target, draft = GGUFReader(tiny_moe), GGUFReader(res.path)
+    assert int(draft.fields["qwen3moe.block_count"].contents()) == 2
+    assert int(draft.fields["flux.draft.last_layers"].contents()) == 1
+    theirs = {t.name: bytes(t.data) for t in target.tensors}
+    ours = {t.name: bytes(t.data) for t in draft.tensors}
+    assert ours["blk.0.ffn_up_exps.weight"] == theirs["blk.0.ffn_up_exps.weight"]
+    assert ours["blk.1.ffn_up_exps.weight"] == theirs["blk.3.ffn_up_exps.weight"], "the last layer, renumbered"
+    assert ours["blk.1.attn_q.weight"] == theirs["blk.3.attn_q.weight"]
+    assert not any(n.startswith(("blk.2.", "blk.3.")) for n in ours)
+    got = agreement(tiny_moe, res.path, n_tokens=8, n_ctx=512, log_path=tmp_path / "w.log")
+    assert got.positions == 8 * got.prompts and 0.0 <= got.acceptance <= 1.0
+
+
+@pytest.mark.parametrize(("n", "last", "says"), [(2, 3, "keeps 0 to 2 of the model's last layers"),
+                                                 (2, -1, "keeps 0 to 2 of the model's last layers")])
+def test_a_draft_keeps_no_more_last_layers_than_it_has(tiny_moe: Path, tmp_path: Path, n: int, last: int,
+                                                       says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        draft_twin(tiny_moe, tmp_path / "d.gguf", n, last=last)
+
+
+def test_a_hybrid_draft_keeps_its_last_layers_in_whole_periods(tmp_path: Path) -> None:
+    """A qwen3next layer's kind follows its index (every 4th full attention): its last layers come in fours."""
+    hybrid = synthesize("tiny-qwen3next", tmp_path / "h.gguf", quant="Q4_0", overrides={"n_layer": 8}).path
+    with pytest.raises(ValueError, match="whole periods of 4, not 1"):
+        draft_twin(hybrid, tmp_path / "d.gguf", 4, last=1)
+    assert draft_twin(hybrid, tmp_path / "d.gguf", 4, last=4).n_layer == 4
