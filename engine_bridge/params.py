@@ -8,6 +8,7 @@ This module does not import llama_cpp (planning tasks use it to describe candida
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -19,6 +20,25 @@ KV_TYPE_IDS: dict[str, int] = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0":
 LoadMode = Literal["mmap", "load", "mlock"]
 _CLI_LOAD_MODES: dict[str, str] = {"mmap": "mmap", "load": "none", "mlock": "mlock"}  # llama.cpp's -lm names
 _DEVICE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # what FLUX_MOE_SPLIT can carry between its | ; : , separators
+MAPPED_TOKENS_DEFAULT = 4  # patch 0006's FLUX_MOE_MAPPED_MAX_TOKENS default
+# The pinned llama.cpp's CUDA mul_mat_id takes its vector kernels (patched to skip a negative expert id) up to
+# this many tokens per type on Turing and newer (ggml-cuda/mmvq.cu: get_mmvq_mmid_max_batch_turing_plus); other
+# types up to 8 (MMVQ_MAX_BATCH_SIZE). Above it a matrix kernel runs, which the patch does not teach to skip.
+_MMVQ_MMID_MAX = {"IQ2_S": 7, "IQ3_S": 6, "IQ3_XXS": 7, "MXFP4": 7, "NVFP4": 8, "Q2_K": 7, "Q3_K": 5}
+_FLOAT_TYPES = {"F32", "F16", "BF16"}
+
+
+def mapped_batch_limit(quant_types: Iterable[str], compute_capability: str | None) -> int:
+    """The largest batch a mapped split may compute on the GPU (FLUX_MOE_MAPPED_MAX_TOKENS): on a GPU of compute
+    capability 7.5 or more, what the vector kernels take for every quantized type of the model; elsewhere (or
+    unknown) the patch's default."""
+    try:
+        major, minor = (int(x) for x in (compute_capability or "").split(".")[:2])
+    except ValueError:
+        return MAPPED_TOKENS_DEFAULT
+    if (major, minor) < (7, 5):
+        return MAPPED_TOKENS_DEFAULT
+    return min((_MMVQ_MMID_MAX.get(t.upper(), 8) for t in quant_types if t.upper() not in _FLOAT_TYPES), default=8)
 
 
 class TensorOverride(BaseModel):
@@ -155,6 +175,11 @@ class EngineParams(BaseModel):
         "FLUX_MOE_MAPPED (patch 0006, CUDA): the split layers' cold experts are also copied into pinned host memory "
         "that the GPU reads in place, and decode steps of up to 4 tokens compute them on the GPU: no host round "
         "trip, the cold bytes cross the bus instead (host RAM: the cold experts twice)"))
+    expert_mapped_tokens: int = Field(MAPPED_TOKENS_DEFAULT, ge=1, le=8, description=(
+        "FLUX_MOE_MAPPED_MAX_TOKENS (patch 0006): the largest batch whose cold picks the GPU computes in place "
+        "(a drafted step's verification, a few sequences' next tokens); larger batches up to the op-offload "
+        "threshold compute them on the host. At most what CUDA's vector kernels take for the experts' type "
+        "(:func:`mapped_batch_limit`)"))
     expert_cache: Literal["static", "adaptive"] = Field("static", description=(
         "FLUX_MOE_CACHE (patch 0007): 'adaptive' = a split's hot sets follow recent routing (picks read back every "
         "few steps, the least-picked hot experts swapped for busier cold ones; FLUX_MOE_CACHE_FREEZE=1 holds them); "
@@ -213,6 +238,8 @@ class EngineParams(BaseModel):
             env["FLUX_MOE_HOST_SYNC"] = "1"
         if self.expert_mapped:
             env["FLUX_MOE_MAPPED"] = "1"
+            if self.expert_mapped_tokens != MAPPED_TOKENS_DEFAULT:
+                env["FLUX_MOE_MAPPED_MAX_TOKENS"] = str(self.expert_mapped_tokens)
         if self.expert_cache != "static":
             env["FLUX_MOE_CACHE"] = self.expert_cache
         return env

@@ -176,7 +176,7 @@ def _expert_split_env(params: EngineParams, model_path: Path) -> Iterator[None]:
     """Give the load the plan's expert split (llama.cpp reads FLUX_MOE_SPLIT when it loads a model), checked first.
 
     FLUX_MOE_SPLIT comes only from the plan: it is removed for a plan without a split, so a worker that
-    loads several plans never carries one plan's split into another; FLUX_MOE_MAPPED and FLUX_MOE_CACHE likewise. FLUX_MOE_HOST_SYNC is set when the plan
+    loads several plans never carries one plan's split into another; FLUX_MOE_MAPPED, its batch limit and FLUX_MOE_CACHE likewise. FLUX_MOE_HOST_SYNC is set when the plan
     asks for it and otherwise left as the environment has it (a switch for diagnosis).
     """
     split = params.expert_split
@@ -190,6 +190,7 @@ def _expert_split_env(params: EngineParams, model_path: Path) -> Iterator[None]:
     wanted = {"FLUX_MOE_SPLIT": split.env_value() if split is not None else None,
               "FLUX_MOE_HOST_SYNC": "1" if params.expert_host_sync else os.environ.get("FLUX_MOE_HOST_SYNC"),
               "FLUX_MOE_MAPPED": "1" if params.expert_mapped else None,
+              "FLUX_MOE_MAPPED_MAX_TOKENS": params.environment().get("FLUX_MOE_MAPPED_MAX_TOKENS"),
               "FLUX_MOE_CACHE": params.expert_cache if params.expert_cache != "static" else None}
     before = {k: os.environ.get(k) for k in wanted}
     try:
