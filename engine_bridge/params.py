@@ -173,7 +173,7 @@ class EngineParams(BaseModel):
         "FLUX_MOE_HOST_SYNC: a split layer's host experts wait for its GPU experts instead of running meanwhile"))
     expert_mapped: bool = Field(False, description=(
         "FLUX_MOE_MAPPED (patch 0006, CUDA): the split layers' cold experts are also copied into pinned host memory "
-        "that the GPU reads in place, and decode steps of up to 4 tokens compute them on the GPU: no host round "
+        "that the GPU reads in place, and decode steps of up to expert_mapped_tokens tokens compute them on the GPU: no host round "
         "trip, the cold bytes cross the bus instead (host RAM: the cold experts twice)"))
     expert_mapped_tokens: int = Field(MAPPED_TOKENS_DEFAULT, ge=1, le=8, description=(
         "FLUX_MOE_MAPPED_MAX_TOKENS (patch 0006): the largest batch whose cold picks the GPU computes in place "
