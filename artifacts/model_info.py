@@ -110,6 +110,17 @@ class ModelInfo(BaseModel):
         return sum(self.bytes_by_role.values())
 
 
+def block_bytes(info: ModelInfo) -> int:
+    """Bytes of every layer's non-expert weights."""
+    return sum(sum(v for k, v in layer.bytes_by_role.items() if not k.startswith("experts_")) for layer in info.layers)
+
+
+def head_bytes(info: ModelInfo) -> int:
+    """Bytes of the output head: the output matrix and the final norm, all read for every token."""
+    return int(info.bytes_by_role.get("output", 0) + info.bytes_by_role.get("norm", 0) - sum(
+        layer.bytes_by_role.get("norm", 0) for layer in info.layers))
+
+
 def expert_bytes(info: ModelInfo) -> list[int]:
     """Bytes of one routed expert (gate + up + down) of each layer."""
     return [layer.expert_bytes // max(1, info.n_expert) for layer in info.layers]

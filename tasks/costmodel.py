@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from artifacts.model_info import KV_TYPES, ModelInfo
+from artifacts.model_info import KV_TYPES, ModelInfo, head_bytes
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.search import Candidate, Placement, Prediction
 from tasks.gpu_memory import offload_step
@@ -77,12 +77,6 @@ class Workload:
         """Fraction of the workload's tokens that are prompt tokens."""
         total = self.prefill_tokens + self.decode_tokens
         return self.prefill_tokens / total if total else 0.0
-
-
-def head_bytes(info: ModelInfo) -> int:
-    """Bytes of the output head: the output matrix and the final norm, all read for every token."""
-    return int(info.bytes_by_role.get("output", 0) + info.bytes_by_role.get("norm", 0) - sum(
-        layer.bytes_by_role.get("norm", 0) for layer in info.layers))
 
 
 def layer_bytes(info: ModelInfo, placement: Placement) -> dict[str, tuple[float, float]]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from artifacts.model_info import ModelInfo, expert_bytes
+from artifacts.model_info import ModelInfo, block_bytes, expert_bytes
 from artifacts.records.search import Placement
 from engine_bridge.params import ExpertSplit
 from tasks.costmodel import EXPERT_PARTS, head_bytes
@@ -29,11 +29,6 @@ class HotPlacement:
     split: ExpertSplit
     hot_share: tuple[float, ...]
     hot_bytes: int
-
-
-def block_bytes(info: ModelInfo) -> int:
-    """Bytes of every layer's non-expert weights."""
-    return sum(sum(v for k, v in layer.bytes_by_role.items() if not k.startswith("experts_")) for layer in info.layers)
 
 
 def hot_placement(info: ModelInfo, shares: NDArray[np.float64], budget: int, device: str = "CUDA0",

@@ -31,6 +31,10 @@ MIN_DEPTH = 1024
 VISIT_ERROR = 1.5  # prompts are sized as if visits took this much longer than predicted (run 9: up to 1.9x)
 # Starting a worker and its first run (process, backend init, the warm-up prompt), beyond loading weights.
 VISIT_OVERHEAD_S = 1.5
+# A per-expert split's load copies each hot expert to the GPU on its own: from the file's pageable pages ~9 ms an
+# expert on the H200 (run 18: mapped splits of 2,680 and 2,892 copies ran 15 and 35 s beyond their visits' other
+# terms at their measured speeds), from pinned memory ~1.3 ms (run 17: 5,445 copies, 7 s beyond them).
+SPLIT_COPY_S = {"mmap": 0.0088, "pinned": 0.0013}
 LOAD_GBS = 6.0  # weights read into (or copied to) their device while loading, GB/s
 
 
@@ -79,13 +83,16 @@ def load_rates(hw: HardwareReport, model_bytes: int) -> tuple[float, float]:
 
 def visit_seconds(cand: Candidate, pred: Prediction, lengths: list[int], n_gen: int,
                   rates: tuple[float, float] = (LOAD_GBS * 1e9, LOAD_GBS * 1e9), score_tokens: int = 0) -> float:
-    """Predicted seconds to measure ``cand`` once: start, load its weights (at the probe's rates), warm up, run
-    every prompt, and on a first visit score ``score_tokens`` tokens for validation."""
+    """Predicted seconds to measure ``cand`` once: start, load its weights (at the probe's rates) and a split's
+    expert copies, warm up, run every prompt, and on a first visit score ``score_tokens`` tokens for validation."""
     gpu_rate, cpu_rate = rates
     gpu = sum(b for d, b in cand.weights_bytes.items() if d != "CPU")
     host = cand.weights_bytes.get("CPU", 0) if cand.params.load_mode != "mmap" else 0
     run_s = (sum(lengths) + score_tokens) / max(pred.prefill_tps, 1e-3) + len(lengths) * n_gen / max(pred.decode_tps, 1e-3)
-    return VISIT_OVERHEAD_S + gpu / gpu_rate + host / cpu_rate + run_s
+    split = cand.params.expert_split
+    copies = sum(len(h.experts) for h in split.layers) if split else 0
+    copy_s = copies * SPLIT_COPY_S["mmap" if cand.params.load_mode == "mmap" else "pinned"]
+    return VISIT_OVERHEAD_S + gpu / gpu_rate + host / cpu_rate + copy_s + run_s
 
 
 def round_seconds(fin: Finalists, lengths: list[int], n_gen: int,
