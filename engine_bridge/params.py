@@ -26,6 +26,10 @@ MAPPED_TOKENS_DEFAULT = 4  # patch 0006's FLUX_MOE_MAPPED_MAX_TOKENS default
 # types up to 8 (MMVQ_MAX_BATCH_SIZE). Above it a matrix kernel runs, which the patch does not teach to skip.
 _MMVQ_MMID_MAX = {"IQ2_S": 7, "IQ3_S": 6, "IQ3_XXS": 7, "MXFP4": 7, "NVFP4": 8, "Q2_K": 7, "Q3_K": 5}
 _FLOAT_TYPES = {"F32", "F16", "BF16"}
+# On the H200 (scripts/mapped_batch_check.py, run 18) 5-8 parallel sequences of a mapped split decoded the stock
+# tokens at every limit; at 5-7 a limit of 8 ran 1.5-2.0x the default's speed, at 8 sequences two of three
+# readings were 2.2x slower than the default: batches of 8 stay on the host path until that is understood.
+MAPPED_TOKENS_CAP = 7
 
 
 def mapped_batch_limit(quant_types: Iterable[str], compute_capability: str | None) -> int:
@@ -38,7 +42,8 @@ def mapped_batch_limit(quant_types: Iterable[str], compute_capability: str | Non
         return MAPPED_TOKENS_DEFAULT
     if (major, minor) < (7, 5):
         return MAPPED_TOKENS_DEFAULT
-    return min((_MMVQ_MMID_MAX.get(t.upper(), 8) for t in quant_types if t.upper() not in _FLOAT_TYPES), default=8)
+    limit = min((_MMVQ_MMID_MAX.get(t.upper(), 8) for t in quant_types if t.upper() not in _FLOAT_TYPES), default=8)
+    return min(limit, MAPPED_TOKENS_CAP)
 
 
 class TensorOverride(BaseModel):
