@@ -25,7 +25,8 @@
 # FLUX_PARALLEL=1 (build the wheel and llama-server at the same time: for many-core machines),
 # FLUX_ONE_BUILD=1 (build llama.cpp once, as shared libraries, and put the same libraries in the wheel and
 # beside llama-server/llama-bench: one compile instead of two, which halves a CUDA build), FLUX_PROGRESS_S
-# (seconds between progress lines), FLUX_BUILD_VERBOSE=1 (also copy every step's output to stderr, as before logs).
+# (seconds between progress lines), FLUX_BUILD_VERBOSE=1 (also copy every step's output to stderr, as before logs),
+# FLUX_STOCK=1 (build only llama-bench of the pin without the patches, for scripts/patch_ab.sh).
 set -euo pipefail
 shopt -s inherit_errexit  # a failing command inside $(...) fails the script too (bash clears -e there otherwise)
 
@@ -114,10 +115,11 @@ if [ -n "$STDCXX_DIR" ]; then
   FLAGS="$FLAGS -DCMAKE_SHARED_LINKER_FLAGS=-L$STDCXX_DIR -DCMAKE_EXE_LINKER_FLAGS=-L$STDCXX_DIR"
 fi
 PATCHES=()
-if compgen -G "$PATCH_DIR/*.patch" >/dev/null; then
+if compgen -G "$PATCH_DIR/*.patch" >/dev/null && [ "${FLUX_STOCK:-0}" != 1 ]; then
   mapfile -t PATCHES < <(ls "$PATCH_DIR"/*.patch | LC_ALL=C sort)
 fi
 MODE=separate; [ "${FLUX_ONE_BUILD:-0}" = 1 ] && MODE=one-build
+[ "${FLUX_STOCK:-0}" = 1 ] && MODE=stock-bench
 KEY=$( { cat "$PIN_FILE"; for p in "${PATCHES[@]}"; do basename "$p"; cat "$p"; done; echo "$FLAGS"; \
          [ "$MODE" = separate ] || echo "$MODE"; } \
        | sha256sum | cut -c1-16)
@@ -275,6 +277,33 @@ write_architectures() {
   mv "$dest.tmp" "$dest"
   cp "$dest" "$OUT/architectures.txt"
 }
+
+# -- stock llama-bench (FLUX_STOCK=1) --------------------------------------------------------------------
+# The pin without Flux's patches, llama-bench alone, static, in its own key's folder (backend/stock points at
+# it): what scripts/patch_ab.sh races the patched build against. Nothing is installed, backend/current and
+# third_party/architectures.txt are left as they are.
+build_stock_bench() {
+  local src bdir="$OUT/stock-build"
+  if [ -n "${FLUX_SRC_DIR:-}" ]; then
+    rm -rf "$OUT/src"; mkdir -p "$OUT/src"; cp -r "$FLUX_SRC_DIR/." "$OUT/src/"; src="$OUT/src"
+  else
+    src=$(prepare_source "$(fetch_sdist)")
+  fi
+  # shellcheck disable=SC2086
+  step "configuring stock llama-bench" stock-cmake \
+    cmake -S "$src/vendor/llama.cpp" -B "$bdir" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=ON \
+    -DLLAMA_BUILD_APP=OFF $FLAGS
+  step "building stock llama-bench (the pin without patches)" stock cmake --build "$bdir" --target llama-bench -j "$JOBS"
+  mkdir -p "$OUT/bin"; cp "$bdir/bin/llama-bench" "$OUT/bin/llama-bench.tmp" && mv "$OUT/bin/llama-bench.tmp" "$OUT/bin/llama-bench"
+  rm -rf "$bdir" "$src"
+}
+if [ "${FLUX_STOCK:-0}" = 1 ]; then
+  if [ -x "$OUT/bin/llama-bench" ]; then log "cache hit: $OUT"; else build_stock_bench; fi
+  ln -sfn "$OUT" "$CACHE/backend/stock"
+  log "done: stock llama-bench in $OUT/bin (backend/stock points there)"
+  exit 0
+fi
 
 # -- main ----------------------------------------------------------------------------------------------
 if [ -f "$OUT/build.json" ] && [ -f "$WHEEL_DIR"/llama_cpp_python-*.whl ] 2>/dev/null \

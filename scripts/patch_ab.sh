@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The patches on a stock placement against stock llama.cpp: llama-bench of the patched build (backend/current,
+# no FLUX_* switch set: the stock code path) raced against llama-bench of the same pin built without the patches
+# (scripts/build-backend.sh with FLUX_STOCK=1), in alternating order, REPS times, the same flags for both. The
+# baselines Flux races its plans against (llama-server --fit, --n-cpu-moe, -ngl) run on the patched build, so
+# this is what says they are not slowed by it.
+#
+#   scripts/patch_ab.sh OUT MODEL.gguf [llama-bench flags...]      (REPS=5 by default; e.g. -ngl 999 -ncmoe 19)
+#
+# Writes OUT/patch_ab.json (each run's prefill and decode tok/s, the medians, patched/stock) and prints the
+# ratios. The stock build takes as long as a backend build the first time (cached after).
+set -euo pipefail
+OUT=${1:?usage: scripts/patch_ab.sh OUT MODEL.gguf [llama-bench flags...]}
+MODEL=${2:?usage: scripts/patch_ab.sh OUT MODEL.gguf [llama-bench flags...]}
+shift 2
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/flux"
+REPS=${REPS:-5}
+mkdir -p "$OUT"
+[ -f "$MODEL" ] || { echo "patch_ab: $MODEL is not a file: give a .gguf (flux synth writes one)" >&2; exit 2; }
+PATCHED="$CACHE/backend/current/bin/llama-bench"
+[ -x "$PATCHED" ] || { echo "patch_ab: no patched llama-bench at $PATCHED: run scripts/build-backend.sh first" >&2; exit 2; }
+FLUX_STOCK=1 "$ROOT/scripts/build-backend.sh" >> "$OUT/build-stock.log" 2>&1 \
+  || { echo "patch_ab: the stock build failed: see $OUT/build-stock.log" >&2; exit 1; }
+STOCK="$CACHE/backend/stock/bin/llama-bench"
+for i in $(seq "$REPS"); do
+  order="patched stock"; [ $((i % 2)) = 0 ] && order="stock patched"
+  for which in $order; do
+    exe=$PATCHED; [ "$which" = stock ] && exe=$STOCK
+    env -u FLUX_MOE_SPLIT -u FLUX_MOE_MAPPED "$exe" -m "$MODEL" -r 1 -o jsonl "$@" > "$OUT/$which-$i.jsonl" 2>> "$OUT/llama-bench.log"
+  done
+done
+python3 - "$OUT" "$REPS" "$*" <<'EOF'
+import json, statistics, sys
+from pathlib import Path
+out, reps, flags = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+runs = {w: [] for w in ("patched", "stock")}
+for w in runs:
+    for i in range(1, reps + 1):
+        for line in (out / f"{w}-{i}.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            runs[w].append({"rep": i, "test": "prefill" if r["n_gen"] == 0 else "decode", "n": r["n_prompt"] or r["n_gen"],
+                            "tps": r["avg_ts"]})
+med = {w: {t: statistics.median(r["tps"] for r in rs if r["test"] == t) for t in ("prefill", "decode")
+           if any(r["test"] == t for r in rs)} for w, rs in runs.items()}
+ratio = {t: med["patched"][t] / med["stock"][t] for t in med["patched"] if t in med["stock"]}
+(out / "patch_ab.json").write_text(json.dumps({"flags": flags, "reps": reps, "runs": runs, "median_tps": med,
+                                                "patched_vs_stock": ratio}, indent=1))
+for t, r in ratio.items():
+    print(f"patch_ab: {t} patched {med['patched'][t]:.1f} vs stock {med['stock'][t]:.1f} tok/s: {r:.3f}x "
+          f"(medians of {reps}; llama-bench {flags})")
+EOF
