@@ -14,7 +14,8 @@
 # Steps that are already done (wheels installed, backend built, twins written) are skipped, so the same
 # command can continue in a second call on a machine that stayed warm. FLUX_E2E_STEPS=setup stops after
 # step 3 (to build while the wheels of a second call are on their way); FLUX_PACK_BACKEND=1 packs the build
-# into OUT/backend (copy to .carry/backend/ to skip the build next time).
+# into OUT/backend (copy to .carry/backend/ to skip the build next time); FLUX_PATCH_AB="MODEL.gguf FLAGS" races
+# the patched llama-bench against the unpatched pin after step 3 (scripts/patch_ab.sh).
 set -euo pipefail
 OUT=${1:?usage: scripts/gpu-e2e.sh OUT [MODEL:BUDGET[@CTX],...] [bench_gpu.py flags]}; shift
 PAIRS=${1:-qwen3-30b-a3b:10}; [ $# -gt 0 ] && shift
@@ -66,6 +67,14 @@ r = sys.argv[3]; synthesize(sys.argv[1], Path(sys.argv[2]), quant='Q4_0', overri
                    say "synthesized $m ($r routing)"; }
 done
 [ "${FLUX_E2E_STEPS:-all}" = setup ] && { say "setup done"; exit 0; }
+
+# 3b. FLUX_PATCH_AB="MODEL.gguf FLAGS": the patched llama-bench on a stock placement against the pin built without
+# the patches (scripts/patch_ab.sh; the stock build needs .carry/src), before anything else loads the machine
+if [ -n "${FLUX_PATCH_AB:-}" ]; then
+  # shellcheck disable=SC2086  # a model path and llama-bench flags
+  FLUX_SRC_DIR=.carry/src FLUX_OFFLINE=1 CUDA_ARCHS=${CUDA_ARCHS:-90} JOBS=$(nproc) \
+    scripts/patch_ab.sh "$OUT/patch-ab" $FLUX_PATCH_AB 2>&1 | tee -a "$OUT/e2e.log" || say "patch A/B failed"
+fi
 
 # 4. plan, show, bench (each pair) and the record
 python3 scripts/bench_gpu.py --out "$OUT" --model-dir "$MODELS" --pairs "$PAIRS" "$@" 2>&1 | tee -a "$OUT/e2e.log"
