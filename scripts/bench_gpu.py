@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """GPU benchmark record, on the path a user runs: `flux plan` → the persisted plan → `flux serve` / `flux bench`.
 
-For each ``MODEL:BUDGET[@CTX][~WORKLOAD][+spec|+draftK]`` pair (GiB per GPU, 0 = the whole cards; CTX = ``--ctx``,
-else the model's trained context; WORKLOAD = ``flux plan --workload``, agent unless given; ``+spec``: ``flux plan
---speculation``, ``+draftK``: also ``--draft-model`` of a draft twin of the model's first K layers):
+For each ``MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD][+spec|+draftK][%PLAN_S]`` pair (:mod:`tasks.bench.gpu_pairs`:
+GiB per GPU, 0 = the whole cards; CTX = ``--ctx``, else the model's trained context; WORKLOAD = ``flux plan
+--workload``, agent unless given; ``+spec``: ``--speculation``, ``+draftK``: also ``--draft-model`` of a draft twin
+of the model's first K layers; ``%PLAN_S``: this pair's ``--budget-s``):
 
 1. ``flux plan <twin> --gpu-mem-budget BUDGET [--ctx CTX] --budget-s S`` — the Prefect flow with its store,
    exactly as a user runs it; the plan id it prints is the plan raced below, and its wall time is
@@ -47,7 +48,8 @@ import pyarrow.parquet as pq
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tasks.bench.spec_facts import speculation_facts, split_drafting  # noqa: E402
+from tasks.bench.gpu_pairs import Pair, parse_pair, refused_budget  # noqa: E402
+from tasks.bench.spec_facts import speculation_facts  # noqa: E402
 from tasks.bench.step_facts import step_facts, step_facts_from_show, step_times  # noqa: E402
 
 GIB = 2**30
@@ -69,23 +71,6 @@ def flux(*args: str, out: Path, name: str, timeout_s: float = 3600) -> subproces
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     (out / f"{name}.log").write_text(f"$ flux {' '.join(args)}\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
     return proc
-
-
-def parse_pair(text: str) -> tuple[str, str, float, int | None, str]:
-    """``MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD]`` → (model, routing, budget GiB, ctx or None, workload or "")
-    (a ``+spec`` or ``+draftK`` suffix is :func:`tasks.bench.spec_facts.split_drafting`'s)."""
-    text, _, workload = text.partition("~")
-    if workload not in ("", "agent", "chat"):
-        raise SystemExit(f"--pairs {text}~{workload}: the workload must be agent or chat (flux plan --workload)")
-    model, _, rest = text.partition(":")
-    model, _, routing = model.partition("/")
-    budget, _, ctx = rest.partition("@")
-    if routing not in ("", "uniform", "skewed", "local"):
-        raise SystemExit(f"--pairs {text!r}: routing must be uniform, skewed or local, e.g. qwen3-30b-a3b/skewed:10")
-    try:
-        return model, routing or "uniform", float(budget or 0), int(ctx) if ctx else None, workload
-    except ValueError:
-        raise SystemExit(f"--pairs {text!r}: expected MODEL[/ROUTING]:BUDGET[@CTX], e.g. qwen3-30b-a3b/skewed:12@8192") from None
 
 
 def twin_path(model_dir: Path, preset: str, routing: str) -> Path:
@@ -348,6 +333,27 @@ def race_depths(args: argparse.Namespace, tag: str, plan_id: str) -> None:
     write_rows(rows, args.out / DEPTHS)
 
 
+def plan(args: argparse.Namespace, pair: Pair, model: Path, draft: Path | None
+         ) -> tuple[subprocess.CompletedProcess[str], float, dict[str, Any]]:
+    """``flux plan`` for the pair; refused for its budget ("use --budget-s N or more") and without ``--no-retry``,
+    once more at N, the stages before measuring reused from the refusal. Returns the last run, its wall seconds
+    and, after a refusal, ``plan_refused_s`` (the refused run's seconds) and ``plan_budget_s_used``."""
+    args_ = pair.plan_args(model, draft, args.plan_budget_s)
+    t0 = time.monotonic()
+    proc = flux(*args_, out=args.out, name=f"plan-{pair.tag}")
+    plan_s = time.monotonic() - t0
+    need = refused_budget(proc.stderr) if proc.returncode == 2 and not args.no_retry else None
+    if need is None:
+        return proc, plan_s, {}
+    log(f"{pair.tag}: refused at its budget after {plan_s:.0f} s; planning again at --budget-s {need}")
+    (args.out / f"plan-{pair.tag}.log").rename(args.out / f"plan-{pair.tag}-refused.log")
+    budget_at = args_.index("--budget-s") + 1 if "--budget-s" in args_ else None
+    again = [*args_[:budget_at], str(need), *args_[budget_at + 1:]] if budget_at else [*args_, "--budget-s", str(need)]
+    t1 = time.monotonic()
+    proc = flux(*again, out=args.out, name=f"plan-{pair.tag}")
+    return proc, time.monotonic() - t1, {"plan_refused_s": plan_s, "plan_budget_s_used": need}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None, help="the run's folder (required but with --backfill-steps)")
@@ -362,6 +368,8 @@ def main() -> int:
                     "raced against --fit at each depth (one round)")
     ap.add_argument("--backfill-steps", type=Path, default=None, metavar="RECORD",
                     help="give RECORD's older rows the step columns (from the show logs beside it) and exit")
+    ap.add_argument("--no-retry", action="store_true", help="a plan refused for its budget is not planned again at "
+                    "the budget it names")
     ap.add_argument("--import", dest="import_only", action="store_true")
     ap.add_argument("--record", type=Path, default=None, help="with --import: also append the rows to this Parquet file")
     args = ap.parse_args()
@@ -380,25 +388,17 @@ def main() -> int:
     first: tuple[str, str] | None = None
     for i, text in enumerate(args.pairs.split(",")):
         try:
-            pair, draft_layers, spec = split_drafting(text)
+            pair = parse_pair(text)
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
-        preset, routing, budget, ctx, workload = parse_pair(pair)
+        preset, routing, budget, tag = pair.preset, pair.routing, pair.budget_gib, pair.tag
         model = twin(args.model_dir, preset, routing, args.synth.split(), args.out)
-        drafting = [*(["--speculation"] if spec else []), *(
-            ["--draft-model", str(draft_twin(model, draft_layers, args.out))] if draft_layers else [])]
-        tag = (f"{preset}-{routing}-{budget:g}" + (f"@{ctx}" if ctx else "") + (f"-{workload}" if workload else "")
-               + (f"+draft{draft_layers}" if draft_layers else "+spec" if spec else ""))
-        plan_args = ["plan", str(model), *(["--gpu-mem-budget", f"{budget:g}"] if budget else []),
-                     *(["--ctx", str(ctx)] if ctx else []), *(["--workload", workload] if workload else []),
-                     *(["--budget-s", f"{args.plan_budget_s:g}"] if args.plan_budget_s else []), *drafting]
-        t0 = time.monotonic()
-        proc = flux(*plan_args, out=args.out, name=f"plan-{tag}")
-        plan_s = time.monotonic() - t0
+        draft = draft_twin(model, pair.draft_layers, args.out) if pair.draft_layers else None
+        proc, plan_s, refused = plan(args, pair, model, draft)
         if proc.returncode != 0:
             log(f"{tag}: flux plan failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
             write_rows([{"run": args.run, "model": preset, "routing": routing, "budget_gib": budget, "plan_s": plan_s,
-                         "error": proc.stderr.strip()[-500:]}], args.out / RESULTS)
+                         "error": proc.stderr.strip()[-500:], **refused}], args.out / RESULTS)
             continue
         plan_id = proc.stdout.strip().splitlines()[-1]
         log(f"{tag}: plan {plan_id[:12]} in {plan_s:.0f} s")
@@ -413,7 +413,7 @@ def main() -> int:
         got = summary_rows(plan_id, t1)
         if not got:
             log(f"{tag}: flux bench run stored nothing ({bench.returncode}): {bench.stderr.strip()[-300:]}")
-        row = record_row(args.run, preset, routing, budget, plan_id, plan_s, got)
+        row = {**record_row(args.run, preset, routing, budget, plan_id, plan_s, got), **refused}
         log(f"{tag}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()
                                    if k.endswith(("_vs_fit", "_vs_whole", "_vs_plan_decode", "spec_speedup", "acceptance"))
                                    and isinstance(v, float)))

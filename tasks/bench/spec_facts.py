@@ -9,27 +9,9 @@ drafter against its placement without drafting in the same paired rounds (``Plan
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from artifacts.records.plan import Plan
-
-_DRAFTING = re.compile(r"^(spec|draft(\d+))$")
-
-
-def split_drafting(text: str) -> tuple[str, int | None, bool]:
-    """``PAIR[+spec|+draftK]`` → (pair, draft layers or None, speculation asked for)."""
-    pair, plus, drafting = text.partition("+")
-    if not plus:
-        return pair, None, False
-    m = _DRAFTING.match(drafting)
-    if m is None:
-        raise ValueError(f"--pairs {text!r}: after '+' give spec (flux plan --speculation) or draftK (a draft twin "
-                         "of the model's first K layers, e.g. llama3-8b:0~chat+draft2)")
-    layers = int(m.group(2)) if m.group(2) else None
-    if layers is not None and layers < 1:
-        raise ValueError(f"--pairs {text!r}: a draft twin needs at least one layer (draft1, draft2, ...)")
-    return pair, layers, True
 
 
 def speculation_facts(plan: Plan) -> dict[str, Any]:
