@@ -9,7 +9,8 @@
 #      (scripts/bench_gpu.py drives those commands and writes the record);
 #   5. `flux serve` of the first plan, answered by the `openai` client (chat, streamed chat, models).
 #
-#   scripts/gpu-e2e.sh OUT [MODEL[/ROUTING]:BUDGET[@CTX],...] [bench_gpu.py flags...]   (ROUTING: uniform, skewed)
+#   scripts/gpu-e2e.sh OUT [MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD][+spec|+draftK][%PLAN_S],...] [bench_gpu.py flags...]
+#   (the pair grammar: tasks/bench/gpu_pairs.py)
 #
 # Steps that are already done (wheels installed, backend built, twins written) are skipped, so the same
 # command can continue in a second call on a machine that stayed warm. FLUX_E2E_STEPS=setup stops after
