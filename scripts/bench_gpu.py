@@ -347,10 +347,9 @@ def plan(args: argparse.Namespace, pair: Pair, model: Path, draft: Path | None
         return proc, plan_s, {}
     log(f"{pair.tag}: refused at its budget after {plan_s:.0f} s; planning again at --budget-s {need}")
     (args.out / f"plan-{pair.tag}.log").rename(args.out / f"plan-{pair.tag}-refused.log")
-    budget_at = args_.index("--budget-s") + 1 if "--budget-s" in args_ else None
-    again = [*args_[:budget_at], str(need), *args_[budget_at + 1:]] if budget_at else [*args_, "--budget-s", str(need)]
     t1 = time.monotonic()
-    proc = flux(*again, out=args.out, name=f"plan-{pair.tag}")
+    proc = flux(*pair.model_copy(update={"plan_budget_s": need}).plan_args(model, draft, None), out=args.out,
+                name=f"plan-{pair.tag}")
     return proc, time.monotonic() - t1, {"plan_refused_s": plan_s, "plan_budget_s_used": need}
 
 

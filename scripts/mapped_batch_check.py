@@ -8,7 +8,7 @@ stock (no split), a mapped split of half of every layer's experts with FLUX_MOE_
 4 take the host path) and with 8 (they stay on the GPU), sends the same N greedy requests to each at once, and
 prints how many generated tokens each split agrees with the stock run on and its decode speed.
 
-    python3 scripts/mapped_batch_check.py MODEL.gguf OUT [--parallel 6] [--tokens 48]
+    python3 scripts/mapped_batch_check.py MODEL.gguf OUT [--parallel 6] [--tokens 48] [--layers 4 --experts 8]
 
 Standard library only (the lent machine's Python has no Flux dependencies); OUT/mapped_batch_check.json keeps
 every reply. Not the product path: a check of the kernels beneath it.
@@ -30,16 +30,18 @@ PROMPTS = ["The history of the city begins", "def fibonacci(n):", "In the mornin
            "The experiment measured", "Once upon a time there", "SELECT name FROM", "The recipe calls for"]
 
 
-def gguf_counts(model: Path) -> tuple[int, int]:
-    """(layers, experts) from the file's header, read with the gguf package when present, else from the name."""
+def gguf_counts(model: Path, layers: int | None, experts: int | None) -> tuple[int, int]:
+    """(layers, experts): as given, else from the file's header with the gguf package."""
+    if layers and experts:
+        return layers, experts
     try:
         from gguf import GGUFReader
-
-        r = GGUFReader(model)
-        arch = str(r.fields["general.architecture"].contents())
-        return int(r.fields[f"{arch}.block_count"].contents()), int(r.fields[f"{arch}.expert_count"].contents())
     except ImportError:
-        return 4, 8  # tiny-moe
+        raise SystemExit("mapped_batch_check: no gguf package here to read the model's header: give --layers and "
+                         "--experts (tiny-moe: 4 and 8)") from None
+    r = GGUFReader(model)
+    arch = str(r.fields["general.architecture"].contents())
+    return int(r.fields[f"{arch}.block_count"].contents()), int(r.fields[f"{arch}.expert_count"].contents())
 
 
 def post(url: str, body: dict[str, object]) -> dict[str, object]:
@@ -88,10 +90,12 @@ def main() -> int:
     ap.add_argument("--parallel", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--server", default=str(Path.home() / ".cache/flux/backend/current/bin/llama-server"))
+    ap.add_argument("--layers", type=int, default=None, help="the model's layer count (else read from its header)")
+    ap.add_argument("--experts", type=int, default=None, help="its experts per layer (else read from its header)")
     ap.add_argument("--only", default="", help="comma-separated configurations to run (stock, mapped-max4, mapped-max8)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    layers, experts = gguf_counts(args.model)
+    layers, experts = gguf_counts(args.model, args.layers, args.experts)
     split = "CUDA0|" + ";".join(f"{i}:" + ",".join(str(e) for e in range(experts // 2)) for i in range(layers))
     configs = {"stock": {}, **{f"mapped-max{m}": {"FLUX_MOE_SPLIT": split, "FLUX_MOE_MAPPED": "1",
                                                   "FLUX_MOE_MAPPED_MAX_TOKENS": str(m)} for m in (4, 8)}}

@@ -367,8 +367,8 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, shape: 
     out = []
     caches = ("static", "adaptive") if shape.mapped else ("static",)  # hot sets fixed, or following the routing
     # a mapped split's GPU computes the cold picks of batches up to what its vector kernels take (drafted steps)
-    mapped_tokens = min((engine_params.mapped_batch_limit(info.quant_types, g.compute_capability) for g in hw.gpus),
-                        default=engine_params.MAPPED_TOKENS_DEFAULT)
+    mapped_tokens = min((engine_params.mapped_batch_limit(info.quant_types, g.compute_capability) for g in hw.gpus
+                         if shape.mapped), default=engine_params.MAPPED_TOKENS_DEFAULT)
     for t, tb, ub, (load, no_host), fa, omb, cache in itertools.product(threads, threads, ubatches, loads, fas,
                                                                        offload, caches):
         if ub > n_ctx or (on_gpu and t != tb) or (no_host and omb is not None):
@@ -379,8 +379,7 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, shape: 
             n_threads=t, n_threads_batch=tb, n_gpu_layers=n_gpu_layers, flash_attn=fa, type_k=req.kv,
             type_v=req.kv, load_mode=load, no_host=no_host, offload_min_batch=omb, tensor_overrides=tuple(overrides),
             tensor_split=split, offload_kqv=shape.kv != "host" or not on_gpu, expert_split=shape.split,
-            expert_mapped=shape.mapped, expert_cache=cache, seed=req.seed,
-            expert_mapped_tokens=mapped_tokens if shape.mapped else engine_params.MAPPED_TOKENS_DEFAULT))
+            expert_mapped=shape.mapped, expert_cache=cache, seed=req.seed, expert_mapped_tokens=mapped_tokens))
     return out
 
 
