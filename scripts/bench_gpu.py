@@ -49,6 +49,7 @@ import pyarrow.parquet as pq
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from tasks.bench.gpu_pairs import Pair, parse_pair, refused_budget  # noqa: E402
+from tasks.bench.host_state import flag_record, host_columns, probe_readings  # noqa: E402
 from tasks.bench.spec_facts import speculation_facts  # noqa: E402
 from tasks.bench.step_facts import step_facts, step_facts_from_show, step_times  # noqa: E402
 
@@ -197,7 +198,7 @@ def record_row(run: str, preset: str, routing: str, budget: float, plan_id: str,
         if key is None:
             continue
         m = json.loads(r["metrics"] or "{}")
-        turns = m.get("per_turn") or {}
+        turns: dict[str, Any] = m.get("per_turn") or {}
         unreported = m.get("unreported") or {}
         out.update({f"tg_vs_{key}": r["ratio_decode"], f"pp_vs_{key}": r["ratio_prefill"],
                     f"{key}_valid": m.get("baseline_valid"), f"{key}_flag": m.get("baseline_flag"),
@@ -205,12 +206,13 @@ def record_row(run: str, preset: str, routing: str, budget: float, plan_id: str,
                     f"{key}_tg_unreported": (unreported.get("decode") or {}).get("ratio"),
                     f"{key}_gpu_gib": (m.get("baseline_gpu_bytes") or 0) / GIB or None,
                     f"{key}_note": m.get("engine_note"), f"{key}_sweep_vs_race": m.get("sweep_vs_race")})
-        agent = (turns.get("agent") or next(iter(turns.values()), {})).get("turn_speedup") if turns else None
+        first: dict[str, Any] = turns.get("agent") or next(iter(turns.values()), {})
+        agent = first.get("turn_speedup")
         out[f"agent_vs_{key}"] = agent["ratio"] if agent else None
         out.update({"served_decode_tps": m.get("served_decode_tps"), "plan_gpu_gib": (m.get("plan_gpu_bytes") or 0) / GIB or None,
                     "plan_gpu_method": m.get("plan_gpu_method"), "plan_gpu_vs_measured": m.get("plan_gpu_vs_measured"),
                     "plan_flag": m.get("plan_flag"), "baseline_threads": m.get("baseline_threads"),
-                    "baseline_threads_note": m.get("baseline_threads_note")})
+                    "baseline_threads_note": m.get("baseline_threads_note"), **host_columns(m.get("host"))})
     if out.get("served_decode_tps") and out.get("plan_decode_tps"):
         out["http_vs_plan_decode"] = out["served_decode_tps"] / out["plan_decode_tps"]
     out.update(step_times(out.get("served_decode_tps"), out.get("all_gpu_decode_tps")))
@@ -286,7 +288,9 @@ def append_record(out: Path, record: Path) -> int:
 def backfill_steps(record: Path) -> int:
     """Give the record's rows made before the step columns (:mod:`tasks.bench.step_facts`) their figures: the
     split from the ``flux show`` log saved with the row's run (``runN/show-*.log`` beside the record, found by
-    plan id), the step times from the row's own speeds. Returns how many rows gained a figure."""
+    plan id), the step times from the row's own speeds; and every row its run's probe reading of the host with
+    the flag of a slow host against the record's other runs (:func:`tasks.bench.host_state.flag_record`).
+    Returns how many rows gained a step figure."""
     shows = {}
     for log_path in record.parent.glob("run*/**/show-*.log"):
         text = log_path.read_text()
@@ -299,9 +303,11 @@ def backfill_steps(record: Path) -> int:
         r.update({k: v for k, v in facts.items() if r.get(k) is None})
         r.update(step_times(r.get("served_decode_tps"), r.get("all_gpu_decode_tps")))
         changed += 1
+    host = flag_record(rows, probe_readings(record.parent))
     keys = list(dict.fromkeys(k for r in rows for k in r))
     pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), record)
-    log(f"{record}: step figures for {changed} row(s)")
+    log(f"{record}: step figures for {changed} row(s), the host's probe reading for {host}; "
+        f"{sum(1 for r in rows if r.get('host_flag'))} row(s) on a host slower than usual")
     return changed
 
 

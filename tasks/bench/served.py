@@ -35,6 +35,7 @@ from artifacts.records.machine import cpu_info
 from engine_bridge.gpumem import GpuMemoryMeter
 from tasks.bench.context import BenchContext, Progress
 from tasks.bench.errors import BenchError
+from tasks.bench.host_state import HostCheck, HostState, host_flag, read_host, usual_state
 from tasks.bench.rows import ratio_row, tokenize_prompts
 from tasks.bench.served_contenders import (
     DEFAULT_TURNS,
@@ -181,8 +182,24 @@ def _prompts(ctx: BenchContext, turns: Sequence[Turn], n: int, seed: int) -> dic
     return {t.name: tokenize_prompts(ctx, [t.prompt] * n, "held_out", seed + k) for k, t in enumerate(turns)}
 
 
+def host_check(ctx: BenchContext, start: HostState, say: Progress) -> HostCheck:
+    """The host read again after the race, against this machine's stored probes (tasks.bench.host_state)."""
+    from artifacts.records.store import Records
+
+    usual, n = usual_state(Records(ctx.store), ctx.plan.hardware_fingerprint)
+    check = HostCheck(start=start, end=read_host(), usual=usual, probes=n)
+    check.flag = host_flag(check.slowest(), usual, n)
+    now = check.slowest()
+    pageable = f", pageable host-to-device {now.h2d_pageable_gbs:.1f} GB/s" if now.h2d_pageable_gbs else ""
+    usual_text = f" (usual: {usual.ram_read_gbs:.1f} GB/s over {n} probe(s))" if usual else ""
+    say(f"host during the race: RAM read {now.ram_read_gbs:.1f} GB/s{pageable}{usual_text}")
+    if check.flag:
+        say(check.flag)
+    return check
+
+
 def _row(name: str, c: Contender, table: pa.Table, turns: Sequence[Turn], opts: Any,
-         extra: dict[str, Any]) -> Any:
+         extra: dict[str, Any], host_flagged: str | None = None) -> Any:
     """Plan vs one contender: paired ratios per turn (same round), a verdict on the first turn's speeds."""
     from tasks.bench.record import SummaryRow
     from tasks.bench.stats import paired_ratio
@@ -215,6 +232,8 @@ def _row(name: str, c: Contender, table: pa.Table, turns: Sequence[Turn], opts: 
         return SummaryRow(baseline=name, verdict="info", detail=f"not a result: {why_not}; measured {detail}",
                           n_samples=min(pre.n, dec.n), metrics={
                               **metrics, "unreported": {"prefill": pre.model_dump(), "decode": dec.model_dump()}})
+    if host_flagged:
+        detail += "; host slower than usual: these ratios hold for that state only"
     return ratio_row(name, pre, dec, "fail" if slower else "pass", detail, metrics)
 
 
@@ -238,6 +257,7 @@ def bench_served(ctx: BenchContext, opts: Any, progress: Progress | None = None)
     skipped: dict[str, str] = {}
     meter = GpuMemoryMeter()
     check_budget(ctx, info, budget, meter)
+    host_start = read_host()  # before any contender loads the machine
     t0 = time.monotonic()
     threads = BaselineThreads(ctx.params.n_threads)
     for name in opts.baselines:
@@ -259,6 +279,7 @@ def bench_served(ctx: BenchContext, opts: Any, progress: Progress | None = None)
         contenders.append(got[0])
         probes[name] = got[1]
     table = race_loaded(contenders, prompts, turns, opts.rounds, ctx.timeout_s, opts.seed, say, meter)
+    host = host_check(ctx, host_start, say)
     plan_c = contenders[0]
     for c in contenders[1:]:
         c.flag = budget_flag(c.gpu, budget)
@@ -280,13 +301,13 @@ def bench_served(ctx: BenchContext, opts: Any, progress: Progress | None = None)
         "plan_measured_decode_tps": ctx.plan.measured.decode_tps,
         "plan_measured_prefill_tps": ctx.plan.measured.prefill_tps, "served_decode_tps": served.get("decode_tps"),
         "plan_backend_build": ctx.plan.backend_build, "timing": "client stream (/v1/completions)",
-        "baseline_threads": threads.n, "baseline_threads_note": threads.note}
+        "baseline_threads": threads.n, "baseline_threads_note": threads.note, "host": host.model_dump()}
     rows = []
     for c in contenders[1:]:
         diff, note = agreement(probes.get(c.name), medians(table, c.name, 0))
         extra = {**common, "sweep_vs_race": diff, "sweep_note": note}
         if note:
             say(f"{c.name}: {note}")
-        rows.append(_row(c.name, c, table, turns, opts, extra))
+        rows.append(_row(c.name, c, table, turns, opts, extra, host.flag))
     rows += [SummaryRow(baseline=name, verdict="info", detail=why, metrics=common) for name, why in skipped.items()]
     return BenchRun(suite="run", ctx=ctx, rows=rows, raw=table)

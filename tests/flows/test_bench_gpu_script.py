@@ -36,6 +36,7 @@ def test_bench_gpu_drives_the_user_path_and_records_the_plan_it_raced(tiny_moe: 
     assert row["tg_vs_fit"] and row["pp_vs_fit"] and row["agent_vs_fit"], "the race against --fit ran"
     assert row["served_decode_tps"] and row["http_vs_plan_decode"], "decode through HTTP vs the plan's own"
     assert "-fitc 1024" in row["fit_note"], "--fit holds the plan's context"
+    assert row["race_ram_read_gbs"] > 0 and row["probe_ram_read_gbs"] > 0, "the host was read around the race"
     bench_log = (out / "bench-tiny-moe-uniform-0@1024.log").read_text()
     assert "flux serve" in bench_log and "stored run" in bench_log
     # --depths: the plan raced against --fit once more, one turn per depth; 2,048 tokens do not fit the plan's
