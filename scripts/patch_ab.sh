@@ -30,7 +30,7 @@ for i in $(seq "$REPS"); do
     env -u FLUX_MOE_SPLIT -u FLUX_MOE_MAPPED "$exe" -m "$MODEL" -r 1 -o jsonl "$@" > "$OUT/$which-$i.jsonl" 2>> "$OUT/llama-bench.log"
   done
 done
-python3 - "$OUT" "$REPS" "$*" <<'EOF'
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" python3 - "$OUT" "$REPS" "$*" <<'EOF'
 import json, statistics, sys
 from pathlib import Path
 out, reps, flags = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -44,9 +44,15 @@ for w in runs:
 med = {w: {t: statistics.median(r["tps"] for r in rs if r["test"] == t) for t in ("prefill", "decode")
            if any(r["test"] == t for r in rs)} for w, rs in runs.items()}
 ratio = {t: med["patched"][t] / med["stock"][t] for t in med["patched"] if t in med["stock"]}
+# each repetition ran both builds back to back: its pair's ratio, their median and a bootstrap interval
+from tasks.bench.stats import paired_ratio
+paired = {t: paired_ratio([r["tps"] for r in runs["patched"] if r["test"] == t],
+                          [r["tps"] for r in runs["stock"] if r["test"] == t]).model_dump() for t in ratio}
 (out / "patch_ab.json").write_text(json.dumps({"flags": flags, "reps": reps, "runs": runs, "median_tps": med,
-                                                "patched_vs_stock": ratio}, indent=1))
+                                                "patched_vs_stock": ratio, "paired": paired}, indent=1))
 for t, r in ratio.items():
-    print(f"patch_ab: {t} patched {med['patched'][t]:.1f} vs stock {med['stock'][t]:.1f} tok/s: {r:.3f}x "
-          f"(medians of {reps}; llama-bench {flags})")
+    ci = paired[t]
+    interval = f" [{ci['low']:.3f}, {ci['high']:.3f}]" if ci["low"] is not None else ""
+    print(f"patch_ab: {t} patched {med['patched'][t]:.1f} vs stock {med['stock'][t]:.1f} tok/s: {r:.3f}x; "
+          f"paired {ci['ratio']:.3f}x{interval} (medians of {reps}; llama-bench {flags})")
 EOF
