@@ -15,7 +15,8 @@
 # Steps that are already done (wheels installed, backend built, twins written) are skipped, so the same
 # command can continue in a second call on a machine that stayed warm. FLUX_E2E_STEPS=setup stops after
 # step 3 (to build while the wheels of a second call are on their way); FLUX_PACK_BACKEND=1 packs the build
-# into OUT/backend (copy to .carry/backend/ to skip the build next time); FLUX_PATCH_AB="MODEL.gguf FLAGS" races
+# into OUT/backend (copy to .carry/backend/ to skip the build next time) and the patch A/B's stock llama-bench into
+# OUT/stock (.carry/stock/); FLUX_PATCH_AB="MODEL.gguf FLAGS" races
 # the patched llama-bench against the unpatched pin after step 3 (scripts/patch_ab.sh).
 set -euo pipefail
 OUT=${1:?usage: scripts/gpu-e2e.sh OUT [MODEL:BUDGET[@CTX],...] [bench_gpu.py flags]}; shift
@@ -47,6 +48,8 @@ flux() { python3 -m flows "$@"; }
 start=$(date +%s)
 if [ "${FLUX_E2E_BUILD:-1}" != 0 ]; then
   if [ -d .carry/backend ]; then scripts/backend-pack.sh unpack .carry/backend >> "$OUT/build.log" 2>&1 || true; fi
+  # the stock llama-bench of an earlier run's patch A/B (FLUX_PACK_BACKEND=1 packed it into OUT/stock)
+  if [ -d .carry/stock ]; then scripts/backend-pack.sh unpack .carry/stock >> "$OUT/build.log" 2>&1 || true; fi
   FLUX_SRC_DIR=.carry/src FLUX_OFFLINE=1 FLUX_ONE_BUILD=1 CUDA_ARCHS=${CUDA_ARCHS:-90} JOBS=$(nproc) \
     scripts/build-backend.sh >> "$OUT/build.log" 2>&1
 fi
@@ -75,6 +78,9 @@ if [ -n "${FLUX_PATCH_AB:-}" ]; then
   # shellcheck disable=SC2086  # a model path and llama-bench flags
   FLUX_SRC_DIR=.carry/src FLUX_OFFLINE=1 CUDA_ARCHS=${CUDA_ARCHS:-90} JOBS=$(nproc) \
     scripts/patch_ab.sh "$OUT/patch-ab" $FLUX_PATCH_AB 2>&1 | tee -a "$OUT/e2e.log" || say "patch A/B failed"
+  if [ "${FLUX_PACK_BACKEND:-0}" = 1 ] && [ ! -d "$OUT/stock" ]; then  # carried as .carry/stock next time
+    scripts/backend-pack.sh pack-stock "$OUT/stock" >> "$OUT/build.log" 2>&1 || say "packing the stock build failed"
+  fi
 fi
 
 # 4. plan, show, bench (each pair) and the record

@@ -15,7 +15,7 @@ if [ ! -f /tmp/run.log ]; then
 fi
 end=$((SECONDS + LIMIT))
 while :; do
-  tar czf "$OUT/logs.tgz" --exclude o/backend -C /tmp o run.log 2>/dev/null
+  tar czf "$OUT/logs.tgz" --exclude o/backend --exclude o/stock -C /tmp o run.log 2>/dev/null
   if [ -f /tmp/run.pid ]; then  # a pattern would also match this call's own command line when it names one
     kill -0 "$(cat /tmp/run.pid)" 2> /dev/null || { echo "gpu-poll: the run has ended"; break; }
   else

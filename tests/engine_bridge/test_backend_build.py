@@ -136,3 +136,24 @@ def test_a_packed_build_unpacks_whole_in_small_pieces(tmp_path: Path) -> None:
     mixed = subprocess.run([str(REPO / "scripts" / "backend-pack.sh"), "unpack", str(pieces)],
                            env={**env, "XDG_CACHE_HOME": str(other)}, capture_output=True, text=True)
     assert mixed.returncode == 2 and "several builds" in mixed.stderr
+
+
+def test_the_stock_llama_bench_packs_and_unpacks_beside_the_patched_build(tmp_path: Path) -> None:
+    # scripts/patch_ab.sh's stock build (FLUX_STOCK=1, backend/stock) travels the same way, in pieces of its own
+    # kind, so that a lent machine's patch A/B need not build it again; the same folder may hold both kinds.
+    stock = (CACHE / "backend" / "stock").resolve()
+    if not (stock / "bin" / "llama-bench").exists():
+        pytest.skip("no stock llama-bench: FLUX_STOCK=1 scripts/build-backend.sh")
+    pieces = tmp_path / "pieces"
+    subprocess.run([str(REPO / "scripts" / "backend-pack.sh"), "pack-stock", str(pieces)], check=True,
+                   capture_output=True, text=True)
+    assert {p.name.rsplit(".", 3)[0] for p in pieces.iterdir()} == {f"stock-{stock.name}"}
+    other = tmp_path / "other"
+    out = subprocess.run([str(REPO / "scripts" / "backend-pack.sh"), "unpack", str(pieces)],
+                         env={**os.environ, "XDG_CACHE_HOME": str(other)}, capture_output=True, text=True)
+    assert out.returncode == 0 and f"stock {stock.name} unpacked" in out.stderr, out.stderr
+    got = other / "flux" / "backend" / stock.name / "bin" / "llama-bench"
+    assert got.read_bytes() == (stock / "bin" / "llama-bench").read_bytes()
+    empty = subprocess.run([str(REPO / "scripts" / "backend-pack.sh"), "unpack", str(tmp_path / "none")],
+                           capture_output=True, text=True)
+    assert empty.returncode == 2 and "no backend-" in empty.stderr
