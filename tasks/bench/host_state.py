@@ -61,17 +61,15 @@ class HostCheck(BaseModel):
 
 
 def _least(a: float | None, b: float | None) -> float | None:
-    return min(a, b) if a is not None and b is not None else a if b is None else b
+    return min((x for x in (a, b) if x is not None), default=None)
 
 
-def read_host(gpus: bool = True) -> HostState:
+def read_host() -> HostState:
     """Read the host now (a few seconds): RAM read bandwidth as the probe measures it, and the first GPU's
-    host-to-device copies (in a child process, as the probe does; none without a GPU or with ``gpus=False``)."""
+    host-to-device copies (in a child process, as the probe does; none without a GPU)."""
     ram = ram_read_bandwidth(int(psutil.virtual_memory().available), threads=usable_cpus(), repeats=2)
-    copies: tuple[float, float] | None = None
-    if gpus:
-        bus_ids = nvml_inventory().bus_ids[:1]
-        copies = next(iter(host_to_device_bandwidth(bus_ids, timeout_s=60.0).values()), None) if bus_ids else None
+    bus_ids = nvml_inventory().bus_ids[:1]
+    copies = next(iter(host_to_device_bandwidth(bus_ids, timeout_s=60.0).values()), None) if bus_ids else None
     return HostState(ram_read_gbs=ram.gbs, h2d_pinned_gbs=copies[0] if copies else None,
                      h2d_pageable_gbs=copies[1] if copies else None)
 
@@ -103,8 +101,9 @@ def host_flag(now: HostState, usual: HostState | None, probes: int, when: str = 
             slow.append(f"{what} {got:.1f} GB/s against {want:.1f}")
     if not slow:
         return None
-    return (f"host slower than usual {when} ({'; '.join(slow)}, the median of {probes} {against}): baselines that run experts on the host slow more than the plan, so "
-            f"these ratios hold for this host state only; rerun on a quiet host before quoting them")
+    return (f"host slower than usual {when} ({'; '.join(slow)}, the median of {probes} {against}): baselines "
+            "that run experts on the host slow more than the plan, so these ratios hold for this host state only; "
+            "rerun on a quiet host before quoting them")
 
 
 def host_columns(host: dict[str, object] | None) -> dict[str, object]:

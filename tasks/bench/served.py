@@ -188,8 +188,8 @@ def host_check(ctx: BenchContext, start: HostState, say: Progress) -> HostCheck:
 
     usual, n = usual_state(Records(ctx.store), ctx.plan.hardware_fingerprint)
     check = HostCheck(start=start, end=read_host(), usual=usual, probes=n)
-    check.flag = host_flag(check.slowest(), usual, n)
     now = check.slowest()
+    check.flag = host_flag(now, usual, n)
     pageable = f", pageable host-to-device {now.h2d_pageable_gbs:.1f} GB/s" if now.h2d_pageable_gbs else ""
     usual_text = f" (usual: {usual.ram_read_gbs:.1f} GB/s over {n} probe(s))" if usual else ""
     say(f"host during the race: RAM read {now.ram_read_gbs:.1f} GB/s{pageable}{usual_text}")
