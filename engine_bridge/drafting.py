@@ -2,13 +2,14 @@
 
 A :class:`Drafting` says how a plan drafts tokens for greedy decoding: ``model`` (a separate draft model sharing
 the target's vocabulary), ``ngram`` (prompt lookup: the tokens that followed the last time the context's last
-``ngram`` tokens appeared) or ``mtp`` (the model's own next-token head, on llama-server only). The target
+``ngram`` tokens appeared) or ``mtp`` (the model's own next-token head, on llama-server only); the first two
+run in Flux's worker and on llama-server alike (:meth:`Drafting.server_args`). The target
 verifies every proposal, so the output is its greedy output either way; drafting only changes how many target
 steps it takes.
 
 The pinned llama.cpp has n-gram drafting only in its ``common`` library (``common/ngram-*.cpp``,
-``common/speculative.cpp``), which llama-cpp-python does not bind; :func:`ngram_proposals` is the same simple
-lookup, run in the worker's loop.
+``common/speculative.cpp``), which llama-server uses and llama-cpp-python does not bind; :func:`ngram_proposals`
+is the same simple lookup, run in the worker's loop.
 """
 
 from __future__ import annotations
@@ -39,12 +40,19 @@ class Drafting(BaseModel):
         """The suffix of a drafting candidate's id (``c3+draft``, ``c3+ngram``, ``c3@llama-server+mtp``)."""
         return "draft" if self.kind == "model" else self.kind
 
-    def server_args(self) -> list[str]:
-        """llama-server's flags for this drafting: the model's own next-token (MTP) head (``mtp``, the one kind
-        Flux runs on llama-server: its worker does not drive the pin's MTP context); none for the others."""
-        if self.kind != "mtp":
-            return []
-        return ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(self.n_draft)]
+    def server_args(self, target: EngineParams | None = None) -> list[str]:
+        """llama-server's flags for this drafting, the same drafting Flux's worker does: the draft model's greedy
+        tokens (``--spec-type draft-simple``, every proposal kept whatever the draft's confidence, the whole
+        draft on the GPU when ``target`` uses one), prompt lookup (``ngram-simple``: the ``n_draft`` tokens that
+        followed the context's last ``ngram`` tokens), or the model's own next-token (MTP) head (``draft-mtp``)."""
+        n = ["--spec-draft-n-max", str(self.n_draft)]
+        if self.kind == "mtp":
+            return ["--spec-type", "draft-mtp", *n]
+        if self.kind == "ngram":
+            return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(self.ngram),
+                    "--spec-ngram-simple-size-m", str(self.n_draft), "--spec-ngram-simple-min-hits", "1"]
+        gpu = ["-ngld", "all"] if target is not None and target.n_gpu_layers else []
+        return ["--spec-type", "draft-simple", "-md", str(self.model), *n, "--spec-draft-p-min", "0", *gpu]
 
 
 def draft_params(target: EngineParams) -> EngineParams:

@@ -90,7 +90,7 @@ def launch(spec: EngineSpec, model: str, params: EngineParams, port: int,
     """The argv and extra environment that start ``spec`` on ``model`` with the placement ``params``.
 
     llama-server holds ``n_seq_max`` slots of ``n_ctx`` tokens each (its ``-c`` is split among ``-np`` slots),
-    and drafts with the model's next-token head when ``drafting`` says so; a configured engine gets its
+    and drafts as ``drafting`` says (a draft model, prompt lookup or the model's next-token head); a configured engine gets its
     template with ``{ctx}`` the context per sequence.
     """
     ctx = params.n_ctx
@@ -100,6 +100,6 @@ def launch(spec: EngineSpec, model: str, params: EngineParams, port: int,
         i = args.index("-c")
         args[i + 1] = str(ctx * params.n_seq_max)
         return [*spec.command, "-m", model, *args, "-np", str(params.n_seq_max), "--host", HOST,
-                "--port", str(port), "--no-webui", *(drafting.server_args() if drafting else [])], env
+                "--port", str(port), "--no-webui", *(drafting.server_args(params) if drafting else [])], env
     values = {"port": str(port), "model": model, "ctx": str(ctx)}
     return [part.format(**values) for part in spec.command], env

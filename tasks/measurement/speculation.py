@@ -37,7 +37,7 @@ from tasks.gpu_memory import predicted_gpu_bytes
 if TYPE_CHECKING:
     from tasks.stage import PlanContext
 
-MAX_BASES = 1  # placements drafting is tried on: prune's best (on llama-server for next-token heads)
+MAX_BASES = 1  # placements drafting is tried on, per engine that drafts: prune's best
 MTP_DRAFT = 3  # tokens a next-token head proposes per step (llama-server's --spec-draft-n-max)
 DRAFT_COMPUTE_BYTES = 256 * 2**20  # a draft model's compute buffer on the GPU (small models: ~100-300 MiB)
 BOOTSTRAP = 2000
@@ -89,9 +89,9 @@ def draft_bytes(d: Drafting, target: EngineParams, model: str | None = None) -> 
 
 def with_drafting(fin: Finalists, drafting: Sequence[Drafting],
                   gpu_room: Callable[[Candidate], dict[str, int]] | None = None, model: str | None = None) -> Finalists:
-    """``fin`` with each way of drafting added on its first :data:`MAX_BASES` native finalists (next-token heads:
-    on llama-server), each drafting candidate right after its placement, a draft model's bytes (a next-token
-    block's) counted on the placement's main GPU.
+    """``fin`` with each way of drafting added on its first :data:`MAX_BASES` finalists of each engine that drafts
+    (Flux's worker and llama-server; next-token heads on llama-server only), each drafting candidate right after
+    its placement, a draft model's bytes (a next-token block's) counted on the placement's main GPU.
 
     ``gpu_room(c)``: per GPU, the bytes ``c``'s budget leaves beside its predicted use; a draft model that does not
     fit there is not measured (its candidate is left out, the same way wherever the finalists are rebuilt)."""
@@ -107,7 +107,7 @@ def with_drafting(fin: Finalists, drafting: Sequence[Drafting],
     for c in fin.finalists:
         cands.append(c)
         preds += [by_id[c.id]] if c.id in by_id else []
-        for d in [d for d in drafting if c.id in on[LLAMA_SERVER if d.kind == "mtp" else NATIVE]]:
+        for d in [d for d in drafting if c.id in on[LLAMA_SERVER] or (c.id in on[NATIVE] and d.kind != "mtp")]:
             cid = f"{c.id}+{d.label}"
             extra, dev = draft_bytes(d, c.params, model), f"CUDA{c.params.main_gpu}"
             if extra and gpu_room is not None and gpu_room(c).get(dev, extra) < extra:

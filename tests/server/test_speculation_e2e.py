@@ -125,3 +125,24 @@ def test_a_plan_on_llama_server_measures_the_models_next_token_head(tmp_path: Pa
     assert cid.endswith("@llama-server+mtp") and trial["base_id"] == cid.removesuffix("+mtp")
     assert trial["acceptance"] is not None and trial["acceptance"] >= 0.9 and trial["speedup"] > 0, trial
     assert not any("next-token (MTP)" in n for n in plan["notes"]), plan["notes"]
+
+
+def test_a_plan_on_two_engines_measures_drafting_on_both(tmp_path: Path, tiny_moe: Path) -> None:
+    """`flux plan --speculation --draft-model D --engines native,llama-server`: the best placement of each
+    engine is also measured drafting with the draft model and with prompt lookup (on llama-server, the pin's
+    own drafters: `--spec-type draft-simple`, `ngram-simple`), each beside its placement in the same rounds,
+    llama-server's proposals and kept tokens read from its timings."""
+    env = _env(tmp_path)
+    draft = draft_twin(tiny_moe, tmp_path / "draft.gguf", 1).path
+    planned = _flux(env, "plan", str(tiny_moe), "--ctx", "512", "--speculation", "--draft-model", str(draft),
+                    "--engines", "native,llama-server", "--budget-s", "300")
+    assert planned.returncode == 0, planned.stderr[-4000:]
+    plan = json.loads(_flux(env, "show", planned.stdout.strip().splitlines()[-1][:12], "--json").stdout)
+    trials = {t["candidate_id"]: t for t in plan["speculation"]}
+    kinds = {(cid.split("+")[0].partition("@")[2] or "native", t["kind"]) for cid, t in trials.items()}
+    assert kinds == {(e, k) for e in ("native", "llama-server") for k in ("model", "ngram")}, sorted(trials)
+    served = next(t for cid, t in trials.items() if cid.endswith("@llama-server+draft"))
+    assert served["base_id"].endswith("@llama-server") and served["speedup"] > 0, served
+    assert served["acceptance"] is not None and served["acceptance"] > 0.5, served  # the 1-layer draft agrees
+    measured = {s["candidate_id"]: s for s in plan["finalists"]}
+    assert measured[served["candidate_id"]]["drafted"] > 0, measured[served["candidate_id"]]

@@ -89,3 +89,22 @@ def test_next_token_heads_draft_on_llama_server_only(tmp_path: Path) -> None:
     drafted = fin.finalists[-1]
     assert drafted.engine == "llama-server" and drafted.draft == mtp
     assert drafted.weights_bytes["CUDA0"] == 10**9 + block + DRAFT_COMPUTE_BYTES
+
+
+def test_llama_server_drafts_the_same_ways_as_the_worker(tiny_moe: Path, tmp_path: Path) -> None:
+    """With llama-server among the engines, its best placement is measured with each way of drafting too (the
+    pin's own drafters), each candidate right after its placement, the draft's bytes on its GPU."""
+    from engine_bridge.engines.spec import EngineSpec
+    from tasks.engines import on_engines
+
+    draft = draft_twin(tiny_moe, tmp_path / "d.gguf", 1).path
+    d, lookup = Drafting(kind="model", model=str(draft)), Drafting(kind="ngram")
+    engines = [EngineSpec(name="native", kind="native"), EngineSpec(name="llama-server", kind="llama-server")]
+    on_gpu = EngineParams(n_ctx=1024, n_gpu_layers=999, flash_attn=True)
+    fin = with_drafting(on_engines(_fin(on_gpu), engines), (d, lookup))
+    assert [c.id for c in fin.finalists] == ["c0", "c0+draft", "c0+ngram", "c0@llama-server",
+                                             "c0@llama-server+draft", "c0@llama-server+ngram"]
+    served = {c.id: c for c in fin.finalists}
+    assert served["c0@llama-server+draft"].engine == "llama-server"
+    assert served["c0@llama-server+draft"].weights_bytes["CUDA0"] == 10**9 + draft_bytes(d, on_gpu)
+    assert [p.candidate_id for p in fin.predictions] == [c.id for c in fin.finalists]
