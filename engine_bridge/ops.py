@@ -12,17 +12,27 @@ Nothing here imports llama_cpp. The line format is :mod:`engine_bridge.protocol`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, NotRequired, TypedDict, TypeVar
+from pathlib import Path
+from typing import Annotated, Any, Generic, Literal, NotRequired, TypedDict, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from engine_bridge.drafting import Drafting
 from engine_bridge.gbnf import GrammarSpec
 from engine_bridge.params import EngineParams
 
 MAX_TOP_LOGPROBS = 20
+
+
+def _absolute(path: str) -> str:
+    """A model path as the caller meant it: workers run in another directory, so a relative path is made
+    absolute where the request is made (an absolute one is unchanged when the worker reads the request)."""
+    return str(Path(path).expanduser().absolute())
+
+
+ModelFile = Annotated[str, AfterValidator(_absolute)]
 
 
 class _Msg(BaseModel):
@@ -66,7 +76,7 @@ class DevicesResult(_Msg):
 
 # -- one model for measuring (load, then timed_run / greedy / logprobs / chat) ---------------------
 class LoadArgs(_Msg):
-    model: str
+    model: ModelFile
     params: EngineParams
     vocab_only: bool = Field(False, description="the vocabulary alone (tokenize/detokenize only; params ignored)")
 
@@ -141,7 +151,7 @@ class SpecGreedyArgs(_Msg):
 
     prompt: list[int] = Field(min_length=1)
     n_gen: int = Field(ge=1)
-    draft_model: str | None = Field(None, min_length=1, description=(
+    draft_model: ModelFile | None = Field(None, min_length=1, description=(
         "the draft's .gguf (loaded once, kept with the model)"))
     ngram: int = Field(0, ge=0, le=16, description="without a draft model: prompt lookup of this many tokens")
     n_draft: int = Field(4, ge=1, le=64, description="tokens the draft proposes per verification")
@@ -190,7 +200,7 @@ class ChatResult(_Open):
 
 # -- the serving engine (serve_load, then generate / cancel / serve_stats) --------------------------
 class ServeLoadArgs(_Msg):
-    model: str
+    model: ModelFile
     params: EngineParams
     park_bytes: int = Field(0, ge=0, description="host memory for parked conversations' KV cache")
     drafting: Drafting | None = Field(None, description="greedy requests are drafted this way (the plan's draft)")
@@ -289,7 +299,7 @@ class ServeStats(_Open):
 class RoutingRequest(_Msg):
     """Arguments of the worker op ``routing_counts``."""
 
-    model: str
+    model: ModelFile
     params: EngineParams
     prompts: tuple[tuple[int, ...], ...] = Field(min_length=1, description="token ids of each prompt")
     n_gen: int = Field(0, ge=0, description="greedy tokens decoded after each prompt, counted too")

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,6 +128,15 @@ def test_generate_through_the_worker(flux, tiny_moe: Path) -> None:
     assert "completion tokens" in chat.stdout
 
 
+def test_a_model_path_relative_to_where_the_user_stands(flux_env: dict[str, str], tiny_moe: Path,
+                                                         tmp_path: Path) -> None:
+    """The workers run in another directory: a relative path reaches them made absolute."""
+    shutil.copy(tiny_moe, tmp_path / "m.gguf")
+    out = subprocess.run([sys.executable, "-m", "flows", "generate", "m.gguf", "--prompt", "Hello", "-n", "4"],
+                         env=flux_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "4 tokens" in out.stdout, out.stderr
+
+
 def test_version_prints_build_id(flux) -> None:
     out = flux("version", "--json")
     assert out.returncode == 0, out.stderr
@@ -142,8 +154,11 @@ def test_bad_plan_flags_are_one_line(flux, tiny_moe: Path, flags: list[str], nee
     one_line_error(flux("plan", str(tiny_moe), *flags), needle)
 
 
-def test_synth_a_draft_and_its_acceptance(flux, tiny_moe: Path, tmp_path: Path) -> None:
-    r = flux("synth", "--draft-of", str(tiny_moe), "--layers", "1", "-o", str(tmp_path / "d.gguf"))
+def test_synth_a_draft_and_its_acceptance(flux, flux_env: dict[str, str], tiny_moe: Path, tmp_path: Path) -> None:
+    # paths relative to where the user stands (the workers that measure the acceptance run elsewhere)
+    shutil.copy(tiny_moe, tmp_path / "t.gguf")
+    r = subprocess.run([sys.executable, "-m", "flows", "synth", "--draft-of", "t.gguf", "--layers", "1", "-o", "d.gguf"],
+                       env=flux_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "the first 1 of 4 layers" in r.stdout and "acceptance: the draft's greedy token is the target's at" in r.stdout
     missing = flux("synth", "--draft-of", str(tmp_path / "nope.gguf"), "-o", str(tmp_path / "d2.gguf"))
