@@ -129,18 +129,25 @@ def drafted(ctx: PlanContext, hw: HardwareReport, fin: Finalists) -> Finalists:
     return with_drafting(on_engines(fin, ctx.engines), ctx.drafting, room, str(ctx.model))
 
 
-def drafting_that_won(summaries: Sequence[MeasureSummary]) -> list[MeasureSummary]:
+def drafting_that_won(summaries: Sequence[MeasureSummary],
+                      rows: Sequence[Mapping[str, object]] | None = None) -> list[MeasureSummary]:
     """``summaries`` without the drafting candidates that did not beat their placement: one whose draft proposed
     nothing (prompt lookup on prompts that never repeat: a CPU run chose `c028+ngram` at 4.73 s against its
-    placement's 4.74 s, a tie of noise with no token drafted), or whose median workload was not faster."""
+    placement's 4.74 s, a tie of noise with no token drafted), whose median workload was not faster, or, given
+    the measure stage's trial ``rows``, whose speedup's 95% interval over the paired rounds reaches 1 (a CPU run
+    chose prompt lookup at 1.00x [0.97, 1.00]: it drafted, and won nothing)."""
     by_id = {s.candidate_id: s for s in summaries}
 
     def won(s: MeasureSummary) -> bool:
         base = by_id.get(base_id(s.candidate_id))
         if s.candidate_id == base_id(s.candidate_id):
             return True
-        return bool(s.drafted and s.accepted and base is not None and base.workload_s is not None
-                    and s.workload_s is not None and s.workload_s < base.workload_s)
+        faster = bool(s.drafted and s.accepted and base is not None and base.workload_s is not None
+                      and s.workload_s is not None and s.workload_s < base.workload_s)
+        if not faster or rows is None or base is None:
+            return faster
+        ci = speedup_ci(_round_seconds(rows, base.candidate_id), _round_seconds(rows, s.candidate_id))
+        return ci is None or ci[0] > 1.0
 
     return [s for s in summaries if won(s)]
 
@@ -204,6 +211,7 @@ def speculation_notes(trials: Sequence[DraftTrial], winner: Candidate) -> list[s
         notes.append(f"speculation {t.candidate_id}: {acc}, {t.speedup:.2f}x {t.base_id}'s workload speed{ci}")
     if trials:
         notes.append(f"the plan drafts ({winner.draft.kind})" if winner.draft is not None else
-                     "the plan does not draft: no drafting candidate was the fastest that passed validation")
+                     "the plan does not draft: no drafting candidate was surely faster than its placement (its speedup's "
+            "interval above 1) and the fastest that passed validation")
     return notes
 

@@ -9,7 +9,7 @@ from typing import Any
 from artifacts.ids import content_id
 from artifacts.records.evidence import MeasureResults, ValidationReport
 from artifacts.records.hardware import HardwareReport
-from artifacts.records.kinds import VALIDATION
+from artifacts.records.kinds import TRIALS_RAW_TABLE, VALIDATION
 from artifacts.records.search import Finalists
 from tasks.engines import prefer
 from tasks.errors import NoMeasurement
@@ -28,7 +28,8 @@ def _key(ctx: PlanContext, hw: HardwareReport, fin: Finalists, measured: Measure
 def _run(ctx: PlanContext, log: Any, hw: HardwareReport, fin: Finalists, measured: MeasureResults,
          ref: ReferenceOutputs) -> ValidationReport:
     fin = drafted(ctx, hw, fin)
-    ok = prefer(rank_measured(drafting_that_won(measured.summaries), fin.finalists), fin, ctx.req.prefer_engine)
+    rows = ctx.store.get_table(TRIALS_RAW_TABLE, measured.trials_table).to_pylist() if ctx.drafting else None
+    ok = prefer(rank_measured(drafting_that_won(measured.summaries, rows), fin.finalists), fin, ctx.req.prefer_engine)
     if not ok:
         raise NoMeasurement("; ".join(f"{s.candidate_id}: {s.error}" for s in measured.summaries))
     by_id = {c.id: c for c in fin.finalists}

@@ -56,6 +56,18 @@ def test_a_drafting_candidate_counts_only_when_it_drafted_and_beat_its_placement
                              s("c030", 4.78), s("c030+draft", 3.10, 90, 80)])
     assert [x.candidate_id for x in got] == ["c028", "c030", "c030+draft"]
 
+    # given the trial rows, a drafting candidate faster by its median is kept only when every resample of its
+    # paired rounds is faster: prompt lookup at 1.00x [0.97, 1.00] (a CPU plan) drafted, and won nothing
+    def rows(cid: str, seconds: list[float]) -> list[dict[str, object]]:
+        return [{"candidate_id": cid, "round": r, "prompt_ms": 1e3 * t, "gen_ms": 0.0, "error": None}
+                for r, t in enumerate(seconds)]
+
+    summaries = [s("c028", 4.74), s("c028+ngram", 4.70, 90, 90), s("c030", 4.78), s("c030+draft", 3.10, 90, 80)]
+    trials = [*rows("c028", [4.74, 4.70, 4.80]), *rows("c028+ngram", [4.60, 4.70, 4.95]),
+              *rows("c030", [4.78, 4.70, 4.90]), *rows("c030+draft", [3.10, 3.30, 3.00])]
+    assert [x.candidate_id for x in drafting_that_won(summaries, trials)] == ["c028", "c030", "c030+draft"]
+    assert [x.candidate_id for x in drafting_that_won(summaries)] == [x.candidate_id for x in summaries]
+
 
 def test_next_token_heads_draft_on_llama_server_only(tmp_path: Path) -> None:
     """A model with a next-token (MTP) block gets an ``mtp`` drafting candidate when llama-server is among the
