@@ -22,7 +22,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from artifacts.records.search import Candidate
 from engine_bridge.params import EngineParams, TensorOverride
 from tasks.bench.context import BenchContext, Progress
-from tasks.bench.engines import EngineSpec, llama_cpp_python_defaults, other_engine, plan_engine, server_spec
+from tasks.bench.engines import (
+    EngineSpec,
+    llama_cpp_python_defaults,
+    no_drafting,
+    other_engine,
+    plan_engine,
+    server_spec,
+)
 from tasks.bench.host import load_avg
 from tasks.bench.record import BenchRun, SummaryRow
 from tasks.bench.registry import Suite
@@ -172,7 +179,7 @@ def bench_ablate(ctx: BenchContext, opts: AblateOptions, progress: Progress | No
         found[NO_SPEC] = "not chosen by the plan (it does not draft)"
     else:
         found[NO_SPEC] = ctx.params
-        specs.append(EngineSpec(name=NO_SPEC, kind="worker", params=ctx.params, note="the plan without drafting"))
+        specs.append(no_drafting(ctx, NO_SPEC))
     lengths = prompt_lengths(ctx.params.n_ctx, opts.n_gen, opts.prompts)
     common: dict[str, Any] = {"options": opts.model_dump(mode="json"), "prompt_lengths": lengths,
                               "load_avg_start": load_avg(), "plan_engine": plan_engine(ctx).note}

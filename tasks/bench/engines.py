@@ -135,28 +135,42 @@ def make_engine(spec: EngineSpec, ctx: BenchContext) -> Engine:
 
 
 def plan_engine(ctx: BenchContext) -> EngineSpec:
-    """The plan itself, through its engine (the native worker, or llama-server with the plan's flags)."""
-    if ctx.plan.engine is not None and ctx.plan.engine.kind == "llama-server":
-        return server_spec("plan", ctx.params)
+    """The plan itself, through its engine (the native worker, or llama-server with the plan's flags), drafting
+    as the plan drafts."""
     d = ctx.plan.candidate.draft
+    if ctx.plan.engine is not None and ctx.plan.engine.kind == "llama-server":
+        return server_spec("plan", ctx.params, d)
     return EngineSpec(name="plan", kind="worker", params=ctx.params, draft=d, note=" ".join(ctx.params.cli_args())
                       + (f" drafting {d.kind}" if d else ""))
 
 
-def server_spec(name: str, params: EngineParams) -> EngineSpec:
-    """llama-server with a placement's flags and environment (FLUX_MOE_SPLIT), as ``flux plan --engines`` starts it."""
+def server_spec(name: str, params: EngineParams, draft: Drafting | None = None) -> EngineSpec:
+    """llama-server with a placement's flags and environment (FLUX_MOE_SPLIT), as ``flux plan --engines`` starts it,
+    drafting as ``draft`` says."""
     args = [*params.cli_args(), "-np", str(params.n_seq_max)]
     args[args.index("-c") + 1] = str(params.n_ctx * params.n_seq_max)
+    args += draft.server_args(params) if draft is not None else []
     return EngineSpec(name=name, kind="llama-server", params=params, args=tuple(args), env=params.environment(),
                       note="llama-server " + " ".join(args))
 
 
 def other_engine(ctx: BenchContext, name: str = "other-engine") -> EngineSpec:
     """The plan's placement on the engine it was not planned for: llama-server for a native plan, the native
-    worker for a llama-server plan."""
+    worker for a llama-server plan; drafting as the plan does where that engine can (a next-token head drafts
+    on llama-server only)."""
+    d = ctx.plan.candidate.draft
     if ctx.plan.engine is not None and ctx.plan.engine.kind == "llama-server":
-        return EngineSpec(name=name, kind="worker", params=ctx.params, note="native worker, the plan's parameters")
-    return server_spec(name, ctx.params)
+        d = d if d is not None and d.kind != "mtp" else None
+        return EngineSpec(name=name, kind="worker", params=ctx.params, draft=d,
+                          note="native worker, the plan's parameters" + (f", drafting {d.kind}" if d else ""))
+    return server_spec(name, ctx.params, d)
+
+
+def no_drafting(ctx: BenchContext, name: str) -> EngineSpec:
+    """The plan's placement on its own engine without its drafting."""
+    if ctx.plan.engine is not None and ctx.plan.engine.kind == "llama-server":
+        return server_spec(name, ctx.params)
+    return EngineSpec(name=name, kind="worker", params=ctx.params, note="the plan without drafting")
 
 
 def llama_cpp_python_defaults(params: EngineParams, cpu_count: int | None = None) -> EngineParams:

@@ -112,3 +112,36 @@ def test_a_drafting_plan_races_its_placement_without_drafting(tmp_path_factory: 
     assert row.ratio_decode is not None and row.n_samples == 2, row
     assert row.metrics["changed"] == "drafting ngram -> none"
     assert not [r for r in run.raw.to_pylist() if r["error"]]
+
+
+def test_a_llama_server_plan_races_drafting_as_it_serves(tmp_path_factory: pytest.TempPathFactory,
+                                                         tiny_moe: Path) -> None:
+    """A plan won by llama-server drafting with a draft model is raced as it is served: llama-server with the
+    pin's drafter; `no-speculation` is llama-server without it, `other-engine` the native worker drafting alike."""
+    from artifacts.synth_draft import draft_twin
+    from engine_bridge.backend import llama_server_path
+    from engine_bridge.drafting import Drafting
+    from engine_bridge.engines.spec import EngineSpec as ServedBy
+    from tasks.bench.engines import no_drafting, other_engine, plan_engine
+
+    exe = llama_server_path(Path.home() / ".cache" / "flux")
+    if exe is None:
+        pytest.skip("llama-server is not built: run scripts/build-backend.sh")
+    d = tmp_path_factory.mktemp("bench-ablate-server-spec")
+    st, _ = bench_settings(d, session_cache(tmp_path_factory))
+    draft = Drafting(kind="model", model=str(draft_twin(tiny_moe, d / "draft.gguf", 1).path))
+    params = EngineParams(n_ctx=512, n_batch=512, n_ubatch=512, n_threads=1, n_threads_batch=1)
+    base = make_plan(st, tiny_moe, params=params)
+    plan = make_plan(st, tiny_moe, params=params, engine=ServedBy(name="llama-server", kind="llama-server",
+                                                                 command=(str(exe),)).model_dump(),
+                     candidate=base.candidate.model_copy(update={"id": "c000@llama-server+draft", "draft": draft,
+                                                                 "engine": "llama-server"}).model_dump())
+    ctx = open_bench(st, plan.id[:12])
+    served, plain, other = plan_engine(ctx), no_drafting(ctx, NO_SPEC), other_engine(ctx)
+    assert served.kind == plain.kind == "llama-server" and other.kind == "worker"
+    assert "-md" in served.args and "--spec-type" not in plain.args and other.draft == draft
+    run = bench_ablate(ctx, AblateOptions(rounds=2, prompts=1, n_gen=32))
+    row = {r.baseline: r for r in run.rows}[NO_SPEC]
+    assert row.ratio_decode is not None and row.n_samples == 2, row
+    assert row.metrics["changed"] == "drafting model -> none"
+    assert not [r for r in run.raw.to_pylist() if r["error"]]
