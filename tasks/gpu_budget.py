@@ -46,6 +46,20 @@ def check_gpu_budgets(info: ModelInfo, hw: HardwareReport, req: PlanRequest, n_c
             raise ImpossiblePlan(*problem)
 
 
+def budget_notes(hw: HardwareReport, req: PlanRequest) -> list[str]:
+    """A note when ``--gpu-mem-budget`` names more GPUs than llama.cpp sees here (none, on a machine without
+    one): those values are not used."""
+    budgets, n = req.gpu_mem_budget_gib or [], len(gpu_devices(hw))
+    if len(budgets) <= n or (n and len(budgets) == 1):
+        return []
+    given = ",".join(f"{b:g}" for b in budgets)
+    if not n:
+        return [f"--gpu-mem-budget {given}: llama.cpp sees no GPU on this machine, so the plan runs on the CPU "
+                "and the budget is not used"]
+    return [f"--gpu-mem-budget {given} names {len(budgets)} GPUs and llama.cpp sees {n}: only the first {n} "
+            "value(s) are used"]
+
+
 def gpu_limits(hw: HardwareReport, req: PlanRequest) -> list[int]:
     """Bytes each GPU llama.cpp sees may hold: its budget (``--gpu-mem-budget``), at most its free memory."""
     budgets = req.gpu_mem_budget_gib or []

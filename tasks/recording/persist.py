@@ -18,6 +18,7 @@ from engine_bridge.engines.spec import NATIVE
 from tasks import workload as wl
 from tasks.costmodel import all_gpu_decode, roofline_decode
 from tasks.engines import engine_notes, spec_of
+from tasks.gpu_budget import budget_notes
 from tasks.measurement.speculation import draft_trials, drafted, mtp_note, speculation_notes
 from tasks.persist import find_plan, persist, plan_notes
 from tasks.probing import probe as probe_stage
@@ -72,7 +73,8 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport, space: PlacementSpace, 
                    memory_limits=space.memory_limits, prefill_share=work.prefill_share,
                    notes=plan_notes(space, fin, measured, report) + rpc_notes(hw, winner) + engine_notes(
                        {s.candidate_id: s for s in measured.summaries}, ctx.engines, winner)
-                       + speculation_notes(drafts, winner) + (mtp_note(ctx.info.n_nextn_layers, ctx.req.engines) if ctx.req.speculation else []),
+                       + speculation_notes(drafts, winner) + (mtp_note(ctx.info.n_nextn_layers, ctx.req.engines) if ctx.req.speculation else [])
+                       + budget_notes(hw, ctx.req),
                    speculation=drafts,
                    engine=None if winner.engine == NATIVE else spec_of(ctx.engines, winner.engine),
                    stage_seconds=ctx.clock.record())

@@ -220,3 +220,20 @@ def test_no_recorded_finalist_broke_its_budget() -> None:
             assert sum(predicted_gpu_bytes(c, hw).values()) <= budgets[tag] * GIB  # type: ignore[arg-type]
             checked += 1
     assert checked >= 18
+
+
+def test_a_budget_for_gpus_llama_cpp_does_not_see_is_a_note() -> None:
+    """`--gpu-mem-budget` on a machine without a GPU, or naming more GPUs than llama.cpp sees: the plan says
+    the values were not used (the same command may run on several machines, so it is not refused)."""
+    from tasks.gpu_budget import budget_notes
+
+    cpu_only = h200_report(0)
+    assert budget_notes(cpu_only, PlanRequest(model="m")) == []
+    assert budget_notes(cpu_only, PlanRequest(model="m", gpu_mem_budget_gib=[4])) == [
+        "--gpu-mem-budget 4: llama.cpp sees no GPU on this machine, so the plan runs on the CPU and the budget is "
+        "not used"]
+    one = h200_report(1)
+    assert budget_notes(one, PlanRequest(model="m", gpu_mem_budget_gib=[12])) == []
+    assert budget_notes(one, PlanRequest(model="m", gpu_mem_budget_gib=[12, 8.5])) == [
+        "--gpu-mem-budget 12,8.5 names 2 GPUs and llama.cpp sees 1: only the first 1 value(s) are used"]
+    assert budget_notes(h200_report(2), PlanRequest(model="m", gpu_mem_budget_gib=[12])) == [], "the last repeats"
