@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, ReaderTensor
 from pydantic import BaseModel, ConfigDict
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -116,12 +116,7 @@ def draft_twin(target: Path, out: Path, n_layer: int, last: int = 0) -> DraftRes
             if int(m.group(1)) not in renumber:
                 continue
             name = f"blk.{renumber[int(m.group(1))]}.{name[m.end():]}"
-        qtype = GGMLQuantizationType(int(tensor.tensor_type))
-        data = np.asarray(tensor.data)  # float tensors in their numpy shape, quantized ones as rows of bytes
-        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            writer.add_tensor(name, data)
-        else:
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+        copy_tensor(writer, tensor, name)
         n += 1
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -129,3 +124,13 @@ def draft_twin(target: Path, out: Path, n_layer: int, last: int = 0) -> DraftRes
     writer.close()
     return DraftResult(path=out, target_layers=total, n_layer=n_layer, n_tensors=n, file_bytes=out.stat().st_size,
                        seconds=time.monotonic() - t0)
+
+
+def copy_tensor(writer: GGUFWriter, tensor: ReaderTensor, name: str) -> None:
+    """Add ``tensor``'s bytes to ``writer`` as ``name``, in its own type."""
+    qtype = GGMLQuantizationType(int(tensor.tensor_type))
+    data = np.asarray(tensor.data)  # float tensors in their numpy shape, quantized ones as rows of bytes
+    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        writer.add_tensor(name, data)
+    else:
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)

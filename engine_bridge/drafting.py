@@ -30,8 +30,9 @@ class Drafting(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     kind: DraftKind
-    model: str | None = Field(None, description="the draft model's .gguf (kind 'model')")
-    model_hash: str | None = Field(None, description="content hash of the draft model's file (kind 'model')")
+    model: str | None = Field(None, description=(
+        "the draft model's .gguf (kind 'model'), or next-token heads grafted onto the model (kind 'mtp')"))
+    model_hash: str | None = Field(None, description="content hash of that file")
     n_draft: int = Field(4, ge=1, le=32, description="tokens proposed per verification step")
     ngram: int = Field(3, ge=1, le=16, description="context tokens a lookup matches (kind 'ngram')")
 
@@ -44,14 +45,15 @@ class Drafting(BaseModel):
         """llama-server's flags for this drafting, the same drafting Flux's worker does: the draft model's greedy
         tokens (``--spec-type draft-simple``, every proposal kept whatever the draft's confidence, the whole
         draft on the GPU when ``target`` uses one), prompt lookup (``ngram-simple``: the ``n_draft`` tokens that
-        followed the context's last ``ngram`` tokens), or the model's own next-token (MTP) head (``draft-mtp``)."""
+        followed the context's last ``ngram`` tokens), or next-token (MTP) heads (``draft-mtp``: the model's own,
+        or ``model``'s grafted onto it)."""
         n = ["--spec-draft-n-max", str(self.n_draft)]
-        if self.kind == "mtp":
-            return ["--spec-type", "draft-mtp", *n]
+        gpu = ["-ngld", "all"] if target is not None and target.n_gpu_layers else []
+        if self.kind == "mtp":  # the model's own block, or one grafted from a file of its own
+            return ["--spec-type", "draft-mtp", *n, *(["-md", self.model, *gpu] if self.model else [])]
         if self.kind == "ngram":
             return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(self.ngram),
                     "--spec-ngram-simple-size-m", str(self.n_draft), "--spec-ngram-simple-min-hits", "1"]
-        gpu = ["-ngld", "all"] if target is not None and target.n_gpu_layers else []
         return ["--spec-type", "draft-simple", "-md", str(self.model), *n, "--spec-draft-p-min", "0", *gpu]
 
 

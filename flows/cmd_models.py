@@ -26,6 +26,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     what.add_argument("--draft-of", type=Path, metavar="TARGET.gguf",
                       help="write a draft model of TARGET (its first --layers layers, head and tokenizer) and "
                            "measure how often its greedy token is the target's")
+    what.add_argument("--heads-of", type=Path, metavar="MODEL.gguf",
+                      help="write MODEL's next-token (MTP) block alone, a sidecar that `flux plan --heads` grafts "
+                           "onto the model converted without it (llama-server -md FILE --spec-type draft-mtp)")
     p.add_argument("--layers", type=int, default=1, help="with --draft-of: the draft's layer count (default 1)")
     p.add_argument("--last", type=int, default=0, help=(
         "with --draft-of: how many of those layers are the model's last ones (the rest its first; default 0)"))
@@ -63,6 +66,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
     """Write a synthetic twin and report its size and speed (or a draft of a model and its acceptance)."""
     if args.draft_of is not None:
         return _draft(args)
+    if args.heads_of is not None:
+        return _heads(args)
     try:
         overrides = _overrides(args.overrides)
         if args.routing != "uniform":
@@ -73,6 +78,21 @@ def cmd_synth(args: argparse.Namespace) -> int:
     mb_s = res.file_bytes / 1e6 / max(res.seconds, 1e-9)
     console().print(f"wrote {res.path}: {args.like} {args.quant}, {res.n_tensors} tensors, "
                     f"{res.file_bytes / 1e9:.3f} GB in {res.seconds:.1f} s ({mb_s:,.0f} MB/s)")
+    return 0
+
+
+def _heads(args: argparse.Namespace) -> int:
+    from artifacts.synth_heads import heads_of
+
+    if not args.heads_of.is_file():
+        raise FluxError(f"flux synth --heads-of: {args.heads_of} is not a file; give a model's .gguf that has its "
+                        "next-token block")
+    try:
+        res = heads_of(args.heads_of, args.output)
+    except ValueError as exc:
+        raise FluxError(f"flux synth --heads-of: {exc}") from exc
+    console().print(f"wrote {res.path}: the next-token block of {args.heads_of.name} ({res.n_nextn_layers} "
+                    f"layer(s)), {res.n_tensors} tensors, {res.file_bytes / 1e6:.1f} MB in {res.seconds:.1f} s")
     return 0
 
 

@@ -86,8 +86,9 @@ def plan_request(settings: Settings, model: str | Path, *, request: type[PlanReq
         elif (setting := extra(info).get("setting")) is not None:
             values[name] = getattr(settings.plan, setting)
     values["model"] = str(Path(model).expanduser().resolve())
-    if isinstance(values.get("draft_model"), str | Path):
-        values["draft_model"] = str(Path(str(values["draft_model"])).expanduser().resolve())
+    for name in ("draft_model", "heads"):
+        if isinstance(values.get(name), str | Path):
+            values[name] = str(Path(str(values[name])).expanduser().resolve())
     rpc = values.get("rpc") or list(settings.rpc.servers) or None
     servers = list(parse_endpoints([str(e) for e in rpc])) if isinstance(rpc, list) else []
     values["rpc"] = servers or None
@@ -106,17 +107,31 @@ def plan_request(settings: Settings, model: str | Path, *, request: type[PlanReq
     engine_specs(settings, req)
     if req.draft_model is not None and not req.speculation:
         raise BadPlanFlag(f"--draft-model {req.draft_model}: drafting is measured with --speculation; add it")
+    if req.heads is not None and not req.speculation:
+        raise BadPlanFlag(f"--heads {req.heads}: drafting is measured with --speculation; add it")
+    if req.heads is not None and "llama-server" not in req.engines:
+        raise BadPlanFlag(f"--heads {req.heads}: next-token heads draft on llama-server only; add "
+                          f"--engines {','.join([*req.engines, 'llama-server'])}")
     return req
 
 
 def check_draft(req: PlanRequest) -> None:
-    """The draft model's checks that read files (before anything is measured).
+    """The draft model's and the grafted heads' checks that read files (before anything is measured).
 
     Raises:
-        BadPlanFlag: the draft is not a file, not a model, or has another vocabulary than the model's.
+        BadPlanFlag: the draft is not a file, not a model, or has another vocabulary than the model's; the heads
+            are not a file or do not fit the model (:func:`artifacts.synth_heads.heads_mismatch`).
     """
     from artifacts.synth_draft import vocabulary_mismatch
+    from artifacts.synth_heads import heads_mismatch
 
+    if req.heads is not None:
+        if not Path(req.heads).is_file():
+            raise BadPlanFlag(f"--heads {req.heads}: no such file; give the model's next-token block as a .gguf "
+                              "(e.g. `flux synth --heads-of MODEL_WITH_HEADS -o heads.gguf`)")
+        why = heads_mismatch(Path(req.model), Path(req.heads))
+        if why is not None:
+            raise BadPlanFlag(f"--heads {req.heads}: {why}")
     if req.draft_model is None:
         return
     if not Path(req.draft_model).is_file():

@@ -107,8 +107,10 @@ def _paired(plan: Plan) -> list[tuple[MeasureSummary, Prediction | None]]:
 def speculation_lines(plan: Plan) -> list[str]:
     """Each drafting candidate's acceptance and speed-up over its placement without drafting (--speculation)."""
     d = plan.candidate.draft
-    head = [f"drafting: {d.kind}" + (f" with {d.model}" if d.model else f", {d.ngram}-token lookup") +
-            f", {d.n_draft} tokens per step (greedy requests)"] if d is not None else []
+    how = ("" if d is None else f" with {d.model}" if d.kind == "model" else f", {d.ngram}-token lookup"
+           if d.kind == "ngram" else f" (next-token heads grafted from {d.model})" if d.model
+           else " (the model's own next-token heads)")
+    head = [f"drafting: {d.kind}{how}, {d.n_draft} tokens per step (greedy requests)"] if d is not None else []
     return head + [
         f"speculation {t.candidate_id}: acceptance {'?' if t.acceptance is None else f'{t.acceptance:.0%}'}, "
         f"speedup {'?' if t.speedup is None else f'{t.speedup:.2f}x'}"

@@ -57,10 +57,10 @@ def context(req: PlanRequest, settings: Settings, reprobe: bool = False) -> Plan
     for spec in engines:
         preflight(spec, Path(req.model), EngineParams(n_ctx=min(info.n_ctx_train or 512, 512)),
                   settings.logs_dir / "engines.log")
-    # and the draft model: it must share the model's vocabulary
+    # and the draft model and grafted heads: they must share the model's vocabulary (and the heads its shape)
     check_draft(req)
     drafting = drafting_for(req, model_hash([Path(req.draft_model)], settings.cache_dir) if req.draft_model else None,
-                            info.n_nextn_layers)
+                            info.n_nextn_layers, model_hash([Path(req.heads)], settings.cache_dir) if req.heads else None)
     mh = model_hash([Path(s) for s in info.shards], settings.cache_dir)
     return PlanContext(req=req, settings=settings, store=Store(settings.data_dir), info=info.model_copy(
         update={"content_hash": mh}), model_hash=mh, backend_build=build, facts=facts, code=code_id(),

@@ -72,7 +72,7 @@ def plan_key(model_hash: str, hw: HardwareReport, backend_build: str, req: PlanR
     for name in ("host_mem_budget_gib", "rpc", "rpc_mem_budget_gib", "prefer_engine"):  # unset: plans saved before them still match
         if flags.get(name) is None:
             flags.pop(name, None)
-    for name, default in (("speculation", False), ("draft_model", None)):  # plans saved before them still match
+    for name, default in (("speculation", False), ("draft_model", None), ("heads", None)):  # saved before them: match
         if flags.get(name, default) == default:
             flags.pop(name, None)
     if flags.get("engines") in (None, ["native"]):  # the default: plans saved before engines were a flag still match

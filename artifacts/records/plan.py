@@ -60,11 +60,14 @@ class PlanRequest(Record):
         "serve on this engine (one of --engines) when one of its finalists passes validation, even where another "
         "engine measured faster (its features, say); every engine is still measured and recorded"))
     speculation: bool = Field(False, description=(
-        "also measure drafting (speculative decoding of greedy requests): with --draft-model, and by prompt "
-        "lookup for the agent workload; kept only when faster. Models with next-token (MTP) heads are measured "
-        "without them"))
+        "also measure drafting (speculative decoding of greedy requests): with --draft-model, by prompt lookup "
+        "for the agent workload, and with the model's next-token (MTP) heads (its own, or --heads) on "
+        "llama-server; kept only when faster"))
     draft_model: str | None = Field(None, description=(
         "with --speculation: a draft model (.gguf) sharing the model's vocabulary, e.g. `flux synth --draft-of`"))
+    heads: str | None = Field(None, description=(
+        "with --speculation and llama-server among --engines: next-token (MTP) heads (.gguf) grafted onto a model "
+        "converted without them, e.g. `flux synth --heads-of`"))
     replan: bool = Field(False, exclude=True, description="measure again even if a matching plan exists")
     reprobe: bool = Field(False, exclude=True, description="measure the hardware again")
     finalists: int = Field(6, ge=1, json_schema_extra={"flag": None, "setting": "finalists"})

@@ -43,9 +43,11 @@ DRAFT_COMPUTE_BYTES = 256 * 2**20  # a draft model's compute buffer on the GPU (
 BOOTSTRAP = 2000
 
 
-def drafting_for(req: PlanRequest, draft_hash: str | None, n_nextn_layers: int = 0) -> tuple[Drafting, ...]:
+def drafting_for(req: PlanRequest, draft_hash: str | None, n_nextn_layers: int = 0,
+                 heads_hash: str | None = None) -> tuple[Drafting, ...]:
     """The ways ``req`` asks drafting to be measured: its draft model, prompt lookup for the agent workload, and
-    the model's next-token heads (``n_nextn_layers``) when llama-server is among the engines."""
+    next-token heads when llama-server is among the engines: the model's own (``n_nextn_layers``) or those
+    ``--heads`` grafts onto it."""
     if not req.speculation:
         return ()
     out = []
@@ -53,7 +55,9 @@ def drafting_for(req: PlanRequest, draft_hash: str | None, n_nextn_layers: int =
         out.append(Drafting(kind="model", model=req.draft_model, model_hash=draft_hash))
     if req.workload == "agent":
         out.append(Drafting(kind="ngram"))
-    if n_nextn_layers and LLAMA_SERVER in req.engines:
+    if LLAMA_SERVER in req.engines and req.heads is not None:
+        out.append(Drafting(kind="mtp", n_draft=MTP_DRAFT, model=req.heads, model_hash=heads_hash))
+    elif n_nextn_layers and LLAMA_SERVER in req.engines:
         out.append(Drafting(kind="mtp", n_draft=MTP_DRAFT))
     return tuple(out)
 
@@ -78,8 +82,9 @@ def draft_bytes(d: Drafting, target: EngineParams, model: str | None = None) -> 
     buffer. 0 for prompt lookup and for a target on the CPU."""
     if not target.n_gpu_layers or d.kind == "ngram":
         return 0
-    if d.kind == "mtp":  # the next-token block, loaded with the model for llama-server's MTP context
-        return (mtp_block_bytes(Path(model)) if model else 0) + DRAFT_COMPUTE_BYTES
+    if d.kind == "mtp":  # the next-token block, loaded with the model (or grafted) for llama-server's MTP context
+        block = Path(d.model).stat().st_size if d.model else mtp_block_bytes(Path(model)) if model else 0
+        return block + DRAFT_COMPUTE_BYTES
     if d.model is None:
         return 0
     info = model_info(Path(d.model))

@@ -30,8 +30,10 @@ from tasks.stage import PlanContext, Stage
 
 def _plan_key(ctx: PlanContext, hw: HardwareReport, routing: str | None) -> dict[str, Any]:
     key = plan_key(ctx.model_hash, hw, ctx.backend_build, ctx.req, ctx.settings_view(), routing, ctx.code)
-    drafts = [d.model_hash for d in ctx.drafting if d.model_hash]
-    return {**key, "draft_model_hash": drafts[0]} if drafts else key  # the draft's bytes, not only its path
+    drafts = [d.model_hash for d in ctx.drafting if d.model_hash and d.kind == "model"]
+    heads = [d.model_hash for d in ctx.drafting if d.model_hash and d.kind == "mtp"]
+    # the draft's (the grafted heads') bytes, not only its path
+    return {**key, **({"draft_model_hash": drafts[0]} if drafts else {}), **({"heads_hash": heads[0]} if heads else {})}
 
 
 def existing_plan(ctx: PlanContext) -> str | None:

@@ -146,3 +146,49 @@ def test_a_plan_on_two_engines_measures_drafting_on_both(tmp_path: Path, tiny_mo
     assert served["acceptance"] is not None and served["acceptance"] > 0.5, served  # the 1-layer draft agrees
     measured = {s["candidate_id"]: s for s in plan["finalists"]}
     assert measured[served["candidate_id"]]["drafted"] > 0, measured[served["candidate_id"]]
+
+
+def test_a_plan_grafts_next_token_heads_onto_a_model_without_them(tmp_path: Path) -> None:
+    """`flux plan --speculation --heads H --engines native,llama-server` of a qwen35moe twin converted without
+    its block, H its block alone (`flux synth --heads-of`): the best llama-server placement drafts with the
+    grafted heads (`+mtp`), keeping what the block proposes; `flux show` names the file; its hash is in the key."""
+    from artifacts.synth_heads import heads_of
+
+    env = _env(tmp_path)
+    trunk = synthesize("tiny-qwen35moe", tmp_path / "trunk.gguf").path
+    heads = heads_of(synthesize("tiny-qwen35moe", tmp_path / "mtp.gguf", overrides={"n_mtp": "1"}).path,
+                     tmp_path / "heads.gguf").path
+    planned = _flux(env, "plan", str(trunk), "--ctx", "512", "--speculation", "--heads", str(heads),
+                    "--engines", "native,llama-server", "--budget-s", "300")
+    assert planned.returncode == 0, planned.stderr[-4000:]
+    plan_id = planned.stdout.strip().splitlines()[-1]
+    plan = json.loads(_flux(env, "show", plan_id[:12], "--json").stdout)
+    (trial,) = [t for t in plan["speculation"] if t["kind"] == "mtp"]
+    assert trial["candidate_id"].endswith("@llama-server+mtp"), plan["speculation"]
+    assert trial["acceptance"] is not None and trial["acceptance"] >= 0.9 and trial["speedup"] > 0, trial
+    stored = Plan.model_validate(plan)
+    assert stored.key.get("heads_hash"), stored.key
+    if stored.candidate.draft is not None and stored.candidate.draft.kind == "mtp":
+        assert "grafted from" in _flux(env, "show", plan_id[:12]).stdout
+
+
+@pytest.mark.parametrize("case", ["no-speculation", "no-llama-server", "own-heads", "other-model"])
+def test_heads_that_cannot_draft_are_one_line_exit_2_and_no_plan(tmp_path: Path, tiny_moe: Path, case: str) -> None:
+    from artifacts.synth_heads import heads_of
+
+    env = _env(tmp_path)
+    trunk = synthesize("tiny-qwen35moe", tmp_path / "trunk.gguf").path
+    mtp = synthesize("tiny-qwen35moe", tmp_path / "mtp.gguf", overrides={"n_mtp": "1"}).path
+    heads = heads_of(mtp, tmp_path / "heads.gguf").path
+    model, args, says = {
+        "no-speculation": (trunk, ("--heads", str(heads), "--engines", "native,llama-server"), "add it"),
+        "no-llama-server": (trunk, ("--speculation", "--heads", str(heads)), "--engines native,llama-server"),
+        "own-heads": (mtp, ("--speculation", "--heads", str(heads), "--engines", "native,llama-server"),
+                      "the model has its own next-token block"),
+        "other-model": (tiny_moe, ("--speculation", "--heads", str(heads), "--engines", "native,llama-server"),
+                        "its architecture is qwen35moe, the model's qwen3moe"),
+    }[case]
+    out = _flux(env, "plan", str(model), *args, "--budget-s", "5", timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not Records.at(env.settings.data_dir).all(PLAN), "a refused request saved a plan"
