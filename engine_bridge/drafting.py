@@ -2,10 +2,10 @@
 
 A :class:`Drafting` says how a plan drafts tokens for greedy decoding: ``model`` (a separate draft model sharing
 the target's vocabulary), ``ngram`` (prompt lookup: the tokens that followed the last time the context's last
-``ngram`` tokens appeared) or ``mtp`` (the model's own next-token head, on llama-server only); the first two
-run in Flux's worker and on llama-server alike (:meth:`Drafting.server_args`). The target
-verifies every proposal, so the output is its greedy output either way; drafting only changes how many target
-steps it takes.
+``ngram`` tokens appeared) or ``mtp`` (next-token heads, the model's own or grafted from a file of their own:
+on llama-server only); the first two run in Flux's worker and on llama-server alike
+(:meth:`Drafting.server_args`). The target verifies every proposal, so the output is its greedy output either
+way; drafting only changes how many target steps it takes.
 
 The pinned llama.cpp has n-gram drafting only in its ``common`` library (``common/ngram-*.cpp``,
 ``common/speculative.cpp``), which llama-server uses and llama-cpp-python does not bind; :func:`ngram_proposals`
