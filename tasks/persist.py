@@ -61,9 +61,10 @@ def decode_by_depth(trials: pa.Table, candidate_id: str) -> list[tuple[int, floa
 
 
 def plan_notes(space: PlacementSpace, finalists: Finalists, measured: MeasureResults,
-               validation: ValidationReport) -> list[str]:
+               validation: ValidationReport, prefer_engine: str | None = None) -> list[str]:
     """What a reader of the plan should know about its choice: the context it holds and why, a winner that
-    is slower on a displayed speed than another finalist, a measurement the budget cut short."""
+    is slower on a displayed speed than another finalist (and why: validation, ``--prefer-engine``, drafting
+    that was not surely faster, or the whole workload's time), a measurement the budget cut short."""
     by_id = {c.id: c for c in finalists.finalists}
     sums = {s.candidate_id: s for s in measured.summaries}
     win, win_s = by_id[validation.winner_id], sums[validation.winner_id]
@@ -83,7 +84,13 @@ def plan_notes(space: PlacementSpace, finalists: Finalists, measured: MeasureRes
             continue
         if s.prefill_tps > win_s.prefill_tps and s.decode_tps > win_s.decode_tps:
             checked = next((r for r in validation.results if r.candidate_id == s.candidate_id), None)
+            other = by_id[s.candidate_id]
+            faster = (s.workload_s or 0) < (win_s.workload_s or 0)
             why = ("it failed validation: " + checked.reason) if checked and not checked.passed else (
+                f"--prefer-engine {prefer_engine} serves the plan on {prefer_engine}"
+                if prefer_engine and win.engine == prefer_engine and other.engine != prefer_engine else
+                "its drafting was not surely faster than its placement (the speedup's 95% interval reaches 1)"
+                if other.draft is not None and faster else
                 f"its workload took {s.workload_s or 0:.2f} s vs {win_s.workload_s or 0:.2f} s (speeds are medians "
                 "over rounds; the ranking is the whole round's time)")
             notes.append(f"{s.candidate_id} prefilled and decoded faster ({s.prefill_tps:.1f} / {s.decode_tps:.1f} "

@@ -73,7 +73,7 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport, space: PlacementSpace, 
                    roofline_decode_tps=roofline_decode(ctx.info, hw, winner),
                    all_gpu_decode=all_gpu_decode(hw),
                    memory_limits=space.memory_limits, prefill_share=work.prefill_share,
-                   notes=plan_notes(space, fin, measured, report) + rpc_notes(hw, winner) + engine_notes(
+                   notes=plan_notes(space, fin, measured, report, ctx.req.prefer_engine) + rpc_notes(hw, winner) + engine_notes(
                        {s.candidate_id: s for s in measured.summaries}, ctx.engines, winner)
                        + speculation_notes(drafts, winner) + (mtp_note(ctx.info.n_nextn_layers, ctx.req.engines) if ctx.req.speculation else [])
                        + budget_notes(hw, ctx.req),

@@ -58,6 +58,9 @@ def test_a_plan_over_two_engines_is_served_through_llama_server(tmp_path: Path, 
     assert any("@llama-server" in c for c in measured) and any("@" not in c for c in measured), measured
     assert plan["validation"]["passed"] and plan["validation"]["n_tokens"] > 0
     assert any(n.startswith("engines on placement") for n in plan["notes"]), plan["notes"]
+    passed_over = [n for n in plan["notes"] if "but was not chosen" in n and "@" not in n.split()[0]]
+    assert all(n.endswith("--prefer-engine llama-server serves the plan on llama-server") for n in passed_over), \
+        passed_over  # a faster native finalist was passed over for the engine asked for, not for its workload
 
     server = start_server(env, plan_id)
     try:
