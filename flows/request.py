@@ -125,21 +125,20 @@ def check_draft(req: PlanRequest) -> None:
     from artifacts.synth_draft import vocabulary_mismatch
     from artifacts.synth_heads import heads_mismatch
 
-    if req.heads is not None:
-        if not Path(req.heads).is_file():
-            raise BadPlanFlag(f"--heads {req.heads}: no such file; give the model's next-token block as a .gguf "
-                              "(e.g. `flux synth --heads-of MODEL_WITH_HEADS -o heads.gguf`)")
-        why = heads_mismatch(Path(req.model), Path(req.heads))
+    checks = (("--heads", req.heads, heads_mismatch, "",
+               "give the model's next-token block as a .gguf (e.g. `flux synth --heads-of MODEL_WITH_HEADS -o "
+               "heads.gguf`)"),
+              ("--draft-model", req.draft_model, vocabulary_mismatch, "; a draft must share the model's tokenizer",
+               "give a .gguf sharing the model's vocabulary (e.g. `flux synth --draft-of MODEL --layers 1 -o "
+               "draft.gguf`)"))
+    for flag, path, mismatch, then, fix in checks:
+        if path is None:
+            continue
+        if not Path(path).is_file():
+            raise BadPlanFlag(f"{flag} {path}: no such file; {fix}")
+        why = mismatch(Path(req.model), Path(path))
         if why is not None:
-            raise BadPlanFlag(f"--heads {req.heads}: {why}")
-    if req.draft_model is None:
-        return
-    if not Path(req.draft_model).is_file():
-        raise BadPlanFlag(f"--draft-model {req.draft_model}: no such file; give a .gguf sharing the model's "
-                          "vocabulary (e.g. `flux synth --draft-of MODEL --layers 1 -o draft.gguf`)")
-    why = vocabulary_mismatch(Path(req.model), Path(req.draft_model))
-    if why is not None:
-        raise BadPlanFlag(f"--draft-model {req.draft_model}: {why}; a draft must share the model's tokenizer")
+            raise BadPlanFlag(f"{flag} {path}: {why}{then}")
 
 
 def engine_specs(settings: Settings, req: PlanRequest) -> list[EngineSpec]:
