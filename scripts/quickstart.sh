@@ -5,8 +5,7 @@
 #   scripts/quickstart.sh [model.gguf] [flux plan flags...]
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
-bash scripts/install.sh
+(cd "$ROOT" && bash scripts/install.sh)   # flux then runs where the user stands: a relative model path holds
 export DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
 if [ $# -eq 0 ]; then set -- --budget-s 120; fi
 PLAN=$(flux plan "$@" | tail -n 1)   # the plan id is the last line on stdout
