@@ -59,9 +59,12 @@ def items(info: ModelInfo) -> list[Item]:
 # the host makes every token's logits a CPU matmul, so it goes to a GPU first.
 HEAD_PRIORITY = 2.0
 # Many near-equal items make proving optimality slow (10 s limits were hit with one GPU and a mixed
-# workload); the best solution found in a few seconds is within 1% of the bound and the measure stage
-# decides between candidates anyway.
-MILP_TIME_LIMIT_S = 3.0
+# workload); HiGHS finds its best solution in well under a second and spends the rest proving it: on the
+# recorded qwen3-30b-a3b twin at 6-16 GiB and three workload mixes, 0.5 s gave the objective of a 3 s solve in
+# 14 of 15 cases and 0.09% short of it in the last, and the same on 2 and 4 GPUs, where 3 s made enumerating
+# a first plan's placements take 9 s on the 2-core CPU (10-18 s on the H200's host). The measure stage decides
+# between candidates anyway.
+MILP_TIME_LIMIT_S = 0.5
 
 
 def select(info: ModelInfo, budgets: list[int], prefill_weight: float = 0.5,
