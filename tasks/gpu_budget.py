@@ -50,7 +50,7 @@ def budget_notes(hw: HardwareReport, req: PlanRequest) -> list[str]:
     """A note when ``--gpu-mem-budget`` names more GPUs than llama.cpp sees here (none, on a machine without
     one): those values are not used."""
     budgets, n = req.gpu_mem_budget_gib or [], len(gpu_devices(hw))
-    if len(budgets) <= n or (n and len(budgets) == 1):
+    if len(budgets) <= n:
         return []
     given = ",".join(f"{b:g}" for b in budgets)
     if not n:
