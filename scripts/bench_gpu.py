@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """GPU benchmark record, on the path a user runs: `flux plan` → the persisted plan → `flux serve` / `flux bench`.
 
-For each ``MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD][+spec|+draftK][%PLAN_S]`` pair (:mod:`tasks.bench.gpu_pairs`:
-GiB per GPU, 0 = the whole cards; CTX = ``--ctx``, else the model's trained context; WORKLOAD = ``flux plan
---workload``, agent unless given; ``+spec``: ``--speculation``, ``+draftK``: also ``--draft-model`` of a draft twin
-of the model's first K layers; ``%PLAN_S``: this pair's ``--budget-s``):
+For each ``MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD][+spec|+draftK|+heads][%PLAN_S]`` pair
+(:mod:`tasks.bench.gpu_pairs`: GiB per GPU, 0 = the whole cards; CTX = ``--ctx``, else the model's trained context;
+WORKLOAD = ``flux plan --workload``, agent unless given; ``+spec``: ``--speculation``, ``+draftK``: also
+``--draft-model`` of a draft twin of the model's first K layers, ``+heads``: also ``--heads``, the twin's
+next-token block grafted on llama-server; ``%PLAN_S``: this pair's ``--budget-s``):
 
 1. ``flux plan <twin> --gpu-mem-budget BUDGET [--ctx CTX] --budget-s S`` — the Prefect flow with its store,
    exactly as a user runs it; the plan id it prints is the plan raced below, and its wall time is
@@ -99,6 +100,27 @@ def draft_twin(model: Path, layers: int, out: Path) -> Path:
                     out=out, name=f"synth-{path.stem}")
         if proc.returncode != 0:
             raise SystemExit(f"flux synth --draft-of failed: {proc.stderr[-500:]}")
+    return path
+
+
+def heads_twin(model: Path, preset: str, routing: str, extra: list[str], out: Path) -> Path:
+    """The twin's next-token block alone (``flux synth --heads-of``), written once: from the same twin synthesized
+    with its block (``--set n_mtp=1``, the trunk's bytes unchanged), which is deleted after (it is the size of the
+    model, in /dev/shm)."""
+    stem = model.name.removesuffix("-Q4_0.gguf")
+    path = model.with_name(f"{stem}-heads-Q4_0.gguf")
+    if path.exists():
+        return path
+    whole = model.with_name(f"{stem}-mtp-Q4_0.gguf")
+    steps = (("synth", "--like", preset, "--quant", "Q4_0", "--routing", routing, "--set", "n_mtp=1", "-o",
+              str(whole), *extra), ("synth", "--heads-of", str(whole), "-o", str(path)))
+    try:
+        for i, step in enumerate(steps):
+            proc = flux(*step, out=out, name=f"synth-{stem}-{('mtp', 'heads')[i]}")
+            if proc.returncode != 0:
+                raise SystemExit(f"flux {' '.join(step[:2])} failed: {proc.stderr[-500:]}")
+    finally:
+        whole.unlink(missing_ok=True)
     return path
 
 
@@ -339,12 +361,12 @@ def race_depths(args: argparse.Namespace, tag: str, plan_id: str) -> None:
     write_rows(rows, args.out / DEPTHS)
 
 
-def plan(args: argparse.Namespace, pair: Pair, model: Path, draft: Path | None
+def plan(args: argparse.Namespace, pair: Pair, model: Path, draft: Path | None, heads: Path | None = None
          ) -> tuple[subprocess.CompletedProcess[str], float, dict[str, Any]]:
     """``flux plan`` for the pair; refused for its budget ("use --budget-s N or more") and without ``--no-retry``,
     once more at N, the stages before measuring reused from the refusal. Returns the last run, its wall seconds
     and, after a refusal, ``plan_refused_s`` (the refused run's seconds) and ``plan_budget_s_used``."""
-    args_ = pair.plan_args(model, draft, args.plan_budget_s)
+    args_ = pair.plan_args(model, draft, args.plan_budget_s, heads)
     t0 = time.monotonic()
     proc = flux(*args_, out=args.out, name=f"plan-{pair.tag}")
     plan_s = time.monotonic() - t0
@@ -354,7 +376,7 @@ def plan(args: argparse.Namespace, pair: Pair, model: Path, draft: Path | None
     log(f"{pair.tag}: refused at its budget after {plan_s:.0f} s; planning again at --budget-s {need}")
     (args.out / f"plan-{pair.tag}.log").rename(args.out / f"plan-{pair.tag}-refused.log")
     t1 = time.monotonic()
-    proc = flux(*pair.model_copy(update={"plan_budget_s": need}).plan_args(model, draft, None), out=args.out,
+    proc = flux(*pair.model_copy(update={"plan_budget_s": need}).plan_args(model, draft, None, heads), out=args.out,
                 name=f"plan-{pair.tag}")
     return proc, time.monotonic() - t1, {"plan_refused_s": plan_s, "plan_budget_s_used": need}
 
@@ -399,7 +421,8 @@ def main() -> int:
         preset, routing, budget, tag = pair.preset, pair.routing, pair.budget_gib, pair.tag
         model = twin(args.model_dir, preset, routing, args.synth.split(), args.out)
         draft = draft_twin(model, pair.draft_layers, args.out) if pair.draft_layers else None
-        proc, plan_s, refused = plan(args, pair, model, draft)
+        heads = heads_twin(model, preset, routing, args.synth.split(), args.out) if pair.heads else None
+        proc, plan_s, refused = plan(args, pair, model, draft, heads)
         if proc.returncode != 0:
             log(f"{tag}: flux plan failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
             write_rows([{"run": args.run, "model": preset, "routing": routing, "budget_gib": budget, "plan_s": plan_s,

@@ -1,10 +1,11 @@
 """The GPU record's pairs (``scripts/bench_gpu.py --pairs``): what to plan, and how to ask ``flux plan`` for it.
 
-    MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD][+spec|+draftK][%PLAN_S]
+    MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD][+spec|+draftK|+heads][%PLAN_S]
 
 BUDGET is GiB per GPU (0: the whole cards), CTX ``flux plan --ctx`` (else the model's trained context), WORKLOAD
 ``--workload`` (agent unless given), ``+spec`` ``--speculation``, ``+draftK`` also ``--draft-model`` of a draft twin
-of the model's first K layers, ``%PLAN_S`` this pair's ``--budget-s`` (else the run's ``--plan-budget-s``). A
+of the model's first K layers, ``+heads`` also ``--heads`` (the twin's next-token block, grafted by llama-server:
+``--engines native,llama-server``), ``%PLAN_S`` this pair's ``--budget-s`` (else the run's ``--plan-budget-s``). A
 plan refused for its budget names the budget that can work (:func:`refused_budget`): the script plans again at it.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-_DRAFTING = re.compile(r"^(spec|draft(\d+))$")
+_DRAFTING = re.compile(r"^(spec|heads|draft(\d+))$")
 _REFUSED = re.compile(r"use --budget-s (\d+) or more")
 
 
@@ -30,6 +31,7 @@ class Pair(BaseModel):
     workload: str = ""
     draft_layers: int | None = None
     speculation: bool = False
+    heads: bool = False
     plan_budget_s: float | None = None
 
     @property
@@ -37,30 +39,33 @@ class Pair(BaseModel):
         """The pair's name in the run's file names."""
         return (f"{self.preset}-{self.routing}-{self.budget_gib:g}" + (f"@{self.ctx}" if self.ctx else "")
                 + (f"-{self.workload}" if self.workload else "")
-                + (f"+draft{self.draft_layers}" if self.draft_layers else "+spec" if self.speculation else ""))
+                + (f"+draft{self.draft_layers}" if self.draft_layers else "+heads" if self.heads
+                   else "+spec" if self.speculation else ""))
 
-    def plan_args(self, model: Path, draft: Path | None, budget_s: float | None) -> list[str]:
+    def plan_args(self, model: Path, draft: Path | None, budget_s: float | None, heads: Path | None = None) -> list[str]:
         """``flux plan`` for this pair: the twin, its budgets, context, workload and drafting."""
         budget_s = self.plan_budget_s or budget_s
         return ["plan", str(model), *(["--gpu-mem-budget", f"{self.budget_gib:g}"] if self.budget_gib else []),
                 *(["--ctx", str(self.ctx)] if self.ctx else []), *(["--workload", self.workload] if self.workload else []),
                 *(["--budget-s", f"{budget_s:g}"] if budget_s else []),
-                *(["--speculation"] if self.speculation else []), *(["--draft-model", str(draft)] if draft else [])]
+                *(["--speculation"] if self.speculation else []), *(["--draft-model", str(draft)] if draft else []),
+                *(["--heads", str(heads), "--engines", "native,llama-server"] if heads else [])]
 
 
-def split_drafting(text: str) -> tuple[str, int | None, bool]:
-    """``PAIR[+spec|+draftK]`` → (pair, draft layers or None, speculation asked for)."""
+def split_drafting(text: str) -> tuple[str, int | None, bool, bool]:
+    """``PAIR[+spec|+draftK|+heads]`` → (pair, draft layers or None, speculation asked for, grafted heads)."""
     pair, plus, drafting = text.partition("+")
     if not plus:
-        return pair, None, False
+        return pair, None, False, False
     m = _DRAFTING.match(drafting)
     if m is None:
-        raise ValueError(f"--pairs {text!r}: after '+' give spec (flux plan --speculation) or draftK (a draft twin "
-                         "of the model's first K layers, e.g. llama3-8b:0~chat+draft2)")
+        raise ValueError(f"--pairs {text!r}: after '+' give spec (flux plan --speculation), draftK (a draft twin "
+                         "of the model's first K layers, e.g. llama3-8b:0~chat+draft2) or heads (the twin's "
+                         "next-token block grafted on llama-server)")
     layers = int(m.group(2)) if m.group(2) else None
     if layers is not None and layers < 1:
         raise ValueError(f"--pairs {text!r}: a draft twin needs at least one layer (draft1, draft2, ...)")
-    return pair, layers, True
+    return pair, layers, True, drafting == "heads"
 
 
 def parse_pair(text: str) -> Pair:
@@ -70,7 +75,7 @@ def parse_pair(text: str) -> Pair:
         plan_budget = float(plan_s) if pct else None
     except ValueError:
         raise ValueError(f"--pairs {text!r}: after '%' give the pair's flux plan --budget-s in seconds, e.g. %300") from None
-    rest, layers, spec = split_drafting(rest)
+    rest, layers, spec, heads = split_drafting(rest)
     rest, _, workload = rest.partition("~")
     if workload not in ("", "agent", "chat"):
         raise ValueError(f"--pairs {text!r}: the workload must be agent or chat (flux plan --workload)")
@@ -82,7 +87,7 @@ def parse_pair(text: str) -> Pair:
     try:
         return Pair(preset=preset, routing=routing or "uniform", budget_gib=float(budget or 0),
                     ctx=int(ctx) if ctx else None, workload=workload, draft_layers=layers, speculation=spec,
-                    plan_budget_s=plan_budget)
+                    heads=heads, plan_budget_s=plan_budget)
     except ValueError:
         raise ValueError(f"--pairs {text!r}: expected MODEL[/ROUTING]:BUDGET[@CTX], e.g. qwen3-30b-a3b/skewed:12@8192") from None
 

@@ -1,4 +1,4 @@
-"""The GPU record's pairs (scripts/bench_gpu.py --pairs): MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD][+spec|+draftK][%S]."""
+"""The GPU record's pairs (scripts/bench_gpu.py --pairs): MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD][+spec|+draftK|+heads][%S]."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ RUN17 = Path(__file__).resolve().parents[3] / "docs" / "benchmarks" / "h200" / "
 
 
 @pytest.mark.parametrize(("text", "want"), [
-    ("llama3-8b:0~chat", ("llama3-8b:0~chat", None, False)),
-    ("qwen3-30b-a3b/skewed:12+spec", ("qwen3-30b-a3b/skewed:12", None, True)),
-    ("llama3-8b:0@8192~chat+draft2", ("llama3-8b:0@8192~chat", 2, True)),
+    ("llama3-8b:0~chat", ("llama3-8b:0~chat", None, False, False)),
+    ("qwen3-30b-a3b/skewed:12+spec", ("qwen3-30b-a3b/skewed:12", None, True, False)),
+    ("llama3-8b:0@8192~chat+draft2", ("llama3-8b:0@8192~chat", 2, True, False)),
+    ("qwen3.6-35b-a3b/skewed:12~chat+heads", ("qwen3.6-35b-a3b/skewed:12~chat", None, True, True)),
 ])
-def test_a_pair_names_its_drafting(text: str, want: tuple[str, int | None, bool]) -> None:
+def test_a_pair_names_its_drafting(text: str, want: tuple[str, int | None, bool, bool]) -> None:
     assert split_drafting(text) == want
 
 
@@ -41,6 +42,11 @@ def test_a_pair_becomes_its_flux_plan_command() -> None:
     assert whole.tag == "llama3-8b-uniform-0-chat+draft2"
     assert whole.plan_args(model, Path("/m/d.gguf"), 150) == [
         "plan", "/m/q.gguf", "--workload", "chat", "--budget-s", "150", "--speculation", "--draft-model", "/m/d.gguf"]
+    grafted = parse_pair("qwen3.6-35b-a3b/skewed:12~chat+heads%330")
+    assert grafted.tag == "qwen3.6-35b-a3b-skewed-12-chat+heads"
+    assert grafted.plan_args(model, None, 150, Path("/m/h.gguf")) == [
+        "plan", "/m/q.gguf", "--gpu-mem-budget", "12", "--workload", "chat", "--budget-s", "330", "--speculation",
+        "--heads", "/m/h.gguf", "--engines", "native,llama-server"]
 
 
 def test_a_refusal_names_the_budget_to_plan_again_at() -> None:
