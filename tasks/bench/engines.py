@@ -157,13 +157,14 @@ def server_spec(name: str, params: EngineParams, draft: Drafting | None = None) 
 def other_engine(ctx: BenchContext, name: str = "other-engine") -> EngineSpec:
     """The plan's placement on the engine it was not planned for: llama-server for a native plan, the native
     worker for a llama-server plan; drafting as the plan does where that engine can (a next-token head drafts
-    on llama-server only)."""
+    on llama-server only, and llama-server loads no draft file beside a per-expert split)."""
     d = ctx.plan.candidate.draft
     if ctx.plan.engine is not None and ctx.plan.engine.kind == "llama-server":
         d = d if d is not None and d.kind != "mtp" else None
         return EngineSpec(name=name, kind="worker", params=ctx.params, draft=d,
                           note="native worker, the plan's parameters" + (f", drafting {d.kind}" if d else ""))
-    return server_spec(name, ctx.params, d)
+    # llama-server applies a per-expert split to every model it loads: no draft file beside one
+    return server_spec(name, ctx.params, None if d is not None and d.model and ctx.params.expert_split else d)
 
 
 def no_drafting(ctx: BenchContext, name: str) -> EngineSpec:

@@ -95,8 +95,9 @@ def draft_bytes(d: Drafting, target: EngineParams, model: str | None = None) -> 
 def with_drafting(fin: Finalists, drafting: Sequence[Drafting],
                   gpu_room: Callable[[Candidate], dict[str, int]] | None = None, model: str | None = None) -> Finalists:
     """``fin`` with each way of drafting added on its first :data:`MAX_BASES` finalists of each engine that drafts
-    (Flux's worker and llama-server; next-token heads on llama-server only), each drafting candidate right after
-    its placement, a draft model's bytes (a next-token block's) counted on the placement's main GPU.
+    (Flux's worker and llama-server; next-token heads on llama-server only, and no draft file beside a per-expert
+    split there), each drafting candidate right after its placement, a draft model's bytes (a next-token block's)
+    counted on the placement's main GPU.
 
     ``gpu_room(c)``: per GPU, the bytes ``c``'s budget leaves beside its predicted use; a draft model that does not
     fit there is not measured (its candidate is left out, the same way wherever the finalists are rebuilt)."""
@@ -112,7 +113,8 @@ def with_drafting(fin: Finalists, drafting: Sequence[Drafting],
     for c in fin.finalists:
         cands.append(c)
         preds += [by_id[c.id]] if c.id in by_id else []
-        for d in [d for d in drafting if c.id in on[LLAMA_SERVER] or (c.id in on[NATIVE] and d.kind != "mtp")]:
+        for d in [d for d in drafting if (c.id in on[LLAMA_SERVER] and not _split_draft_file(c, d))
+                  or (c.id in on[NATIVE] and d.kind != "mtp")]:
             cid = f"{c.id}+{d.label}"
             extra, dev = draft_bytes(d, c.params, model), f"CUDA{c.params.main_gpu}"
             if extra and gpu_room is not None and gpu_room(c).get(dev, extra) < extra:
@@ -121,6 +123,13 @@ def with_drafting(fin: Finalists, drafting: Sequence[Drafting],
             cands.append(c.model_copy(update={"id": cid, "draft": d, "weights_bytes": weights}))
             preds += [by_id[c.id].model_copy(update={"candidate_id": cid})] if c.id in by_id else []
     return fin.model_copy(update={"finalists": cands, "predictions": preds})
+
+
+def _split_draft_file(c: Candidate, d: Drafting) -> bool:
+    """A draft file (a draft model, grafted heads) that llama-server cannot load beside ``c``'s per-expert split:
+    the patched llama.cpp applies FLUX_MOE_SPLIT to every model its process loads, and the draft has other layers.
+    (Flux's worker loads a draft with its own, split-free environment.)"""
+    return d.model is not None and c.params.expert_split is not None
 
 
 def drafted(ctx: PlanContext, hw: HardwareReport, fin: Finalists) -> Finalists:

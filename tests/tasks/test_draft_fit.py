@@ -120,3 +120,19 @@ def test_llama_server_drafts_the_same_ways_as_the_worker(tiny_moe: Path, tmp_pat
     assert served["c0@llama-server+draft"].engine == "llama-server"
     assert served["c0@llama-server+draft"].weights_bytes["CUDA0"] == 10**9 + draft_bytes(d, on_gpu)
     assert [p.candidate_id for p in fin.predictions] == [c.id for c in fin.finalists]
+
+
+def test_llama_server_takes_no_draft_file_beside_a_per_expert_split(tiny_moe: Path, tmp_path: Path) -> None:
+    """The patched llama.cpp applies FLUX_MOE_SPLIT to every model its process loads: llama-server would refuse a
+    draft model (or grafted heads) of other layers beside a split placement, so none is measured there; prompt
+    lookup is, and Flux's worker, which loads a draft with its own environment, drafts with the file too."""
+    from engine_bridge.engines.spec import EngineSpec
+    from engine_bridge.params import ExpertSplit
+    from tasks.engines import on_engines
+
+    draft = draft_twin(tiny_moe, tmp_path / "d.gguf", 1).path
+    d, lookup = Drafting(kind="model", model=str(draft)), Drafting(kind="ngram")
+    engines = [EngineSpec(name="native", kind="native"), EngineSpec(name="llama-server", kind="llama-server")]
+    split = EngineParams(n_ctx=1024, n_gpu_layers=999, expert_split=ExpertSplit.on("CUDA0", {0: [1, 2]}))
+    fin = with_drafting(on_engines(_fin(split), engines), (d, lookup))
+    assert [c.id for c in fin.finalists] == ["c0", "c0+draft", "c0+ngram", "c0@llama-server", "c0@llama-server+ngram"]
