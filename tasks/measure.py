@@ -68,10 +68,14 @@ def _visit(cand: Candidate, model: Path, prompts: list[list[int]], n_gen: int, r
     meter = GpuMemoryMeter()
     w = WorkerClient(log_path=log_path, env={**cand.params.environment(), **env})
     load_ms: float | None = None
+    phases = VisitPhases()
     try:
         w.start()
+        phases.mark("start")
         load_ms = w.request(ops.LOAD, ops.LoadArgs(model=str(model), params=cand.params), timeout_s).load_ms
+        phases.mark("load")
         _timed(w, cand, prompts[0][:16], 2, timeout_s)  # first run after a load is slow (a draft loads in it)
+        phases.mark("warm-up")
         for i, prompt in enumerate(prompts):
             t, drafted = _timed(w, cand, prompt, n_gen, timeout_s)
             rows.append({"candidate_id": cand.id, "round": rnd, "prompt_index": i, "prompt_tokens": t.prompt_tokens,
@@ -79,9 +83,11 @@ def _visit(cand: Candidate, model: Path, prompts: list[list[int]], n_gen: int, r
                          "prefill_tps": t.prefill_tps if t.prompt_ms else None,
                          "decode_tps": t.decode_tps if t.gen_ms else None,
                          "load_ms": load_ms, "peak_rss_bytes": peak_rss(w.pid), "error": None, **drafted})
+        phases.mark("prompts")
         reading = meter.read(w.pid)
         if scoring is not None and not over_budget(reading.per_gpu if reading else None, gpu_budgets):
             score_loaded(w, cand.id, scoring.seqs, scoring.held_out, scoring.directory, timeout_s)
+            phases.mark("scoring")
         why = over_budget(reading.per_gpu if reading else None, gpu_budgets)
         for r in rows:
             r["gpu_bytes"] = reading.total if reading else None
@@ -95,7 +101,29 @@ def _visit(cand: Candidate, model: Path, prompts: list[list[int]], n_gen: int, r
                      "error": f"{exc.code}: {exc.message}"})
     finally:
         w.close(timeout=5)
+        phases.mark("exit")
+        log.info("measure: %s visit %d took %s", cand.id, rnd + 1, phases)
     return rows
+
+
+class VisitPhases:
+    """Where a visit's wall time went (start the worker, load, warm up, the timed prompts, scoring, exit): a
+    big model's visit is mostly its load, and the visit's prediction (:func:`tasks.workload.visit_seconds`) is
+    checked against these."""
+
+    def __init__(self) -> None:
+        self.t0 = self.last = time.monotonic()
+        self.spans: list[tuple[str, float]] = []
+
+    def mark(self, phase: str) -> None:
+        """The phase that just ended."""
+        now = time.monotonic()
+        self.spans.append((phase, now - self.last))
+        self.last = now
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{name} {s:.1f}" for name, s in self.spans)
+        return f"{self.last - self.t0:.1f} s ({parts})"
 
 
 def _timed(w: WorkerClient, cand: Candidate, prompt: list[int], n_gen: int,

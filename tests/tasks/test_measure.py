@@ -21,7 +21,9 @@ def cand(cid: str, **kw: object) -> Candidate:
                      weights_bytes={}, kv_bytes={}, compute_bytes={})
 
 
-def test_a_crashing_candidate_is_a_row_and_the_others_are_measured(tiny_moe: Path, tmp_path: Path) -> None:
+def test_a_crashing_candidate_is_a_row_and_the_others_are_measured(tiny_moe: Path, tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="tasks.measure")
     finalists = [cand("good"), cand("crash"), cand("fa", flash_attn=True)]
     prompts = [list(range(10, 42)), list(range(50, 114))]
     summaries, table, spent, stopped = measure(
@@ -37,6 +39,11 @@ def test_a_crashing_candidate_is_a_row_and_the_others_are_measured(tiny_moe: Pat
     rounds = {(r["candidate_id"], r["round"]) for r in rows if not r["error"]}
     assert rounds == {("good", 0), ("good", 1), ("fa", 0), ("fa", 1)}, "every live finalist runs in every round"
     assert not stopped and spent < 120
+    # each visit says where its time went: a load that dominates a big model's visit shows in the plan's log
+    lines = [r.getMessage() for r in caplog.records if " visit " in r.getMessage()]
+    good = [x for x in lines if x.startswith("measure: good visit ")]
+    assert len(good) == 2 and all("(start " in x and ", load " in x and ", prompts " in x for x in good), lines
+    assert any(x.startswith("measure: crash visit 1 took") and ", load " not in x for x in lines), lines
 
 
 def test_the_budget_stops_further_rounds(tiny_moe: Path, tmp_path: Path) -> None:
