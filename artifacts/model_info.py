@@ -160,6 +160,10 @@ def supported_architectures(repo_root: Path | None = None) -> frozenset[str]:
     return frozenset(x.strip() for x in lines if x.strip() and not x.startswith("#"))
 
 
+# llama.cpp's names of rope scaling types (LLAMA_ROPE_SCALING_TYPES, src/llama-model.cpp): it stops on any other
+ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
+
+
 def _int(md: dict[str, Any], key: str, default: int = 0) -> int:
     v = md.get(key, default)
     if isinstance(v, list):  # per-layer arrays (e.g. head_count_kv on some models): take the max
@@ -230,7 +234,8 @@ def model_info(path: Path, supported: frozenset[str] | None = None) -> ModelInfo
         supported: architectures to accept (default: the pinned llama.cpp's list).
 
     Raises:
-        ModelFileError: not a GGUF, truncated, unknown version, missing shard, unreadable.
+        ModelFileError: not a GGUF, truncated, unknown version, missing shard, unreadable, a rope scaling
+            type llama.cpp does not know.
     """
     paths = shard_paths(path)
     headers: list[GGUFHeader] = [read_header(p) for p in paths]
@@ -238,6 +243,10 @@ def model_info(path: Path, supported: frozenset[str] | None = None) -> ModelInfo
     arch = md.get("general.architecture")
     if not isinstance(arch, str) or not arch:
         raise ModelFileError(path, "GGUF has no general.architecture: not a llama.cpp model file")
+    scaling = md.get(f"{arch}.rope.scaling.type")
+    if scaling is not None and scaling not in ROPE_SCALING_TYPES:
+        raise ModelFileError(path, f"{arch}.rope.scaling.type is {scaling!r}, which llama.cpp does not know (it knows "
+                                   f"{', '.join(ROPE_SCALING_TYPES)}): convert or download the model again")
     tensors = [t for h in headers for t in h.tensors]
     n_nextn = _int(md, f"{arch}.nextn_predict_layers", 0)  # next-token (MTP) blocks after the trunk
     n_layer = _int(md, f"{arch}.block_count") - n_nextn

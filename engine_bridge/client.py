@@ -47,6 +47,7 @@ class WorkerClient:
         self._ids = itertools.count(1)
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._log: IO[bytes] | None = None
+        self._log_start = 0
         self._lock = threading.Lock()
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -57,6 +58,7 @@ class WorkerClient:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = self.log_path.open("ab")
+            self._log_start = self._log.tell()  # the log is shared: this worker's words start here
         self.proc = subprocess.Popen(
             [self.python, "-m", "engine_bridge.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._log if self._log is not None else subprocess.DEVNULL, env=env,
@@ -140,10 +142,15 @@ class WorkerClient:
         return WorkerDied(code, self._log_tail())
 
     def _log_tail(self) -> str:
+        """This worker's last words: the assertion or error that ended it when it left one (a backtrace follows
+        ggml's), else its last line."""
         if self.log_path is None or not self.log_path.exists():
             return ""
-        lines = self.log_path.read_bytes()[-2000:].decode("utf-8", errors="replace").strip().splitlines()
-        return lines[-1] if lines else ""
+        with self.log_path.open("rb") as f:
+            f.seek(max(self._log_start, f.seek(0, os.SEEK_END) - 65536))
+            lines = f.read().decode("utf-8", errors="replace").strip().splitlines()
+        fatal = [x for x in lines if "GGML_ASSERT(" in x or "GGML_ABORT" in x or ": error: " in x]
+        return (fatal or lines or [""])[-1].strip()
 
     def stream(self, op: str, args: Mapping[str, Any] | None = None,
                timeout: float = 120.0) -> Iterator[dict[str, Any]]:

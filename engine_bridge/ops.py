@@ -87,6 +87,16 @@ class LoadResult(_Msg):
     n_vocab: int
 
 
+class StructureArgs(_Msg):
+    """Arguments of ``check_structure``: the model whose tensors and hyperparameters llama.cpp reads."""
+
+    model: ModelFile
+
+
+class StructureResult(_Msg):
+    problem: str | None = Field(description="why llama.cpp's loader refuses the file (its own words), or None")
+
+
 class TokenizeArgs(_Msg):
     text: str
     special: bool = Field(True, description="parse control tokens written in the text")
@@ -348,6 +358,7 @@ class OpSpec(Generic[A, R]):
 HELLO = OpSpec("hello", NoArgs, HelloResult)
 DEVICES = OpSpec("devices", NoArgs, DevicesResult)
 LOAD = OpSpec("load", LoadArgs, LoadResult)
+CHECK_STRUCTURE = OpSpec("check_structure", StructureArgs, StructureResult)
 TOKENIZE = OpSpec("tokenize", TokenizeArgs, TokenizeResult, reader=True)
 DETOKENIZE = OpSpec("detokenize", DetokenizeArgs, DetokenizeResult, reader=True)
 TIMED_RUN = OpSpec("timed_run", TimedRunArgs, Timing)
@@ -364,5 +375,5 @@ ABORT = OpSpec("abort", NoArgs, Empty)
 SHUTDOWN = OpSpec("shutdown", NoArgs, Empty)
 
 OPS: dict[str, OpSpec[Any, Any]] = {s.name: s for s in (
-    HELLO, DEVICES, LOAD, TOKENIZE, DETOKENIZE, TIMED_RUN, GREEDY, SPEC_GREEDY, LOGPROBS, CHAT, SERVE_LOAD, GENERATE, CANCEL,
+    HELLO, DEVICES, LOAD, CHECK_STRUCTURE, TOKENIZE, DETOKENIZE, TIMED_RUN, GREEDY, SPEC_GREEDY, LOGPROBS, CHAT, SERVE_LOAD, GENERATE, CANCEL,
     SERVE_STATS, ROUTING_COUNTS, ABORT, SHUTDOWN)}

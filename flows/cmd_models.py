@@ -14,6 +14,7 @@ from artifacts.filehash import model_hash
 from artifacts.logs import console
 from artifacts.model_info import ModelInfo, model_info
 from artifacts.synth import PRESETS, QUANTS, synthesize
+from engine_bridge.structure import check_structure
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -120,11 +121,15 @@ def _draft(args: argparse.Namespace) -> int:
     return 0
 
 
-def inspect_model(path: Path, cache_dir: Path, with_hash: bool = True) -> ModelInfo:
-    """Read a model's header and, when asked, its content hash (remembered by path, size, mtime)."""
+def inspect_model(path: Path, cache_dir: Path, with_hash: bool = True, logs_dir: Path | None = None) -> ModelInfo:
+    """Read a model's header and, when asked, its content hash (remembered by path, size, mtime); with
+    ``logs_dir``, also check that llama.cpp's loader accepts its tensors and hyperparameters (a worker there
+    logs it)."""
     info = model_info(path)
     if not info.supported:
         raise UnsupportedArchitecture(path, info.architecture)
+    if logs_dir is not None:
+        check_structure(Path(info.shards[0]), logs_dir / "inspect-worker.log")
     if not with_hash:
         return info
     return info.model_copy(update={"content_hash": model_hash([Path(s) for s in info.shards], cache_dir)})
@@ -132,7 +137,8 @@ def inspect_model(path: Path, cache_dir: Path, with_hash: bool = True) -> ModelI
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print what a model is, for people or as JSON."""
-    info = inspect_model(args.model, args.settings.cache_dir, with_hash=not args.no_hash)
+    info = inspect_model(args.model, args.settings.cache_dir, with_hash=not args.no_hash,
+                         logs_dir=args.settings.logs_dir)
     if args.json:
         console().print_json(json.dumps(_json_view(info)))
         return 0

@@ -47,7 +47,7 @@ def context(req: PlanRequest, settings: Settings, reprobe: bool = False) -> Plan
     """Read the model (header + cached hash) and the backend build once per flow run."""
     from flows.cmd_models import inspect_model
 
-    info = inspect_model(Path(req.model), settings.cache_dir, with_hash=False)
+    info = inspect_model(Path(req.model), settings.cache_dir, with_hash=False, logs_dir=settings.logs_dir)
     build = backend_info(settings.cache_dir).build_id
     # RPC servers are asked who they are before anything is hashed or measured: one that does not answer or
     # runs another build ends the run here, in one line

@@ -52,6 +52,13 @@ def load(w: Worker, a: ops.LoadArgs) -> ops.LoadResult:
     return ops.LoadResult(load_ms=(time.perf_counter() - t0) * 1e3, n_ctx=w.model.n_ctx, n_vocab=w.model.n_vocab)
 
 
+def check_structure(w: Worker, a: ops.StructureArgs) -> ops.StructureResult:
+    """What llama.cpp's loader finds wrong with a model's tensors and hyperparameters, reading no weights."""
+    from engine_bridge.worker.load import check_structure as check
+
+    return ops.StructureResult(problem=check(Path(a.model)))
+
+
 def tokenize(w: Worker, a: ops.TokenizeArgs) -> ops.TokenizeResult:
     """Tokens of a text (special tokens parsed unless ``special`` is false; BOS only with ``add_special``)."""
     if w.engine is not None:
@@ -158,7 +165,8 @@ def abort(w: Worker, a: ops.NoArgs) -> ops.Empty:
 
 
 HANDLERS: dict[str, tuple[ops.OpSpec[Any, Any], Handler]] = {spec.name: (spec, fn) for spec, fn in (
-    (ops.HELLO, hello), (ops.DEVICES, devices), (ops.LOAD, load), (ops.TOKENIZE, tokenize),
+    (ops.HELLO, hello), (ops.DEVICES, devices), (ops.LOAD, load), (ops.CHECK_STRUCTURE, check_structure),
+    (ops.TOKENIZE, tokenize),
     (ops.DETOKENIZE, detokenize), (ops.TIMED_RUN, timed_run), (ops.GREEDY, greedy), (ops.SPEC_GREEDY, spec_greedy),
     (ops.LOGPROBS, logprobs),
     (ops.CHAT, chat), (ops.SERVE_LOAD, serve_load), (ops.CANCEL, cancel), (ops.SERVE_STATS, serve_stats),

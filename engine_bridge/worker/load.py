@@ -209,6 +209,38 @@ def _set_env(key: str, value: str | None) -> None:
         os.environ[key] = value
 
 
+def load_problem(errors: Iterable[str]) -> str | None:
+    """Why llama.cpp's loader refused a file, in its own words without its function prefixes ("tensor
+    'blk.1.ssm_a' not found", "key not found in model: qwen3next.ssm.state_size", "tensor '...' has wrong
+    shape; expected ..., got ..."), from its error lines; None when it gave no reason."""
+    for line in reversed(list(errors)):
+        if "error loading model: " in line:
+            why = line.split("error loading model: ", 1)[1]
+            for prefix in ("error loading model hyperparameters: ", "error loading model vocabulary: ",
+                           "check_tensor_dims: "):
+                why = why.removeprefix(prefix)
+            return why.strip() or None
+    return None
+
+
+def check_structure(path: Path) -> str | None:
+    """What llama.cpp's loader finds wrong with the model's tensors and hyperparameters (None: nothing), from a
+    load that allocates and reads no weights (``no_alloc``, no mmap, every layer on the CPU): milliseconds,
+    whatever the model's size."""
+    quiet_llama_logs()
+    llama_cpp.llama_backend_init()
+    if not path.is_file():
+        raise EngineError("model_missing", f"{path}: no such model file")
+    mp = llama_cpp.llama_model_default_params()
+    mp.no_alloc, mp.n_gpu_layers, mp.load_mode = True, 0, llama_cpp.LLAMA_LOAD_MODE_NONE
+    RECENT_ERRORS.clear()
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+    if model:
+        llama_cpp.llama_model_free(model)
+        return None
+    return load_problem(RECENT_ERRORS) or "llama.cpp's loader refused it without saying why (see the worker log)"
+
+
 def _split_refusal(model_path: Path, errors: Iterable[str]) -> ExpertSplitMismatch | None:
     """The typed error for a load llama.cpp refused because of the expert split (its log line says so)."""
     for line in reversed(list(errors)):
@@ -322,8 +354,10 @@ def load_model_and_context(path: Path, p: EngineParams, eval_callback: Any = Non
     with _expert_split_env(p, path):
         model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
     if not model:
+        why = load_problem(RECENT_ERRORS)
         raise _split_refusal(path, RECENT_ERRORS) or EngineError(
-            "load_failed", f"llama.cpp could not load {path} (see the worker log)")
+            "load_failed", f"llama.cpp could not load {path}: {why}" if why else
+            f"llama.cpp could not load {path} (see the worker log)")
     cp = _context_params(p, perf)
     if eval_callback is not None:
         cp.cb_eval, cp.cb_eval_user_data = eval_callback, None
