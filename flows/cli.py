@@ -11,6 +11,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from rich.markup import escape
+
 from artifacts.config import load_settings
 from artifacts.errors import FluxError
 from artifacts.logs import console, setup_logging
@@ -53,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         handler: Handler = args.handler
         return handler(args)
     except FluxError as exc:
-        err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)  # a message may hold [brackets]
         return 2
     except KeyboardInterrupt:
         err.print("interrupted")

@@ -102,8 +102,11 @@ def plan_request(settings: Settings, model: str | Path, *, request: type[PlanReq
         err = exc.errors()[0]
         field = str(err["loc"][0]) if err["loc"] else ""
         flag = flag_name(field, request) if field in request.model_fields else None
-        raise BadPlanFlag(f"{flag or field} {err.get('input')!r}: {err['msg'].lower()}; "
-                          f"see `flux plan --help`") from None
+        given = err.get("input")
+        shown = ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in given) if isinstance(given, list) \
+            else repr(given)
+        msg = err["msg"].removeprefix("Value error, ")
+        raise BadPlanFlag(f"{flag or field} {shown}: {msg[:1].lower()}{msg[1:]}; see `flux plan --help`") from None
     engine_specs(settings, req)
     if req.draft_model is not None and not req.speculation:
         raise BadPlanFlag(f"--draft-model {req.draft_model}: drafting is measured with --speculation; add it")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from artifacts.ids import content_id
 from artifacts.records.base import Record
@@ -73,6 +73,13 @@ class PlanRequest(Record):
     finalists: int = Field(6, ge=1, json_schema_extra={"flag": None, "setting": "finalists"})
     repeats: int = Field(3, ge=1, json_schema_extra={"flag": None, "setting": "repeats"})
     seed: int = 0
+
+    @field_validator("gpu_mem_budget_gib")
+    @classmethod
+    def _no_negative_budget(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and any(x < 0 for x in v):
+            raise ValueError("a GPU's budget is 0 GiB or more (0: leave that GPU out)")
+        return v
 
     @property
     def quality_profile(self) -> str:

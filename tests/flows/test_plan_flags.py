@@ -128,6 +128,8 @@ def test_a_flag_argparse_refuses_exits_2_with_one_line(argv: list[str], needle: 
     (["--concurrency", "0"], "--concurrency 0: input should be greater than or equal to 1; see `flux plan --help`"),
     (["--budget-s", "-3"], "--budget-s -3.0: input should be greater than 0; see `flux plan --help`"),
     (["--gpu-mem-budget", "12,x"], "--gpu-mem-budget '12,x': expected GiB per GPU, e.g. 12 or 12,24"),
+    (["--gpu-mem-budget", "12,-1"], "--gpu-mem-budget 12,-1: a GPU's budget is 0 GiB or more (0: leave that GPU out); "
+                                    "see `flux plan --help`"),
 ])
 def test_a_value_the_request_refuses_is_one_line_naming_the_flag(settings: Settings, argv: list[str],
                                                                  line: str) -> None:

@@ -102,7 +102,8 @@ def test_a_plan_over_two_engines_is_served_through_llama_server(tmp_path: Path, 
 
 
 BAD = [
-    ("--engines", "native,vllm", "", "engine vllm: not a known engine"),
+    ("--engines", "native,vllm", "", "engine vllm: not a known engine (known: native, llama-server); configure it as "
+     "[engines.vllm] in flux.toml"),
     ("--engines", "native,odd", '[engines.odd]\ncommand = ["true", "--port", "{port}", "--gpu", "{gpu}"]\n',
      "unknown template field(s) {gpu}"),
     ("--engines", "native,gone", '[engines.gone]\ncommand = ["/nonexistent/engine", "--port", "{port}"]\n',
