@@ -189,6 +189,8 @@ class LogprobsArgs(_Msg):
     prompt: list[int] = Field(min_length=1)
     continuation: list[int]
     out: str = Field(description="an .npy path: the rows are too big for a protocol line")
+    threads_file: str | None = Field(None, description=(
+        "a file holding the CPU threads to use, read before scoring (engine_bridge.worker.threads)"))
 
 
 class LogprobsResult(_Msg):
@@ -313,6 +315,8 @@ class RoutingRequest(_Msg):
     params: EngineParams
     prompts: tuple[tuple[int, ...], ...] = Field(min_length=1, description="token ids of each prompt")
     n_gen: int = Field(0, ge=0, description="greedy tokens decoded after each prompt, counted too")
+    threads_file: str | None = Field(None, description=(
+        "a file holding the CPU threads to use, read before each batch (engine_bridge.worker.threads)"))
 
 
 class RoutingCounts(_Msg):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -26,6 +27,7 @@ from artifacts.ids import content_id
 from artifacts.model_info import ModelInfo
 from artifacts.records.hardware import HardwareReport
 from engine_bridge.params import EngineParams
+from tasks.cores import CoreShare
 from tasks.quality_gate import FloorResult, Gate
 from tasks.validate import Cache, floor_results, reference_continuations, reference_params, validation_context
 
@@ -108,7 +110,7 @@ def floor_variants(info: ModelInfo, hw: HardwareReport, ref: EngineParams,
     (3.84e-4 vs 3.86e-4 mean KL) and cost a 47 s pass; repacked vs plain differ by ~1e-6 on the twins.
     With the reference on the CPU: the repacked layout (what CPU-only plans load) with flash attention and
     another micro-batch, and with a GPU the last layers computed on it (as many as fit). ``cpu_threads``: the
-    CPU variants' threads when another stage shares the cores (default: the reference's).
+    CPU variants' threads at load when another stage shares the cores (default: the reference's).
     """
     cpu_ref = reference_params(ref.n_ctx, cpu_threads or ref.n_threads, ref.seed)
     repacked = ("CPU, repacked layout, flash attention, n_ubatch 64", cpu_ref.model_copy(update={
@@ -134,7 +136,7 @@ def floor_variants(info: ModelInfo, hw: HardwareReport, ref: EngineParams,
 
 def reference(model: Path, info: ModelInfo, hw: HardwareReport, prompts: list[list[int]], held_out: list[list[int]],
               *, n_tokens: int, seed: int, gate: Gate, keys: dict[str, str], cache_dir: Path, log_path: Path,
-              timeout_s: float, progress: Progress, cpu_threads: int | None = None) -> ReferenceOutputs:
+              timeout_s: float, progress: Progress, cores: CoreShare | None = None) -> ReferenceOutputs:
     """The reference's continuations and outputs, and the floor (from the cache when there).
 
     Args:
@@ -142,19 +144,23 @@ def reference(model: Path, info: ModelInfo, hw: HardwareReport, prompts: list[li
         held_out: the held-out prompts, timed again on each validated finalist.
         keys: what the results depend on besides the prompts (model, code, build).
         cache_dir: where results are kept across plans.
-        cpu_threads: the CPU floor variants' threads, when another stage runs beside them.
+        cores: the cores this stage shares with another that runs beside it (the routing trace): the CPU floor
+            variants' threads follow it.
     """
     t0 = time.monotonic()
     ref = reference_placement(info, hw, validation_context(prompts, n_tokens), hw.cpu.physical_cores, seed)
-    variants = floor_variants(info, hw, ref, cpu_threads)
+    variants = floor_variants(info, hw, ref, max(1, hw.cpu.physical_cores // 2) if cores else None)
     ref_key = content_id({**keys, "prompts": prompts, "n_tokens": n_tokens, "hardware": hw.fingerprint,
                           "reference": ref.model_dump(exclude={"n_threads", "n_threads_batch"})})
     cache = Cache(cache_dir, ref_key, content_id({"reference": ref_key, "sequences": FLOOR_SEQUENCES, "variants": [
         (n, p.model_dump(exclude={"n_threads", "n_threads_batch"})) for n, p in variants]}))
     computed = not (cache.reference().exists() and cache.floor().exists())
-    seqs, ref_lps = reference_continuations(model, ref, prompts, n_tokens, log_path, timeout_s, cache)
-    floor = floor_results(model, variants, seqs[:FLOOR_SEQUENCES], ref_lps[:FLOOR_SEQUENCES], log_path, timeout_s,
-                          cache, progress)
+    # while it computes, the stage shares the host's cores (its loads, the CPU floor) with the routing trace
+    with cores.busy("reference", hw.cpu.physical_cores) if cores and computed else nullcontext() as share:
+        seqs, ref_lps = reference_continuations(model, ref, prompts, n_tokens, log_path, timeout_s, cache,
+                                                threads_file=share.path if share else None)
+        floor = floor_results(model, variants, seqs[:FLOOR_SEQUENCES], ref_lps[:FLOOR_SEQUENCES], log_path,
+                              timeout_s, cache, progress, share.path if share else None)
     kl, top1 = gate.limits(floor)
     return ReferenceOutputs(prompts=prompts, held_out=held_out, continuations=[c for _, c in seqs],
                             cache_dir=str(cache_dir), reference_key=ref_key, floor_key=cache.floor_key, reference=ref,

@@ -37,10 +37,11 @@ def trace_prompts(prompts: list[list[int]], budget: int = TRACE_TOKENS) -> list[
 
 
 def trace(model: Path, prompts: list[list[int]], params: EngineParams, log_path: Path,
-          timeout_s: float) -> RoutingCounts:
-    """Count the router's picks of every layer over ``prompts`` (prefilled, then TRACE_GEN greedy tokens each)."""
+          timeout_s: float, threads_file: Path | None = None) -> RoutingCounts:
+    """Count the router's picks of every layer over ``prompts`` (prefilled, then TRACE_GEN greedy tokens each);
+    with ``threads_file``, the worker's threads follow it (:class:`tasks.cores.CoreShare`)."""
     req = RoutingRequest(model=str(model), params=params, prompts=tuple(tuple(p) for p in trace_prompts(prompts)),
-                         n_gen=TRACE_GEN)
+                         n_gen=TRACE_GEN, threads_file=str(threads_file) if threads_file else None)
     # On the CPU with the GPUs hidden (as the probe's CPU kernels): the router's picks do not depend on the
     # device, and a CUDA build's evaluation callback crashed the worker reading ids computed on the GPU.
     with WorkerClient(log_path=log_path, env={**params.environment(), **HIDE_GPUS}) as w:
@@ -49,7 +50,7 @@ def trace(model: Path, prompts: list[list[int]], params: EngineParams, log_path:
 
 def trace_params(n_ctx: int, threads: int) -> EngineParams:
     """The trace's configuration: the CPU, ``threads`` of it (the choices are the router's, not the placement's;
-    half the cores beside the reference, :func:`tasks.probing.route.beside_reference_threads`), CPU
+    a share of the cores beside the reference, :class:`tasks.cores.CoreShare`), CPU
     weights in llama.cpp's plain layout (``--no-repack``): the tracing worker died on the H200 host, whose CPU
     (with AMX) gives llama.cpp's extra buffer types a path the CPUs the trace was tested on do not take."""
     return EngineParams(n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,

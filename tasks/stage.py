@@ -24,6 +24,7 @@ from artifacts.store import Store
 from engine_bridge.drafting import Drafting
 from engine_bridge.engines.spec import NATIVE_SPEC, EngineSpec
 from tasks.clock import StageClock
+from tasks.cores import CoreShare
 
 R = TypeVar("R")
 
@@ -45,6 +46,7 @@ class PlanContext:
     reprobe: bool = False
     engines: tuple[EngineSpec, ...] = (NATIVE_SPEC,)  # the engines the finalists are measured on (--engines)
     drafting: tuple[Drafting, ...] = ()  # the ways drafting is measured (--speculation)
+    cores: CoreShare = field(default_factory=CoreShare)  # the CPU shared by the trace and the noise floor
 
     @property
     def model(self) -> Path:

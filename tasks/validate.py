@@ -87,29 +87,34 @@ class Cache:
         return self.directory / f"{self.floor_key}-floor.json"
 
 
-def _logprobs(w: WorkerClient, seqs: Seqs, tmp: Path, tag: str, timeout_s: float) -> list[np.ndarray]:
+def _logprobs(w: WorkerClient, seqs: Seqs, tmp: Path, tag: str, timeout_s: float,
+              threads_file: Path | None = None) -> list[np.ndarray]:
     out = []
     for i, (prompt, cont) in enumerate(seqs):
         path = tmp / f"{tag}-{i}.npy"
-        w.request(ops.LOGPROBS, ops.LogprobsArgs(prompt=prompt, continuation=cont, out=str(path)), timeout_s)
+        w.request(ops.LOGPROBS, ops.LogprobsArgs(prompt=prompt, continuation=cont, out=str(path), threads_file=str(
+            threads_file) if threads_file else None), timeout_s)
         out.append(np.load(path))
         path.unlink()
     return out
 
 
 def scored(model: Path, params: EngineParams, seqs: Seqs, tmp: Path, tag: str, log_path: Path,
-            timeout_s: float) -> list[np.ndarray]:
-    """Log-probabilities of ``seqs`` under ``params``, in a fresh worker."""
+           timeout_s: float, threads_file: Path | None = None) -> list[np.ndarray]:
+    """Log-probabilities of ``seqs`` under ``params``, in a fresh worker (its threads following
+    ``threads_file`` from one sequence to the next, when given)."""
     with WorkerClient(log_path=log_path, env=params.environment()) as w:
         w.request(ops.LOAD, ops.LoadArgs(model=str(model), params=params), timeout_s)
-        return _logprobs(w, seqs, tmp, tag, timeout_s)
+        return _logprobs(w, seqs, tmp, tag, timeout_s, threads_file)
 
 
 def reference_continuations(model: Path, params: EngineParams, prompts: list[list[int]], n_tokens: int,
                             log_path: Path, timeout_s: float, cache: Cache | None,
-                            generator: EngineParams | None = None) -> tuple[Seqs, list[np.ndarray]]:
+                            generator: EngineParams | None = None,
+                            threads_file: Path | None = None) -> tuple[Seqs, list[np.ndarray]]:
     """The greedy continuations (written by ``generator`` when given: a GPU holding the whole model, else by
-    the reference) and the reference's log-probabilities of them (from the cache when there)."""
+    the reference) and the reference's log-probabilities of them (from the cache when there); a reference on
+    the CPU scores with the threads ``threads_file`` gives (:class:`tasks.cores.CoreShare`)."""
     if cache is not None and cache.reference().exists():
         with np.load(cache.reference()) as z:
             conts = [z[f"cont{i}"].tolist() for i in range(len(prompts))]
@@ -128,7 +133,7 @@ def reference_continuations(model: Path, params: EngineParams, prompts: list[lis
             w.request(ops.LOAD, ops.LoadArgs(model=str(model), params=params), timeout_s)
             if generator is None:
                 seqs = greedy(w)
-            lps = _logprobs(w, seqs, Path(d), "ref", timeout_s)
+            lps = _logprobs(w, seqs, Path(d), "ref", timeout_s, threads_file if params.n_gpu_layers == 0 else None)
     if cache is not None:
         cache.directory.mkdir(parents=True, exist_ok=True)
         part = cache.reference().with_suffix(f".{os.getpid()}.partial.npz")
@@ -141,26 +146,30 @@ def reference_continuations(model: Path, params: EngineParams, prompts: list[lis
 
 def floor_results(model: Path, variants: Sequence[tuple[str, EngineParams]], seqs: Seqs, ref: list[np.ndarray],
                   log_path: Path, timeout_s: float, cache: Cache | None,
-                  progress: Progress = log.info) -> list[FloorResult]:
+                  progress: Progress = log.info, threads_file: Path | None = None) -> list[FloorResult]:
     """The reference against itself with other correct kernels (from the cache when there).
 
     A variant that holds every layer on a GPU runs beside the ones that compute on the host (two lanes, each
     in order): it needs the CPU for little but its load, and on a big model it would otherwise wait out a
-    CPU pass of tens of seconds. Two variants that compute on the host never run at once."""
+    CPU pass of tens of seconds. Two variants that compute on the host never run at once. With ``threads_file``
+    (:class:`tasks.cores.CoreShare`), the host lane's threads follow it from one sequence to the next."""
     if cache is not None and cache.floor().exists():
         return [FloorResult.model_validate(x) for x in json.loads(cache.floor().read_text())]
     found: dict[int, FloorResult] = {}
 
     def lane(items: list[tuple[int, str, EngineParams]], d: Path) -> None:
         for i, name, params in items:
-            try:
-                stats = compare_all(ref, scored(model, params, seqs, d, f"floor{i}", log_path, timeout_s))
-            except EngineError as exc:  # a variant that cannot run here (no room on the GPU) samples nothing
-                progress(f"validate: noise floor {name}: not measured ({exc})")
-                continue
-            found[i] = FloorResult(name=name, stats=stats)
-            progress(f"validate: noise floor {name}: mean KL {stats.mean_kl:.2e}, p90 {stats.p90_kl:.2e}, "
-                     f"top-1 {stats.top1:.3f}")
+            one(i, name, params, d, threads_file if params.n_gpu_layers >= 0 else None)
+
+    def one(i: int, name: str, params: EngineParams, d: Path, threads_file: Path | None) -> None:
+        try:
+            stats = compare_all(ref, scored(model, params, seqs, d, f"floor{i}", log_path, timeout_s, threads_file))
+        except EngineError as exc:  # a variant that cannot run here (no room on the GPU) samples nothing
+            progress(f"validate: noise floor {name}: not measured ({exc})")
+            return
+        found[i] = FloorResult(name=name, stats=stats)
+        progress(f"validate: noise floor {name}: mean KL {stats.mean_kl:.2e}, p90 {stats.p90_kl:.2e}, "
+                 f"top-1 {stats.top1:.3f}")
 
     items = [(i, name, params) for i, (name, params) in enumerate(variants)]
     on_gpu = [it for it in items if it[2].n_gpu_layers < 0]

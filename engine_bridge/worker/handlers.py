@@ -108,7 +108,12 @@ def spec_greedy(w: Worker, a: ops.SpecGreedyArgs) -> ops.SpecGreedyResult:
 
 def logprobs(w: Worker, a: ops.LogprobsArgs) -> ops.LogprobsResult:
     """Write the log-softmax rows before each continuation token to an .npy file (too big for JSON)."""
-    lp = w.need_model().logprobs(a.prompt, a.continuation)
+    model = w.need_model()
+    if a.threads_file:
+        from engine_bridge.worker.threads import SharedThreads
+
+        SharedThreads(a.threads_file).apply(model.ctx)
+    lp = model.logprobs(a.prompt, a.continuation)
     out = Path(a.out)
     tmp = out.with_suffix(".tmp.npy")
     np.save(tmp, lp.astype(np.float32))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import llama_cpp
@@ -27,6 +27,7 @@ from engine_bridge.errors import EngineError
 from engine_bridge.ops import RoutingCounts, RoutingRequest
 from engine_bridge.params import EngineParams
 from engine_bridge.worker.load import SeqBatch, load_model_and_context
+from engine_bridge.worker.threads import SharedThreads
 
 _TOPK_PREFIX = b"ffn_moe_topk-"
 _GGML_TYPE_I32 = 26  # enum ggml_type in ggml.h
@@ -228,9 +229,10 @@ def trace(request: RoutingRequest, recorder: TopkRecorder | None = None) -> Rout
         recorder.repeats, recorder.pairs = np.zeros(n_layer, dtype=np.int64), np.zeros(n_layer, dtype=np.int64)
         n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
         chunk = min(p.n_batch, _TRACE_CHUNK)
+        threads = SharedThreads(request.threads_file)
         for prompt in request.prompts:
             recorder.new_sequence()
-            _trace_one(ctx, list(prompt), request.n_gen, chunk, n_vocab)
+            _trace_one(ctx, list(prompt), request.n_gen, chunk, n_vocab, lambda: threads.apply(ctx))
     finally:
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)
@@ -243,18 +245,22 @@ def trace(request: RoutingRequest, recorder: TopkRecorder | None = None) -> Rout
                          repeats=tuple(int(x) for x in recorder.repeats), pairs=tuple(int(x) for x in recorder.pairs))
 
 
-def _trace_one(ctx: llama_cpp.llama_context_p, prompt: list[int], n_gen: int, chunk: int, n_vocab: int) -> None:
-    """Prefill ``prompt`` in chunks with every row output (the last layer routes every token), then decode."""
+def _trace_one(ctx: llama_cpp.llama_context_p, prompt: list[int], n_gen: int, chunk: int, n_vocab: int,
+               before: Callable[[], object] = lambda: None) -> None:
+    """Prefill ``prompt`` in chunks with every row output (the last layer routes every token), then decode;
+    ``before`` runs before each chunk and before the decoded tokens (the threads follow their file there)."""
     llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
     batch = SeqBatch(chunk, 1)
     pos = 0
     for start in range(0, len(prompt), chunk):
+        before()
         part = prompt[start:start + chunk]
         batch.n = 0
         batch.add(0, pos, part, want_logits=True)
         batch.logits[:batch.n] = 1
         _decode(ctx, batch)
         pos += len(part)
+    before()
     for _ in range(n_gen):
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
         batch.n = 0

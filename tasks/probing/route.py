@@ -27,13 +27,6 @@ def traces_routing(ctx: PlanContext, hw: HardwareReport) -> bool:
     return ctx.info.is_moe and bool(gpu_devices(hw)) and ctx.info.architecture in SPLIT_ARCHITECTURES
 
 
-def beside_reference_threads(hw: HardwareReport) -> int:
-    """CPU threads of the routing trace, which runs beside the reference's CPU noise-floor pass: half the
-    physical cores each. Both with every core spun 32 llama.cpp threads on 16 cores of the H200 host (run 13:
-    the trace of 472 tokens took 77 s and the CPU floor 52 s, each a fraction of that alone)."""
-    return max(1, hw.cpu.physical_cores // 2)
-
-
 def _when(ctx: PlanContext, log: Any, hw: HardwareReport) -> bool:
     """Trace when it shapes the plan; say why not when only the architecture stops it."""
     if traces_routing(ctx, hw):
@@ -54,8 +47,10 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport) -> RoutingProfile:
     lengths, _ = wl.nominal_lengths(ctx.info.n_ctx_train or 4096, ctx.req)
     prompts = wl.tune_prompts(ctx.model, lengths, ctx.req.seed, ctx.worker_log)
     n_ctx = max(len(p) for p in route.trace_prompts(prompts)) + route.TRACE_GEN + 16
-    counts = route.trace(ctx.model, prompts, route.trace_params(n_ctx, beside_reference_threads(hw)), ctx.worker_log,
-                         ctx.settings.plan.measure_timeout_s)
+    # beside the reference's CPU noise floor: a share of the cores while both run, all of them once it is done
+    with ctx.cores.busy("route", hw.cpu.physical_cores) as cores:
+        counts = route.trace(ctx.model, prompts, route.trace_params(n_ctx, cores.threads()), ctx.worker_log,
+                             ctx.settings.plan.measure_timeout_s, threads_file=cores.path)
     table = routing_table(counts, ctx.model_hash)
     tid = content_id({"routing": content_id(route_key(ctx)), "counts": counts.counts})
     ctx.store.put_table(ROUTING_TABLE, table, key=tid)

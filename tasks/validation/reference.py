@@ -13,7 +13,6 @@ from artifacts.config import Settings
 from artifacts.records.hardware import HardwareReport
 from tasks import workload as wl
 from tasks.enumerate import smallest_context
-from tasks.probing.route import beside_reference_threads, traces_routing
 from tasks.quality_gate import Gate
 from tasks.reference import ReferenceOutputs, reference
 from tasks.stage import PlanContext, Stage
@@ -29,9 +28,8 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport) -> ReferenceOutputs:
     n_tok = ctx.settings.plan.validate_tokens
     n_ctx = smallest_context(ctx.info, hw, ctx.req, ctx.settings.host_reserve_percent)  # refusals first: nothing to wait for
     prompts, held = wl.validation_prompts(ctx.model, n_ctx, n_tok, ctx.req.seed, ctx.worker_log)
-    # the routing trace runs beside it on the CPU: the CPU floor takes the other half of the cores
-    cpu_threads = hw.cpu.physical_cores - beside_reference_threads(hw) if traces_routing(ctx, hw) else None
-    out = reference(ctx.model, ctx.info, hw, prompts, held, n_tokens=n_tok, seed=ctx.req.seed, cpu_threads=cpu_threads,
+    # the routing trace runs beside it on the CPU: they share the cores (ctx.cores)
+    out = reference(ctx.model, ctx.info, hw, prompts, held, n_tokens=n_tok, seed=ctx.req.seed, cores=ctx.cores,
                     gate=gate(ctx.settings), keys={"model": ctx.model_hash, "code": ctx.code,
                                                    "backend": ctx.backend_build},
                     cache_dir=ctx.settings.cache_dir / "validation", log_path=ctx.worker_log,

@@ -46,6 +46,16 @@ def test_every_layer_counts_every_prefilled_and_decoded_token(tiny_moe: Path) ->
     assert np.array_equal(_trace(tiny_moe, split, PROMPTS, n_gen=8).array(), a)
 
 
+def test_a_trace_whose_threads_follow_a_file_counts_the_same(tiny_moe: Path, tmp_path: Path) -> None:
+    params = EngineParams(n_ctx=512, n_batch=512, n_ubatch=512)
+    threads = tmp_path / "cores.txt"
+    threads.write_text("2")
+    with WorkerClient() as w:
+        got = w.request(ops.ROUTING_COUNTS, RoutingRequest(model=str(tiny_moe), params=params, prompts=PROMPTS, n_gen=8,
+                                                           threads_file=str(threads)), timeout=600)
+    assert got == _trace(tiny_moe, params, PROMPTS, n_gen=8)
+
+
 def test_a_workload_longer_than_the_context_is_refused(tiny_moe: Path) -> None:
     with pytest.raises(EngineError, match="n_ctx 256"):
         _trace(tiny_moe, EngineParams(n_ctx=256), PROMPTS)

@@ -4,6 +4,10 @@ dies (as one did on the H200's CUDA build) leaving the plan to whole expert tens
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -12,7 +16,8 @@ from bench_support import bench_settings, session_cache
 from artifacts.records.plan import PlanRequest
 from artifacts.records.routing import RoutingProfile
 from flows import stages
-from tasks.pipeline import ROUTE, PlanContext
+from tasks.cores import CoreShare
+from tasks.pipeline import REFERENCE, ROUTE, PlanContext
 from tasks.probing.route import traces_routing
 from tasks.testing import h200_report
 
@@ -61,3 +66,31 @@ def test_an_architecture_the_split_does_not_support_is_not_traced(tmp_path_facto
         hybrid = PlanContext(**{**vars(ctx), "info": ctx.info.model_copy(update={"architecture": arch})})
         assert traces_routing(hybrid, h200_report()), arch
     assert not traces_routing(ctx, h200_report(n_gpus=0)), "no GPU: no per-expert placement"
+
+
+def test_the_trace_and_the_reference_share_the_cores_while_both_run(tmp_path_factory: pytest.TempPathFactory,
+                                                                     tiny_moe: Path) -> None:
+    """A first plan's trace and reference (its CPU noise floor) run at once, as the flow starts them: each follows
+    the share of the report's cores that the context's CoreShare writes (half while both run), and the file is
+    gone once both are done."""
+    ctx = _ctx(tmp_path_factory, tiny_moe)
+    seen: list[str] = []
+    real_busy = ctx.cores.busy
+
+    @contextmanager
+    def watched(name: str, cores: int) -> Iterator[CoreShare]:
+        with real_busy(name, cores) as share:
+            seen.append(f"{name}:{share.path.read_text()}")
+            yield share
+
+    ctx.cores.busy = watched  # type: ignore[method-assign]
+    log = logging.getLogger("test")
+    with ThreadPoolExecutor(2) as pool:
+        ref = pool.submit(stages.compute, REFERENCE, ctx, log, h200_report())
+        time.sleep(0.2)
+        route = pool.submit(stages.compute, ROUTE, ctx, log, h200_report())
+        out, (prof, _, _) = ref.result()[0], route.result()
+    assert isinstance(prof, RoutingProfile) and out.floor and out.computed
+    n = h200_report().cpu.physical_cores
+    assert seen == [f"reference:{n}", f"route:{n // 2}"], seen
+    assert not ctx.cores.path.exists()

@@ -10,6 +10,7 @@ from artifacts.records.evidence import MeasureSummary
 from artifacts.records.search import Candidate, Placement
 from engine_bridge.errors import EngineError
 from engine_bridge.params import EngineParams, TensorOverride
+from tasks.cores import CoreShare
 from tasks.quality_gate import Gate
 from tasks.validate import Cache, rank_measured, reference_params, validate
 from tasks.workload import validation_prompts
@@ -98,3 +99,9 @@ def test_a_whole_gpu_floor_variant_runs_beside_the_host_ones(tiny_moe: Path, tmp
     assert any("broken: not measured" in n for n in notes)
     alone = floor_results(tiny_moe, [("fa", fa)], seqs_, ref, tmp_path / "w.log", 120, None, notes.append)
     assert both[1].stats == alone[0].stats and both[2].stats.mean_kl == 0.0 and both[0].stats.n > 0
+    # beside a routing trace the host lane's threads follow the shared cores: the same floor, the file gone after
+    share = CoreShare()
+    with share.busy("route", 2), share.busy("reference", 2):
+        shared = floor_results(tiny_moe, variants, seqs_, ref, tmp_path / "w.log", 120, None, notes.append,
+                               share.path)
+    assert [f.stats for f in shared] == [f.stats for f in both] and not share.path.exists()
