@@ -161,11 +161,14 @@ def cmd_plans(args: argparse.Namespace) -> int:
     t = Table(show_edge=False)
     for col in ("plan", "created", "model", "prefill tok/s", "decode tok/s", "ctx", "kv"):
         t.add_column(col)
-    for plan in Records.at(args.settings.data_dir).all(PLAN):
+    plans, unreadable = Records.at(args.settings.data_dir).readable(PLAN)
+    for plan in plans:
         m = plan.measured
         t.add_row(plan.id[:12], plan.created_at, plan.model_name, f"{m.prefill_tps or 0:.1f}",
                   f"{m.decode_tps or 0:.1f}", str(plan.candidate.params.n_ctx), plan.request.kv)
     console().print(t)
+    for pid, why in unreadable:  # one stale record must not hide the others
+        console(stderr=True).print(f"note: plan {pid[:12]} is not listed: {why}", markup=False, soft_wrap=True)
     return 0
 
 

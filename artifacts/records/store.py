@@ -89,5 +89,21 @@ class Records:
         return self.store.list(kind.name)
 
     def all(self, kind: Kind[M]) -> list[M]:
-        """Every stored ``kind`` record, oldest first."""
+        """Every stored ``kind`` record, oldest first.
+
+        Raises:
+            StoreError: one of them is not a valid record (:meth:`readable` lists the others).
+        """
         return [self.get(kind, row["id"]) for row in self.rows(kind)]
+
+    def readable(self, kind: Kind[M]) -> tuple[list[M], list[tuple[str, str]]]:
+        """Every stored ``kind`` record that this version of Flux reads, oldest first, and (id, why) of each one
+        it does not (written by another version or by hand): a listing shows the others and names these."""
+        good: list[M] = []
+        bad: list[tuple[str, str]] = []
+        for row in self.rows(kind):
+            try:
+                good.append(self.get(kind, row["id"]))
+            except StoreError as exc:
+                bad.append((str(row["id"]), str(exc)))
+        return good, bad

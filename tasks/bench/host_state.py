@@ -76,7 +76,7 @@ def read_host() -> HostState:
 
 def usual_state(records: Records, fingerprint: str) -> tuple[HostState | None, int]:
     """Medians of the stored probes of the machine with ``fingerprint`` (the plan's), and how many there were."""
-    probes: list[HardwareReport] = [p for p in records.all(PROBE) if p.fingerprint == fingerprint]
+    probes: list[HardwareReport] = [p for p in records.readable(PROBE)[0] if p.fingerprint == fingerprint]
     if not probes:
         return None, 0
     pinned = [p.gpus[0].h2d_pinned_gbs for p in probes if p.gpus and p.gpus[0].h2d_pinned_gbs]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -83,3 +84,22 @@ def test_show_prints_the_routing_traces_coverage_and_locality(tiny_moe: Path, tm
         line = next(x for x in out.getvalue().splitlines() if x.strip().startswith("routing (trace abababababab)"))
         assert "50% of experts take 90% of its picks" in line
         assert (want in line) if want else ("previous token" not in line and line.endswith("(median)"))
+
+
+def test_flux_plans_lists_the_readable_plans_and_names_one_it_cannot_read(flux: Any, flux_env: dict[str, str],
+                                                                          tiny_moe: Path) -> None:
+    """A plan written by another version of Flux (here: a field a later check refuses) must not hide the others."""
+    import json
+
+    settings = load_settings(flux_env)
+    good = stored_plan(settings, tiny_moe, EngineParams(n_ctx=256, n_batch=64, n_ubatch=64))
+    stale = stored_plan(settings, tiny_moe, EngineParams(n_ctx=512, n_batch=64, n_ubatch=64))
+    path = settings.data_dir / "objects" / "plan" / f"{stale.id}.json"
+    doc = json.loads(path.read_text())
+    doc["request"]["gpu_mem_budget_gib"] = [-1.0]
+    path.write_text(json.dumps(doc))
+    got = flux("plans")
+    assert got.returncode == 0, got.stderr
+    assert good.id[:12] in got.stdout and stale.id[:12] not in got.stdout
+    note = [x for x in got.stderr.splitlines() if x.startswith("note: plan ")]
+    assert len(note) == 1 and stale.id[:12] in note[0] and "gpu_mem_budget_gib" in note[0], got.stderr
