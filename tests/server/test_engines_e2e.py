@@ -53,7 +53,9 @@ def test_a_plan_over_two_engines_is_served_through_llama_server(tmp_path: Path, 
     assert planned.returncode == 0, planned.stderr[-4000:]
     plan_id = planned.stdout.strip().splitlines()[-1]
     plan = json.loads(_flux(env, "show", plan_id[:12], "--json").stdout)
-    assert plan["engine"]["name"] == "llama-server" and plan["candidate"]["engine"] == "llama-server"
+    why = (plan["notes"], [(s["candidate_id"], s["error"]) for s in plan["finalists"]])
+    assert plan["engine"] and plan["engine"]["name"] == "llama-server", why
+    assert plan["candidate"]["engine"] == "llama-server", why
     measured = {s["candidate_id"] for s in plan["finalists"] if s["workload_s"]}
     assert any("@llama-server" in c for c in measured) and any("@" not in c for c in measured), measured
     assert plan["validation"]["passed"] and plan["validation"]["n_tokens"] > 0
