@@ -29,6 +29,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from artifacts.model_info import model_info
+from artifacts.records.machine import cpu_info
 from engine_bridge.errors import EngineError
 from tasks.bench.context import BenchContext, Progress
 from tasks.bench.engines import (
@@ -174,8 +175,10 @@ def _llama_server(ctx: BenchContext, opts: RunOptions) -> Resolved:
     if ctx.llama_server is None:
         return "n/a: llama-server is not built (scripts/build-backend.sh)"
     args = fit_server_args(ctx.params)
+    # no -t: a user's llama-server runs its default, every physical core (the plan: -t/-tb of its own measuring)
     return EngineSpec(name="llama-server", kind="llama-server", args=args,
-                      note="llama-server auto-fit: " + " ".join(args))
+                      note=f"llama-server auto-fit: {' '.join(args)}, its default threads "
+                           f"({cpu_info().physical_cores}: every physical core)")
 
 
 def _defaults(ctx: BenchContext, opts: RunOptions) -> Resolved:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from bench_support import bench_settings, make_plan, session_cache
 
+from artifacts.records.machine import cpu_info
 from engine_bridge.llama_server import LlamaServer, LlamaServerError
 from engine_bridge.params import EngineParams
 from tasks.bench.context import BenchContext, open_bench
@@ -81,6 +82,8 @@ def test_llama_server_baseline_keeps_its_automatic_fit(stored: dict[str, Any]) -
     engine = json.loads(row["metrics"])["engine"]
     assert engine["kind"] == "llama-server" and list(engine["args"]) == ["-c", "512", "-np", "1"]
     assert json.loads(row["metrics"])["prompt_lengths"] == [64, 256]
+    # what it held is recorded: no -t, so llama.cpp's default of every physical core (the plan runs its own)
+    assert engine["note"].endswith(f"its default threads ({cpu_info().physical_cores}: every physical core)"), engine
 
 
 def test_a_failing_engine_is_a_row_and_is_not_visited_again(ctx: BenchContext) -> None:
