@@ -117,3 +117,21 @@ def test_a_minicpm_twin_missing_a_tensor_is_named(tmp_path: Path) -> None:
     bad = rewrite(path, tmp_path / "b.gguf", tensors=lambda n, d: None if n == "blk.1.ffn_up.weight" else d)
     with pytest.raises(ModelFileError, match=r"tensor 'blk.1.ffn_up.weight' not found"):
         check_structure(bad, tmp_path / "w.log")
+
+
+def test_a_split_model_is_checked_whole_from_its_first_shard(tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("split_helper", Path(__file__).parents[1] / "artifacts" /
+                                                  "test_model_info.py")
+    assert spec is not None and spec.loader is not None
+    helper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helper)  # gguf-split's layout, written by the model-info tests' helper
+    write_split = helper.write_split
+
+    path = synthesize("tiny-moe", tmp_path / "m.gguf").path
+    shards = write_split(path, tmp_path, 3)
+    check_structure(shards[0], tmp_path / "w.log")  # llama.cpp reads the other shards' tensors too
+    shards[2].write_bytes(shards[2].read_bytes()[:64])  # a shard cut short: its tensors are not there
+    with pytest.raises(ModelFileError, match="llama.cpp"):
+        check_structure(shards[0], tmp_path / "w.log")
