@@ -269,6 +269,17 @@ def make_plots(plan: Plan, suite: str, raw: pa.Table, out_dir: Path) -> list[Pat
     return [p for p in (m() for m in makers) if p is not None]
 
 
+def run_facts(metrics: dict[str, Any]) -> str:
+    """The run's wall time and the machine's load average before and after it, in one line ('' when unknown)."""
+    parts = []
+    if isinstance(metrics.get("seconds"), int | float):
+        parts.append(f"took {metrics['seconds']:.1f} s")
+    start, end = metrics.get("load_avg_start"), metrics.get("load_avg_end")
+    if start and end:
+        parts.append(f"load average {start[0]:.2f} before, {end[0]:.2f} after (1 min)")
+    return "run: " + "; ".join(parts) if parts else ""
+
+
 # -- commands -----------------------------------------------------------------------------------------
 def cmd_show(args: argparse.Namespace) -> int:
     """Print the newest stored run of one suite for a plan and write its plots."""
@@ -279,10 +290,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     verdict = overall([str(r["verdict"]) for r in rows])
     print_rows(rows, raw, f"flux bench {args.suite}: plan {plan.id[:12]}, run {run_id[:12]} "
                f"({rows[0]['created_at']:%Y-%m-%d %H:%M} UTC, backend {rows[0]['backend_build']}) — {verdict.upper()}")
-    for r in rows:
-        extra = {k: v for k, v in json.loads(r["metrics"] or "{}").items() if k in ("load_avg_start", "load_avg_end", "seconds")}
-        if extra:
-            console().print(f"{r['baseline']}: {extra}", markup=False)
+    for r in rows:  # the run's own facts, kept in each row's metrics: say them once
+        line = run_facts(json.loads(r["metrics"] or "{}"))
+        if line:
+            console().print(line, markup=False)
             break
     pngs = make_plots(plan, args.suite, raw if raw is not None else pa.table({}), args.settings.data_dir / "bench" / plan.id[:12])
     for p in pngs:

@@ -94,3 +94,11 @@ def test_run_then_show_then_matrix(world: tuple[Settings, dict[str, str], Plan])
 
     nothing = flux(env, "bench", "show", plan.id[:10], "--suite", "quality")
     assert nothing.returncode == 2 and "flux bench quality" in nothing.stderr
+
+
+def test_a_stored_runs_own_facts_are_one_readable_line() -> None:
+    from flows.bench_report import run_facts
+
+    assert run_facts({"seconds": 10.46, "load_avg_start": [0.5, 0.4, 0.3], "load_avg_end": [1.25, 0.6, 0.4]}) == \
+        "run: took 10.5 s; load average 0.50 before, 1.25 after (1 min)"
+    assert run_facts({"seconds": 3}) == "run: took 3.0 s" and run_facts({}) == ""
