@@ -134,14 +134,16 @@ class Journal:
         if rid in self._completed:
             self.nbytes -= self._completed.pop(rid).nbytes
 
-    async def follow(self, entry: Entry, after: int = 0) -> AsyncIterator[tuple[int, str]]:
-        """Yield ``(index, data)`` for every event with index > ``after``, live until the request completes."""
+    async def follow(self, entry: Entry, after: int = 0) -> AsyncIterator[list[tuple[int, str]]]:
+        """Yield every event with index > ``after`` as ``(index, data)``, live until the request completes: all
+        those already there at once (a follower that fell behind catches up in one write, not one per token)."""
         i = max(after, 0)
         while True:
             changed = entry._changed  # taken before reading: an append after this point sets it
-            while i < len(entry.events):
-                i += 1
-                yield i, entry.events[i - 1]
+            if i < len(entry.events):
+                ready = entry.events[i:]
+                yield list(enumerate(ready, i + 1))
+                i += len(ready)
             if entry.done:
                 return
             await changed.wait()

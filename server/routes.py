@@ -49,8 +49,8 @@ async def _follow(svc: FluxService, entry: Entry, after: int, gen: Generation | 
     if gen is not None and not own:
         gen.attach()
     try:
-        async for index, data in svc.journal.follow(entry, after):
-            yield _sse_event(index, data)
+        async for ready in svc.journal.follow(entry, after):  # one write for the events already there
+            yield "".join(_sse_event(index, data) for index, data in ready)
         yield "data: [DONE]\n\n"
     finally:
         if gen is not None:

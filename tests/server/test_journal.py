@@ -23,7 +23,7 @@ def _collect(j: Journal, rid: str, after: int) -> list[tuple[int, str]]:
     assert entry is not None and entry.done
 
     async def run() -> list[tuple[int, str]]:
-        return [x async for x in j.follow(entry, after)]
+        return [x async for ready in j.follow(entry, after) for x in ready]
 
     return asyncio.run(run())
 
@@ -120,16 +120,20 @@ def test_follow_is_live_until_finish() -> None:
         got: list[tuple[int, str]] = []
 
         async def reader() -> None:
-            async for x in j.follow(e, 0):
-                got.append(x)
+            async for ready in j.follow(e, 0):
+                got.extend(ready)
+                writes.append(len(ready))
 
+        writes: list[int] = []
         task = asyncio.create_task(reader())
         await asyncio.sleep(0.01)
         j.append(e, "two")
         await asyncio.sleep(0.01)
         j.append(e, "three")
+        j.append(e, "four")  # two events before the follower wakes: one write carries both
         j.finish(e)
         await asyncio.wait_for(task, 1)
+        assert writes == [1, 1, 2], writes
         return got
 
-    assert asyncio.run(run()) == [(1, "one"), (2, "two"), (3, "three")]
+    assert asyncio.run(run()) == [(1, "one"), (2, "two"), (3, "three"), (4, "four")]
