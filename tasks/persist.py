@@ -95,11 +95,29 @@ def plan_notes(space: PlacementSpace, finalists: Finalists, measured: MeasureRes
                 "over rounds; the ranking is the whole round's time)")
             notes.append(f"{s.candidate_id} prefilled and decoded faster ({s.prefill_tps:.1f} / {s.decode_tps:.1f} "
                          f"tok/s vs {win_s.prefill_tps:.1f} / {win_s.decode_tps:.1f}) but was not chosen: {why}")
+    if prefer_engine and win.engine != prefer_engine:
+        notes.append(preferred_engine_note(prefer_engine, win.engine, finalists, sums, validation))
     notes += expert_split_notes(by_id, sums, win.id)
     if win_s.n_rounds < 2:
         notes.append(f"measured in {win_s.n_rounds} round(s) only: no spread (the budget of {measured.budget_s:g} s "
                      "ran out); a larger --budget-s gives more")
     return notes
+
+
+def preferred_engine_note(engine: str, chosen: str, finalists: Finalists, sums: dict[str, MeasureSummary],
+                          validation: ValidationReport) -> str:
+    """Why the plan does not run on the ``--prefer-engine`` asked for: what became of each finalist on it."""
+    checked = {r.candidate_id: r for r in validation.results}
+    fates = []
+    for c in finalists.finalists:
+        if c.engine != engine:
+            continue
+        s, r = sums.get(c.id), checked.get(c.id)
+        fate = (s.error if s and s.error else f"failed validation: {r.reason}" if r and not r.passed else
+                "measured, not validated" if s and s.workload_s else "not measured")
+        fates.append(f"{c.id}: {fate}")
+    return (f"--prefer-engine {engine}: no finalist on {engine} was measured and passed the quality gate "
+            f"({'; '.join(fates) or 'none was made'}), so the plan runs on {chosen}")
 
 
 def expert_split_notes(by_id: dict[str, Candidate], sums: dict[str, MeasureSummary], win_id: str) -> list[str]:
