@@ -228,6 +228,13 @@ class EngineParams(BaseModel):
             args += ["--rpc", ",".join(self.rpc_servers)]
         return args
 
+    def server_args(self) -> list[str]:
+        """The same configuration as llama-server's flags: ``n_seq_max`` slots (``-np``) of ``n_ctx`` tokens each,
+        which llama-server asks for as the whole ``-c`` it splits among them."""
+        args = self.cli_args()
+        args[args.index("-c") + 1] = str(self.n_ctx * self.n_seq_max)
+        return [*args, "-np", str(self.n_seq_max)]
+
     def environment(self) -> dict[str, str]:
         """Environment variables the worker process (or llama-server, with ``cli_args``) needs for this configuration.
 

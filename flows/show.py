@@ -40,7 +40,8 @@ def _placement_lines(plan: Plan) -> list[str]:
             + (f"; {plan.routing_repeat:.0%} of a token's picks are the previous token's" if plan.routing_repeat
                is not None else "") + " (median)")
     lines.append(kv_line(plan))
-    lines.append("llama.cpp flags: " + " ".join(c.params.cli_args()))
+    # llama-server's flags: its -c is the whole context, split among -np slots (a plan's n_ctx is per sequence)
+    lines.append("llama.cpp flags: " + " ".join(c.params.server_args()))
     return lines
 
 

@@ -96,10 +96,7 @@ def launch(spec: EngineSpec, model: str, params: EngineParams, port: int,
     ctx = params.n_ctx
     env = params.environment()
     if spec.kind == "llama-server":
-        args = params.cli_args()
-        i = args.index("-c")
-        args[i + 1] = str(ctx * params.n_seq_max)
-        return [*spec.command, "-m", model, *args, "-np", str(params.n_seq_max), "--host", HOST,
+        return [*spec.command, "-m", model, *params.server_args(), "--host", HOST,
                 "--port", str(port), "--no-webui", *(drafting.server_args(params) if drafting else [])], env
     values = {"port": str(port), "model": model, "ctx": str(ctx)}
     return [part.format(**values) for part in spec.command], env

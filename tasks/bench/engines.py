@@ -147,9 +147,7 @@ def plan_engine(ctx: BenchContext) -> EngineSpec:
 def server_spec(name: str, params: EngineParams, draft: Drafting | None = None) -> EngineSpec:
     """llama-server with a placement's flags and environment (FLUX_MOE_SPLIT), as ``flux plan --engines`` starts it,
     drafting as ``draft`` says."""
-    args = [*params.cli_args(), "-np", str(params.n_seq_max)]
-    args[args.index("-c") + 1] = str(params.n_ctx * params.n_seq_max)
-    args += draft.server_args(params) if draft is not None else []
+    args = [*params.server_args(), *(draft.server_args(params) if draft is not None else [])]
     return EngineSpec(name=name, kind="llama-server", params=params, args=tuple(args), env=params.environment(),
                       note="llama-server " + " ".join(args))
 

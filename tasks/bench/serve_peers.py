@@ -90,8 +90,7 @@ def llama_server(ctx: BenchContext, p: EngineParams) -> Iterator[str]:
     Raises:
         BenchError: llama-server is not built.
     """
-    args = ["-np", str(p.n_seq_max), *p.cli_args()]
-    args[args.index("-c") + 1] = str(p.n_ctx * p.n_seq_max)
+    args = p.server_args()
     srv = LlamaServer(ctx.need_llama_server(), ctx.model, args, log_path=ctx.settings.logs_dir /
                       "bench-serve-llama-server.log", env=p.environment(), start_timeout_s=ctx.timeout_s,
                       request_timeout_s=ctx.timeout_s)

@@ -42,3 +42,11 @@ def test_a_preferred_engine_that_could_not_serve_is_named_with_what_became_of_ea
             "llama-server did not start), so the plan runs on native")
     assert want in notes, notes
     assert not any(n.startswith("--prefer-engine") for n in _notes(summaries, results, None))
+
+
+def test_the_flags_a_plan_shows_are_llama_servers_for_its_slots() -> None:
+    """`flux show` prints flags a user can give llama-server: -c is the whole context, split among -np slots."""
+    p = EngineParams(n_ctx=1024, n_seq_max=4, n_batch=512, n_ubatch=128)
+    args = p.server_args()
+    assert args[args.index("-c") + 1] == "4096" and args[-2:] == ["-np", "4"]
+    assert p.cli_args()[p.cli_args().index("-c") + 1] == "1024"
