@@ -225,14 +225,15 @@ def load_problem(errors: Iterable[str]) -> str | None:
 
 def check_structure(path: Path) -> str | None:
     """What llama.cpp's loader finds wrong with the model's tensors and hyperparameters (None: nothing), from a
-    load that allocates and reads no weights (``no_alloc``, no mmap, every layer on the CPU): milliseconds,
-    whatever the model's size."""
+    load that allocates and reads no weights (``no_alloc``, no mmap, every layer on the CPU in the plain layout:
+    the checks do not depend on where weights would go, and the CPU's extra buffer types took paths on the H200
+    host's AMX CPU that other CPUs do not): milliseconds, whatever the model's size."""
     quiet_llama_logs()
     llama_cpp.llama_backend_init()
     if not path.is_file():
         raise EngineError("model_missing", f"{path}: no such model file")
     mp = llama_cpp.llama_model_default_params()
-    mp.no_alloc, mp.n_gpu_layers, mp.load_mode = True, 0, llama_cpp.LLAMA_LOAD_MODE_NONE
+    mp.no_alloc, mp.n_gpu_layers, mp.load_mode, mp.use_extra_bufts = True, 0, llama_cpp.LLAMA_LOAD_MODE_NONE, False
     RECENT_ERRORS.clear()
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
     if model:

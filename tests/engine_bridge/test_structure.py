@@ -135,3 +135,24 @@ def test_a_split_model_is_checked_whole_from_its_first_shard(tmp_path: Path) -> 
     shards[2].write_bytes(shards[2].read_bytes()[:64])  # a shard cut short: its tensors are not there
     with pytest.raises(ModelFileError, match="llama.cpp"):
         check_structure(shards[0], tmp_path / "w.log")
+
+
+def test_a_check_that_cannot_run_refuses_nothing(tmp_path: Path) -> None:
+    """A worker that does not answer in time (here: no time at all) is not the model's fault: the check is
+    skipped with a warning (no refusal, though the file is bad), and planning meets the file in its own loads."""
+    import logging
+
+    path = synthesize("tiny-moe", tmp_path / "m.gguf").path
+    bad = rewrite(path, tmp_path / "b.gguf", tensors=lambda n, d: None if n == "blk.1.ffn_up_exps.weight" else d)
+    lines: list[str] = []  # a handler of the test's own: the suite's logging setup may not propagate to caplog
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("engine_bridge.structure")
+    logger.addHandler(handler)
+    try:
+        check_structure(bad, tmp_path / "w.log", timeout_s=1e-6)
+    finally:
+        logger.removeHandler(handler)
+    assert len(lines) == 1 and "did not run" in lines[0] and "going on without it" in lines[0], lines
+    with pytest.raises(ModelFileError, match="blk.1.ffn_up_exps.weight"):  # with time to run, it refuses
+        check_structure(bad, tmp_path / "w.log")
