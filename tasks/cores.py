@@ -10,12 +10,15 @@ longer of the two ran on alone (the H200 host, run 19: the trace ended 60 s befo
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 class CoreShare:
@@ -37,9 +40,13 @@ class CoreShare:
         return max(1, self._cores // max(1, len(self._busy)))
 
     def _write(self) -> None:
+        """Tell the workers; a file that cannot be written leaves them with the threads they have."""
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(str(self._share()))
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text(str(self._share()))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.warning("cores: cannot write %s (%s): the workers keep their threads", self.path, exc)
 
     @contextmanager
     def busy(self, name: str, cores: int) -> Iterator[CoreShare]:
@@ -58,4 +65,5 @@ class CoreShare:
                 if self._busy:
                     self._write()
                 else:
-                    self.path.unlink(missing_ok=True)
+                    with suppress(OSError):
+                        self.path.unlink(missing_ok=True)
