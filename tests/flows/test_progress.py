@@ -187,3 +187,24 @@ def test_the_cost_models_error_compares_the_measured_round_not_the_whole_mix() -
     err = prediction_error(fin, measured, [64], 32)
     assert err is not None and abs(err - (0.4 - 0.384) / 0.4) < 1e-9
     assert prediction_error(fin, measured, [], 32) is None
+
+
+def test_a_drafting_candidate_is_measured_whenever_its_placement_is() -> None:
+    """Run 20: prompt lookup on the best placement was fourth in the race order and the budget measured three."""
+    from engine_bridge.drafting import Drafting
+    from tasks.measurement.speculation import with_drafting
+
+    fin = _fin(5, 10 * 10**9)
+    fams = ["milp-decode", "milp-mixed", "n-cpu-moe", "milp-decode@32768", "ngl"]
+    fin = fin.model_copy(update={"finalists": [c.model_copy(update={"family": f})
+                                               for c, f in zip(fin.finalists, fams, strict=True)]})
+    fin = with_drafting(fin, [Drafting(kind="ngram")])
+    drafts = [c.id for c in fin.finalists if c.draft is not None]
+    assert drafts and drafts[0] == "c0+ngram"
+    order = [c.id for c in wl.diverse_order(fin).finalists]
+    assert order[:2] == ["c0", "c0+ngram"], order
+    assert order.index("c2") < order.index("c3"), "families still come before a family's second"
+    assert sorted(order) == sorted(c.id for c in fin.finalists)
+    kept = wl.fitting_finalists(fin, [64], 32, budget_s=1.0, rates=(1e9, 1e9))
+    assert [c.id for c in kept.finalists] == ["c0", "c0+ngram"]
+    assert [p.candidate_id for p in kept.predictions] == ["c0", "c0+ngram"]
