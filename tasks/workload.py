@@ -162,12 +162,23 @@ def fitting_finalists(fin: Finalists, lengths: list[int], n_gen: int, budget_s: 
                       rates: tuple[float, float], keep: int = KEEP_FINALISTS) -> Finalists:
     """The finalists (:func:`diverse_order`), the last dropped until MIN_ROUNDS rounds of the rest fit
     ``budget_s`` (at least ``keep``): every finalist measured gets a spread, rather than half of them one round
-    each."""
+    each. A budget that holds fewer than ``keep`` placements with the drafting candidates among them races
+    ``keep`` placements without drafting."""
     fin = diverse_order(fin)
     n = len(fin.finalists)
     while n > keep and MIN_ROUNDS * round_seconds(_first(fin, n), lengths, n_gen, rates) > budget_s:
         n -= 1
-    return _first(fin, n)
+    kept = _first(fin, n)
+    if sum(c.draft is None for c in kept.finalists) >= min(keep, sum(c.draft is None for c in fin.finalists)):
+        return kept
+    # too tight for drafting beside a race of placements: the placements race, as without --speculation
+    return _first(_placements(fin), keep)
+
+
+def _placements(fin: Finalists) -> Finalists:
+    keep = [i for i, c in enumerate(fin.finalists) if c.draft is None]
+    return fin.model_copy(update={"finalists": [fin.finalists[i] for i in keep],
+                                  "predictions": [fin.predictions[i] for i in keep]})
 
 
 def _first(fin: Finalists, n: int) -> Finalists:

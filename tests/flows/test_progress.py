@@ -205,6 +205,12 @@ def test_a_drafting_candidate_is_measured_whenever_its_placement_is() -> None:
     assert order[:2] == ["c0", "c0+ngram"], order
     assert order.index("c2") < order.index("c3"), "families still come before a family's second"
     assert sorted(order) == sorted(c.id for c in fin.finalists)
-    kept = wl.fitting_finalists(fin, [64], 32, budget_s=1.0, rates=(1e9, 1e9))
-    assert [c.id for c in kept.finalists] == ["c0", "c0+ngram"]
-    assert [p.candidate_id for p in kept.predictions] == ["c0", "c0+ngram"]
+    rates = (1e9, 1e9)
+    ordered = wl.diverse_order(fin)
+    first3 = ordered.model_copy(update={"finalists": ordered.finalists[:3], "predictions": ordered.predictions[:3]})
+    three = wl.MIN_ROUNDS * wl.round_seconds(first3, [64], 32, rates)
+    kept = wl.fitting_finalists(fin, [64], 32, budget_s=three * 1.01, rates=rates)
+    assert [c.id for c in kept.finalists] == ["c0", "c0+ngram", "c1"]
+    assert [p.candidate_id for p in kept.predictions] == ["c0", "c0+ngram", "c1"]
+    tight = wl.fitting_finalists(fin, [64], 32, budget_s=1.0, rates=rates)
+    assert [c.id for c in tight.finalists] == ["c0", "c1"], "too tight for drafting: two placements still race"
