@@ -113,8 +113,10 @@ def speculation_lines(plan: Plan) -> list[str]:
            else " (the model's own next-token heads)")
     head = [f"drafting: {d.kind}{how}, {d.n_draft} tokens per step (greedy requests)"] if d is not None else []
     return head + [
-        f"speculation {t.candidate_id}: acceptance {'?' if t.acceptance is None else f'{t.acceptance:.0%}'}, "
-        f"speedup {'?' if t.speedup is None else f'{t.speedup:.2f}x'}"
+        f"speculation {t.candidate_id}: "
+        + (f"acceptance {t.acceptance:.0%}, " if t.acceptance is not None else
+           "no token proposed, " if t.proposed == 0 else "acceptance ?, ")
+        + f"speedup {'?' if t.speedup is None else f'{t.speedup:.2f}x'}"
         + (f" (95% CI {t.speedup_ci[0]:.2f}-{t.speedup_ci[1]:.2f})" if t.speedup_ci else "")
         + f" over {t.base_id}: decode {t.base_decode_tps or 0:.1f} -> {t.decode_tps or 0:.1f} tok/s"
         for t in plan.speculation]

@@ -94,6 +94,9 @@ class DraftTrial(Record):
     base_id: str
     kind: str = Field(description="'model' (a draft model) or 'ngram' (prompt lookup)")
     acceptance: float | None = Field(description="share of proposed tokens the model kept")
+    proposed: int | None = Field(None, description=(
+        "tokens the drafter proposed over the measured rounds: 0 when prompt lookup found no repeat to propose "
+        "(then acceptance is None); None when not counted"))
     workload_s: float | None
     base_workload_s: float | None
     decode_tps: float | None
@@ -101,6 +104,13 @@ class DraftTrial(Record):
     speedup: float | None = Field(description="the base's workload seconds over the drafting candidate's")
     speedup_ci: tuple[float, float] | None = Field(None, description=(
         "95% bootstrap interval of the speedup over the paired rounds (workload seconds, round by round)"))
+
+    def acceptance_words(self) -> str:
+        """How much of the proposals the model kept, or that the drafter proposed nothing (H200 run 22: prompt
+        lookup on the 30B twin's agent prompts found no repeat in 3 rounds, so nothing was drafted)."""
+        if self.acceptance is not None:
+            return f"{self.acceptance:.0%} of proposals kept"
+        return "no token proposed" if self.proposed == 0 else "acceptance not measured"
 
 
 class Plan(Record):

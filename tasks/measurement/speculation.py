@@ -207,6 +207,7 @@ def draft_trials(finalists: Sequence[Candidate], summaries: Sequence[MeasureSumm
         speed = b.workload_s / s.workload_s if b.workload_s and s.workload_s else None
         out.append(DraftTrial(candidate_id=c.id, base_id=b.candidate_id, kind=c.draft.kind,
                               acceptance=s.accepted / s.drafted if s.drafted and s.accepted is not None else None,
+                              proposed=s.drafted,
                               workload_s=s.workload_s, base_workload_s=b.workload_s, decode_tps=s.decode_tps,
                               base_decode_tps=b.decode_tps, speedup=speed,
                               speedup_ci=speedup_ci(_round_seconds(rows, b.candidate_id), _round_seconds(rows, c.id))))
@@ -217,7 +218,7 @@ def speculation_notes(trials: Sequence[DraftTrial], winner: Candidate) -> list[s
     """One note per drafting candidate measured, and whether the plan drafts."""
     notes = []
     for t in trials:
-        acc = f"{t.acceptance:.0%} of proposals kept" if t.acceptance is not None else "acceptance not measured"
+        acc = t.acceptance_words()
         if t.speedup is None:
             notes.append(f"speculation {t.candidate_id}: not measured beside {t.base_id}")
             continue

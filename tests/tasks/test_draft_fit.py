@@ -69,6 +69,32 @@ def test_a_drafting_candidate_counts_only_when_it_drafted_and_beat_its_placement
     assert [x.candidate_id for x in drafting_that_won(summaries)] == [x.candidate_id for x in summaries]
 
 
+def test_a_lookup_that_proposed_nothing_says_so() -> None:
+    """H200 run 22: prompt lookup on the 30B twin's agent prompts proposed no token in 3 rounds; the plan said
+    "acceptance not measured" as if it had not been counted. It was counted: zero proposals."""
+    from artifacts.records.evidence import MeasureSummary
+    from artifacts.records.plan import Plan
+    from flows.show import speculation_lines
+    from tasks.measurement.speculation import draft_trials, speculation_notes
+
+    fin = with_drafting(_fin(EngineParams(n_ctx=1024)), [Drafting(kind="ngram"), Drafting(kind="model", model="d")])
+    sums = [MeasureSummary(candidate_id=c, prefill_tps=1.0, decode_tps=1.0, workload_s=w, n_trials=3, drafted=d,
+                           accepted=a) for c, w, d, a in [("c0", 6.73, None, None), ("c0+ngram", 6.70, 0, 0),
+                                                          ("c0+draft", 5.0, 40, 30)]]
+    rows = [{"candidate_id": c, "round": r, "prompt_ms": 1e3 * w, "gen_ms": 0.0, "error": None}
+            for c, w in [("c0", 6.73), ("c0+ngram", 6.70), ("c0+draft", 5.0)] for r in range(3)]
+    trials = {t.candidate_id: t for t in draft_trials(fin.finalists, sums, rows)}
+    assert trials["c0+ngram"].proposed == 0 and trials["c0+ngram"].acceptance is None
+    assert trials["c0+draft"].proposed == 40 and trials["c0+draft"].acceptance == 0.75
+    notes = speculation_notes(list(trials.values()), fin.finalists[0])
+    assert any(n.startswith("speculation c0+ngram: no token proposed, 1.00x") for n in notes), notes
+    assert any(n.startswith("speculation c0+draft: 75% of proposals kept, 1.35x") for n in notes), notes
+    plan = Plan.model_construct(candidate=fin.finalists[0], speculation=list(trials.values()))
+    lines = speculation_lines(plan)
+    assert lines[0].startswith("speculation c0+ngram: no token proposed, speedup 1.00x"), lines
+    assert lines[1].startswith("speculation c0+draft: acceptance 75%, speedup 1.35x"), lines
+
+
 def test_next_token_heads_draft_on_llama_server_only(tmp_path: Path) -> None:
     """A model with a next-token (MTP) block gets an ``mtp`` drafting candidate when llama-server is among the
     engines (Flux's worker does not drive the pin's MTP context), on the best llama-server placement, its block's
