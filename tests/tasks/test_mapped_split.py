@@ -162,6 +162,28 @@ def test_split_plans_are_predicted_within_15_percent_of_what_run_13_measured(rec
     assert predict(info, hw, cands[cid], CHAT).decode_tps == pytest.approx(measured, rel=0.15), cid
 
 
+@pytest.mark.parametrize(("recorded", "cid", "measured"), [
+    ("qwen3.6-35b-a3b-skewed-8-ctx262144-chat-run21", "c106", 66.5),
+    ("qwen3.6-35b-a3b-skewed-8-ctx262144-chat-run21", "c107", 62.3),
+    ("qwen3-30b-a3b-skewed-12-spec-run22", "c208", 130.0),
+])
+def test_split_plans_are_predicted_within_15_percent_of_what_runs_21_and_22_measured(recorded: str, cid: str,
+                                                                                      measured: float) -> None:
+    """Runs 21-22 on the H200 (current code): the measure stage's decode of the mapped splits, the 35B at 8 GiB and
+    262,144 tokens (chat) and the 30B at 12 GiB (agent), at the prompts they were measured on (`flux show`,
+    docs/benchmarks/h200/run21/ and run22/)."""
+    import json
+
+    from tasks.workload import workload
+
+    info, hw, cands = _recorded(f"memory-{recorded}")
+    doc = json.loads((Path(__file__).parent / "data" / "h200_memory" / f"memory-{recorded}.json").read_text())
+    f = next(f for f in doc["finalists"] if f["candidate"]["id"] == cid)
+    assert cands[cid].params.expert_mapped
+    got = predict(info, hw, cands[cid], workload(f["prompt_tokens"], f["n_gen"])).decode_tps
+    assert got == pytest.approx(measured, rel=0.15), (cid, got)
+
+
 def test_mapped_splits_come_static_and_adaptive_and_both_are_raced(moe: ModelInfo) -> None:
     """Patch 0007's adaptive cache is enumerated beside the static hot set of every mapped split (only there),
     priced by its read-backs alone (its gain depends on the routing's locality, which the trace does not show),
