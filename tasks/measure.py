@@ -273,17 +273,25 @@ def _drop_unvisited(finalists: list[Candidate], first_visit: Mapping[str, float]
     """(id, reason) of finalists not yet visited to drop, prune's last-ranked first, until what is left of the
     first round and a whole second round fit ``left_s``, with visits priced by how the ones so far compared
     with their predictions (on the H200 they took twice as long): finalists a budget cannot measure twice
-    are better left out than measured once. Two finalists at least stay."""
+    are better left out than measured once. Two finalists at least stay, and two placements where there are: a
+    drafting candidate (``--speculation``) goes before the second placement would (H200 run 22 dropped c209 and
+    raced c208 against its own prompt lookup alone)."""
     ratios = [first_visit[c] / predicted[c] for c in first_visit if predicted.get(c)]
     if not ratios:
         return []
     scale = max(1.0, statistics.median(ratios))
+    drafting = {c.id for c in finalists if c.draft is not None}
     live = [c.id for c in finalists if c.id not in failed]
     est = {c: first_visit.get(c, predicted.get(c, 0.0) * scale) for c in live}
     unvisited = [c for c in live if c not in first_visit]
     out: list[tuple[str, str]] = []
     while unvisited and len(live) > 2 and sum(est[c] for c in unvisited) + sum(est[c] for c in live) > left_s:
-        cid = unvisited.pop()
+        cid = unvisited[-1]
+        if cid not in drafting and sum(c not in drafting for c in live) <= 2:
+            cid = next((c for c in reversed(unvisited) if c in drafting), "")
+            if not cid:
+                break
+        unvisited.remove(cid)
         live.remove(cid)
         out.append((cid, f"not measured: visits took {scale:.1f}x their predicted time, and the budget left no room "
                          "for two rounds of it"))

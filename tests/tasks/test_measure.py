@@ -139,6 +139,25 @@ def test_slow_first_visits_drop_the_last_ranked_unvisited_finalists() -> None:
     assert [cid for cid, _ in _drop_unvisited(fin, {"c0": 50.0}, pred, set(), 1.0)] == ["c5", "c4", "c3", "c2"]
 
 
+def test_a_slow_first_visit_drops_drafting_before_the_second_placement() -> None:
+    """H200 run 22: the measure stage kept c208, its prompt lookup c208+ngram and c209; c208's first visit took
+    1.1x its prediction and c209, last, was dropped, so the plan's race had one placement. The drafting
+    candidate goes first now, and two placements race."""
+    from engine_bridge.drafting import Drafting
+    from tasks.measure import _drop_unvisited
+
+    fin = [cand("c208"), cand("c208").model_copy(update={"id": "c208+ngram", "draft": Drafting(kind="ngram")}),
+           cand("c209")]
+    pred = {"c208": 36.0, "c208+ngram": 36.0, "c209": 40.0}
+    dropped = _drop_unvisited(fin, {"c208": 40.0}, pred, set(), 196.0)
+    assert [cid for cid, _ in dropped] == ["c208+ngram"]
+    assert _drop_unvisited(fin, {"c208": 40.0}, pred, set(), 300.0) == [], "room for all three: all stay"
+    more = [*fin, cand("c210")]
+    pred["c210"] = 40.0
+    dropped = _drop_unvisited(more, {"c208": 40.0}, pred, set(), 196.0)
+    assert [cid for cid, _ in dropped] == ["c210", "c208+ngram"], "a third placement goes first"
+
+
 def test_a_finalist_over_budget_hands_its_visit_to_one_left_out(tiny_moe: Path, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """H200 run 15: both mapped splits of the qwen35moe twin read 12.08 GiB of a 12 GiB budget and the four
