@@ -224,6 +224,7 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
                 if rnd == 0:
                     unvisited = [c for c in order if c.id not in first_visit]  # a measured one keeps its rows
                     like = _like_over_budget(cand, got, unvisited, failed, predicted_gpu or {})
+                    like += _its_drafting(cand, unvisited, failed | {cid for cid, _ in like}, "failed")
                     for cid, why in like:
                         failed.add(cid)
                         rows.append({"candidate_id": cid, "round": 0, "prompt_index": -1, "error": why})
@@ -280,6 +281,7 @@ def _drop_unvisited(finalists: list[Candidate], first_visit: Mapping[str, float]
     if not ratios:
         return []
     scale = max(1.0, statistics.median(ratios))
+    by_id = {c.id: c for c in finalists}
     drafting = {c.id for c in finalists if c.draft is not None}
     live = [c.id for c in finalists if c.id not in failed]
     est = {c: first_visit.get(c, predicted.get(c, 0.0) * scale) for c in live}
@@ -295,7 +297,21 @@ def _drop_unvisited(finalists: list[Candidate], first_visit: Mapping[str, float]
         live.remove(cid)
         out.append((cid, f"not measured: visits took {scale:.1f}x their predicted time, and the budget left no room "
                          "for two rounds of it"))
+        for did, why in _its_drafting(by_id[cid], [by_id[c] for c in unvisited], set(), "was dropped"):
+            unvisited.remove(did)
+            live.remove(did)
+            out.append((did, why))
     return out
+
+
+def _its_drafting(cand: Candidate, unvisited: Sequence[Candidate], failed: set[str],
+                  what: str) -> list[tuple[str, str]]:
+    """(id, reason) of the unvisited drafting candidates on placement ``cand``, which failed or was dropped: with
+    no placement to race against, their visits would measure nothing."""
+    if cand.draft is not None:
+        return []
+    return [(c.id, f"not measured: its placement {cand.id} {what}") for c in unvisited
+            if c.draft is not None and c.id.split("+", 1)[0] == cand.id and c.id not in failed]
 
 
 def _measured_once(rows: list[dict[str, Any]], failed: set[str]) -> list[dict[str, Any]]:

@@ -157,6 +157,18 @@ def test_a_slow_first_visit_drops_drafting_before_the_second_placement() -> None
     dropped = _drop_unvisited(more, {"c208": 40.0}, pred, set(), 196.0)
     assert [cid for cid, _ in dropped] == ["c210", "c208+ngram"], "a third placement goes first"
 
+    # a placement dropped or failed takes its unvisited drafting with it: nothing to race it against
+    from tasks.measure import _its_drafting
+
+    lookup = Drafting(kind="ngram")
+    fin = [cand("c1"), cand("c2"), cand("c3"), cand("c3").model_copy(update={"id": "c3+ngram", "draft": lookup})]
+    pred = {c.id: 40.0 for c in fin}
+    dropped = _drop_unvisited(fin, {"c1": 44.0}, pred, set(), 200.0)
+    assert [cid for cid, _ in dropped] == ["c3+ngram", "c3"]
+    gone = _its_drafting(fin[2], fin[1:], set(), "failed")
+    assert gone == [("c3+ngram", "not measured: its placement c3 failed")]
+    assert _its_drafting(fin[3], fin, set(), "failed") == [] and _its_drafting(fin[2], fin, {"c3+ngram"}, "x") == []
+
 
 def test_a_finalist_over_budget_hands_its_visit_to_one_left_out(tiny_moe: Path, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
