@@ -7,6 +7,7 @@ for the length of one write: see ``open_catalog``.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import random
@@ -172,13 +173,40 @@ def open_catalog(path: Path, lock_timeout_s: float) -> Iterator[duckdb.DuckDBPyC
     Raises:
         CatalogBusy: The file stayed locked for ``lock_timeout_s``.
     """
-    with _write_lock(path):
-        conn = _connect(path, lock_timeout_s)
+    start = time.monotonic()
+    with _write_lock(path), _process_lock(path, lock_timeout_s):
+        conn = _connect(path, lock_timeout_s - (time.monotonic() - start))
         try:
             migrate(conn)
             yield conn
         finally:
             conn.close()
+
+
+@contextmanager
+def _process_lock(path: Path, lock_timeout_s: float) -> Iterator[None]:
+    """Hold ``path``'s sidecar lock file (``catalog.duckdb.lock``) from before DuckDB opens the catalog until after
+    it has closed it. DuckDB's own lock alone let a writer open the file while the last one was still closing it:
+    four processes writing at once (tests/artifacts/test_store.py) once failed with "Could not read enough bytes
+    from file catalog.duckdb"."""
+    lock = path.with_name(path.name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        start, delay = time.monotonic(), 0.01
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError as exc:
+                waited = time.monotonic() - start
+                if waited + delay > lock_timeout_s:
+                    raise CatalogBusy(path, waited, f"another Flux process holds {lock.name}") from exc
+                time.sleep(delay * random.uniform(0.5, 1.5))
+                delay = min(delay * 2, 0.25)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _connect(path: Path, lock_timeout_s: float) -> duckdb.DuckDBPyConnection:

@@ -1,6 +1,7 @@
 """The content-addressed store: immutable JSON objects and Parquet tables, indexed by a DuckDB catalog.
 
-Layout under ``data_dir``: ``catalog.duckdb`` (writers only, opened briefly per write),
+Layout under ``data_dir``: ``catalog.duckdb`` (writers only, opened briefly per write, one process at a time
+under ``catalog.duckdb.lock``),
 ``objects/<kind>/<id>.json`` and ``tables/<kind>/<id>.parquet`` (immutable), ``index/objects.parquet`` (the
 catalog's rows exported for readers after each write), ``pending/`` (journal of rows not yet in the catalog).
 

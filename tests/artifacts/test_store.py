@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -392,3 +393,42 @@ def test_journal_drains_once_the_catalog_is_free(store: Store) -> None:
     store.put_json("plan", {"after": 1})
     _assert_consistent(store)
     assert {r["id"]: r["meta"] for r in store.list("plan")}[late] == {"note": "kept"}
+
+
+_FLOCK_HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("holding", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_writer_waits_for_the_catalogs_lock_file_from_open_to_close(store: Store) -> None:
+    """Writers hold ``catalog.duckdb.lock`` from before DuckDB opens the catalog until after it closes it (CI once
+    saw a writer read the catalog while the last one was closing it). Another process holding it makes a write
+    wait, then leave its row in pending/ with the lock file named; the next write records it."""
+    from artifacts.migrations import CatalogBusy, open_catalog
+
+    first = store.put_json("plan", {"before": True})
+    lock = store.catalog_path.with_name("catalog.duckdb.lock")
+    assert lock.exists(), "a write made the lock file beside the catalog"
+    holder = subprocess.Popen([sys.executable, "-c", _FLOCK_HOLDER, str(lock)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        t0 = time.monotonic()
+        with pytest.raises(CatalogBusy, match="catalog.duckdb.lock"), open_catalog(store.catalog_path, 0.5):
+            pass
+        assert time.monotonic() - t0 >= 0.4, "it waited for the lock"
+        quick = Store(store.data_dir, lock_timeout_s=0.3)
+        oid = quick.put_json("plan", {"while": "locked"})
+        assert quick.get_json("plan", oid) == {"while": "locked"}
+        assert list((store.data_dir / "pending").rglob("*.json")), "its catalog row waits in pending/"
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    store.put_json("plan", {"after": True})
+    assert not list((store.data_dir / "pending").rglob("*.json")), "the next write recorded it"
+    assert {r["id"] for r in store.list("plan")} >= {first, oid}
