@@ -28,6 +28,7 @@ from engine_bridge.engines.spec import NATIVE, EngineSpec
 from engine_bridge.errors import EngineError
 from engine_bridge.gpumem import OVER_BUDGET, GpuMemoryMeter, over_budget
 from tasks.engines import engine_visit, spec_of
+from tasks.measurement.speculation import base_id
 from tasks.validate import score_loaded, scored_path
 
 log = logging.getLogger(__name__)
@@ -311,7 +312,7 @@ def _its_drafting(cand: Candidate, unvisited: Sequence[Candidate], failed: set[s
     if cand.draft is not None:
         return []
     return [(c.id, f"not measured: its placement {cand.id} {what}") for c in unvisited
-            if c.draft is not None and c.id.split("+", 1)[0] == cand.id and c.id not in failed]
+            if c.draft is not None and base_id(c.id) == cand.id and c.id not in failed]
 
 
 def _measured_once(rows: list[dict[str, Any]], failed: set[str]) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ from engine_bridge.client import tokenizer
 from tasks.corpus import conversation_text, load_conversations, sized_prompts
 from tasks.costmodel import Workload
 from tasks.errors import ImpossiblePlan
+from tasks.measurement.speculation import base_id
 
 # A coding agent's prompts, up to the depth its conversations reach (16-32k tokens): the deepest also times
 # decode with a deep KV cache, which is where KV placement shows.
@@ -147,7 +148,7 @@ def diverse_order(fin: Finalists) -> Finalists:
     drafts: dict[str, list[int]] = {}
     for i, c in enumerate(fin.finalists):
         if c.draft is not None:
-            drafts.setdefault(c.id.split("+", 1)[0], []).append(i)
+            drafts.setdefault(base_id(c.id), []).append(i)
             continue
         k = family_key(c)
         rank.append((seen.get(k, 0), i))
