@@ -26,7 +26,8 @@
 # FLUX_ONE_BUILD=1 (build llama.cpp once, as shared libraries, and put the same libraries in the wheel and
 # beside llama-server/llama-bench: one compile instead of two, which halves a CUDA build), FLUX_PROGRESS_S
 # (seconds between progress lines), FLUX_BUILD_VERBOSE=1 (also copy every step's output to stderr, as before logs),
-# FLUX_STOCK=1 (build only llama-bench of the pin without the patches, for scripts/patch_ab.sh).
+# FLUX_STOCK=1 (build only llama-bench of the pin without the patches, for scripts/patch_ab.sh; static, or
+# against shared libraries with FLUX_ONE_BUILD=1, as the patched build it is raced against).
 set -euo pipefail
 shopt -s inherit_errexit  # a failing command inside $(...) fails the script too (bash clears -e there otherwise)
 
@@ -119,7 +120,8 @@ if compgen -G "$PATCH_DIR/*.patch" >/dev/null && [ "${FLUX_STOCK:-0}" != 1 ]; th
   mapfile -t PATCHES < <(ls "$PATCH_DIR"/*.patch | LC_ALL=C sort)
 fi
 MODE=separate; [ "${FLUX_ONE_BUILD:-0}" = 1 ] && MODE=one-build
-[ "${FLUX_STOCK:-0}" = 1 ] && MODE=stock-bench
+# (the static stock build keeps the key it had before the shared one existed: packed builds stay valid)
+[ "${FLUX_STOCK:-0}" = 1 ] && MODE=stock-bench && [ "${FLUX_ONE_BUILD:-0}" = 1 ] && MODE=stock-bench-shared
 KEY=$( { cat "$PIN_FILE"; for p in "${PATCHES[@]}"; do basename "$p"; cat "$p"; done; echo "$FLAGS"; \
          [ "$MODE" = separate ] || echo "$MODE"; } \
        | sha256sum | cut -c1-16)
@@ -279,11 +281,14 @@ write_architectures() {
 }
 
 # -- stock llama-bench (FLUX_STOCK=1) --------------------------------------------------------------------
-# The pin without Flux's patches, llama-bench alone, static, in its own key's folder (backend/stock points at
-# it): what scripts/patch_ab.sh races the patched build against. Nothing is installed, backend/current and
-# third_party/architectures.txt are left as they are.
+# The pin without Flux's patches, llama-bench alone, in its own key's folder (backend/stock points at it): what
+# scripts/patch_ab.sh races the patched build against. Linked the way the patched llama-bench is, so that the
+# A/B compares the patches and nothing else: static, or with FLUX_ONE_BUILD=1 against shared libraries in
+# lib/ (the patched build of the GPU machines; bin/ finds them through links, as build_shared lays them out).
+# Nothing is installed, backend/current and third_party/architectures.txt are left as they are.
 build_stock_bench() {
-  local src bdir="$OUT/stock-build"
+  local src bdir="$OUT/stock-build" shared=OFF f
+  [ "${FLUX_ONE_BUILD:-0}" = 1 ] && shared=ON
   if [ -n "${FLUX_SRC_DIR:-}" ]; then
     rm -rf "$OUT/src"; mkdir -p "$OUT/src"; cp -r "$FLUX_SRC_DIR/." "$OUT/src/"; src="$OUT/src"
   else
@@ -291,11 +296,18 @@ build_stock_bench() {
   fi
   # shellcheck disable=SC2086
   step "configuring stock llama-bench" stock-cmake \
-    cmake -S "$src/vendor/llama.cpp" -B "$bdir" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=ON \
-    -DLLAMA_BUILD_APP=OFF $FLAGS
+    cmake -S "$src/vendor/llama.cpp" -B "$bdir" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=$shared \
+    -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_SERVER=OFF \
+    -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_APP=OFF $FLAGS
   step "building stock llama-bench (the pin without patches)" stock cmake --build "$bdir" --target llama-bench -j "$JOBS"
-  mkdir -p "$OUT/bin"; cp "$bdir/bin/llama-bench" "$OUT/bin/llama-bench.tmp" && mv "$OUT/bin/llama-bench.tmp" "$OUT/bin/llama-bench"
+  rm -rf "$OUT/lib" "$OUT/bin.tmp"; mkdir -p "$OUT/bin.tmp"
+  cp "$bdir/bin/llama-bench" "$OUT/bin.tmp/llama-bench"
+  if [ "$shared" = ON ]; then
+    mkdir -p "$OUT/lib.tmp"; cp -a "$bdir"/bin/lib*.so* "$OUT/lib.tmp/"
+    for f in "$OUT"/lib.tmp/lib*.so*; do ln -s "../lib/$(basename "$f")" "$OUT/bin.tmp/$(basename "$f")"; done
+    mv "$OUT/lib.tmp" "$OUT/lib"
+  fi
+  rm -rf "$OUT/bin"; mv "$OUT/bin.tmp" "$OUT/bin"
   rm -rf "$bdir" "$src"
 }
 if [ "${FLUX_STOCK:-0}" = 1 ]; then

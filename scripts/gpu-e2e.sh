@@ -14,7 +14,8 @@
 #
 # Steps that are already done (wheels installed, backend built, twins written) are skipped, so the same
 # command can continue in a second call on a machine that stayed warm. FLUX_E2E_STEPS=setup stops after
-# step 3 (to build while the wheels of a second call are on their way); FLUX_PACK_BACKEND=1 packs the build
+# step 3 (to build while the wheels of a second call are on their way), =patch-ab after the patch A/B (3b);
+# FLUX_PACK_BACKEND=1 packs the build
 # into OUT/backend (copy to .carry/backend/ to skip the build next time) and the patch A/B's stock llama-bench into
 # OUT/stock (.carry/stock/); FLUX_PATCH_AB="MODEL.gguf FLAGS" races
 # the patched llama-bench against the unpatched pin after step 3 (scripts/patch_ab.sh).
@@ -82,6 +83,7 @@ if [ -n "${FLUX_PATCH_AB:-}" ]; then
     scripts/backend-pack.sh pack-stock "$OUT/stock" >> "$OUT/build.log" 2>&1 || say "packing the stock build failed"
   fi
 fi
+[ "${FLUX_E2E_STEPS:-all}" = patch-ab ] && { say "patch A/B done"; exit 0; }
 
 # 4. plan, show, bench (each pair) and the record
 python3 scripts/bench_gpu.py --out "$OUT" --model-dir "$MODELS" --pairs "$PAIRS" "$@" 2>&1 | tee -a "$OUT/e2e.log"

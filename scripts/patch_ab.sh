@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The patches on a stock placement against stock llama.cpp: llama-bench of the patched build (backend/current,
 # no FLUX_* switch set: the stock code path) raced against llama-bench of the same pin built without the patches
-# (scripts/build-backend.sh with FLUX_STOCK=1), in alternating order, REPS times, the same flags for both. The
+# (scripts/build-backend.sh with FLUX_STOCK=1, linked as the patched one is: static, or against shared libraries
+# for a FLUX_ONE_BUILD=1 build), in alternating order, REPS times, the same flags for both. The
 # baselines Flux races its plans against (llama-server --fit, --n-cpu-moe, -ngl) run on the patched build, so
 # this is what says they are not slowed by it.
 #
@@ -20,9 +21,19 @@ mkdir -p "$OUT"
 [ -f "$MODEL" ] || { echo "patch_ab: $MODEL is not a file: give a .gguf (flux synth writes one)" >&2; exit 2; }
 PATCHED="$CACHE/backend/current/bin/llama-bench"
 [ -x "$PATCHED" ] || { echo "patch_ab: no patched llama-bench at $PATCHED: run scripts/build-backend.sh first" >&2; exit 2; }
-FLUX_STOCK=1 "$ROOT/scripts/build-backend.sh" >> "$OUT/build-stock.log" 2>&1 \
+# How a llama-bench is linked: "shared" (it loads libllama.so: a FLUX_ONE_BUILD=1 build, the GPU machines') or
+# "static". The stock build is linked the same way, so that the race compares the patches and nothing else.
+linkage() {
+  if readelf -d "$1" 2> /dev/null | grep -q 'NEEDED.*libllama'; then echo shared; else echo static; fi
+}
+command -v readelf > /dev/null || { echo "patch_ab: readelf is missing: install binutils" >&2; exit 2; }
+LINK=$(linkage "$PATCHED")
+ONE_BUILD=0; [ "$LINK" = shared ] && ONE_BUILD=1
+FLUX_STOCK=1 FLUX_ONE_BUILD=$ONE_BUILD "$ROOT/scripts/build-backend.sh" >> "$OUT/build-stock.log" 2>&1 \
   || { echo "patch_ab: the stock build failed: see $OUT/build-stock.log" >&2; exit 1; }
 STOCK="$CACHE/backend/stock/bin/llama-bench"
+[ "$(linkage "$STOCK")" = "$LINK" ] \
+  || { echo "patch_ab: the stock llama-bench is $(linkage "$STOCK"), the patched one $LINK: rebuild the stock one (FLUX_STOCK=1 FLUX_ONE_BUILD=$ONE_BUILD scripts/build-backend.sh)" >&2; exit 1; }
 for i in $(seq "$REPS"); do
   order="patched stock"; [ $((i % 2)) = 0 ] && order="stock patched"
   for which in $order; do
@@ -30,10 +41,10 @@ for i in $(seq "$REPS"); do
     env -u FLUX_MOE_SPLIT -u FLUX_MOE_MAPPED "$exe" -m "$MODEL" -r 1 -o jsonl "$@" > "$OUT/$which-$i.jsonl" 2>> "$OUT/llama-bench.log"
   done
 done
-PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" python3 - "$OUT" "$REPS" "$*" <<'EOF'
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" python3 - "$OUT" "$REPS" "$*" "$LINK" <<'EOF'
 import json, statistics, sys
 from pathlib import Path
-out, reps, flags = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+out, reps, flags, link = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 runs = {w: [] for w in ("patched", "stock")}
 for w in runs:
     for i in range(1, reps + 1):
@@ -48,11 +59,11 @@ ratio = {t: med["patched"][t] / med["stock"][t] for t in med["patched"] if t in 
 from tasks.bench.stats import paired_ratio
 paired = {t: paired_ratio([r["tps"] for r in runs["patched"] if r["test"] == t],
                           [r["tps"] for r in runs["stock"] if r["test"] == t]).model_dump() for t in ratio}
-(out / "patch_ab.json").write_text(json.dumps({"flags": flags, "reps": reps, "runs": runs, "median_tps": med,
+(out / "patch_ab.json").write_text(json.dumps({"flags": flags, "reps": reps, "linkage": link, "runs": runs, "median_tps": med,
                                                 "patched_vs_stock": ratio, "paired": paired}, indent=1))
 for t, r in ratio.items():
     ci = paired[t]
     interval = f" [{ci['low']:.3f}, {ci['high']:.3f}]" if ci["low"] is not None else ""
     print(f"patch_ab: {t} patched {med['patched'][t]:.1f} vs stock {med['stock'][t]:.1f} tok/s: {r:.3f}x; "
-          f"paired {ci['ratio']:.3f}x{interval} (medians of {reps}; llama-bench {flags})")
+          f"paired {ci['ratio']:.3f}x{interval} (medians of {reps}; both {link}; llama-bench {flags})")
 EOF
