@@ -21,7 +21,7 @@ mkdir -p "$OUT"
 [ -f "$MODEL" ] || { echo "patch_ab: $MODEL is not a file: give a .gguf (flux synth writes one)" >&2; exit 2; }
 PATCHED="$CACHE/backend/current/bin/llama-bench"
 [ -x "$PATCHED" ] || { echo "patch_ab: no patched llama-bench at $PATCHED: run scripts/build-backend.sh first" >&2; exit 2; }
-# How a llama-bench is linked: "shared" (it loads libllama.so: a FLUX_ONE_BUILD=1 build, the GPU machines') or
+# How a llama-bench is linked: "shared" (it loads a libllama*.so: a FLUX_ONE_BUILD=1 build, the GPU machines') or
 # "static". The stock build is linked the same way, so that the race compares the patches and nothing else.
 linkage() {
   if readelf -d "$1" 2> /dev/null | grep -q 'NEEDED.*libllama'; then echo shared; else echo static; fi
