@@ -68,6 +68,16 @@ def _nvml_gpu(nvml: Any, index: int) -> tuple[GpuInfo, str]:
     return info, _text(pci.busId) if pci is not None else ""
 
 
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """Log a machine fact that does not change while the process runs once, not at every probe."""
+    if message not in _SAID:
+        _SAID.add(message)
+        log.info("%s", message)
+
+
 def nvml_inventory() -> NvmlReport:
     """List NVIDIA GPUs through NVML.
 
@@ -78,12 +88,12 @@ def nvml_inventory() -> NvmlReport:
     try:
         import pynvml
     except ImportError:
-        log.info("probe: nvidia-ml-py is not installed: no NVIDIA GPUs probed")
+        _say_once("probe: nvidia-ml-py is not installed: no NVIDIA GPUs probed")
         return NvmlReport([], None, [])
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:
-        log.info("probe: NVML unavailable (%s): no NVIDIA GPUs", exc)
+        _say_once(f"probe: NVML unavailable ({exc}): no NVIDIA GPUs")
         return NvmlReport([], None, [])
     try:
         driver = _text(pynvml.nvmlSystemGetDriverVersion())
