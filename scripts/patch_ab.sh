@@ -8,8 +8,8 @@
 #
 #   scripts/patch_ab.sh OUT MODEL.gguf [llama-bench flags...]      (REPS=5 by default; e.g. -ngl 999 -ncmoe 19)
 #
-# Writes OUT/patch_ab.json (each run's prefill and decode tok/s, the medians, patched/stock) and prints the
-# ratios. The stock build takes as long as a backend build the first time (cached after).
+# Writes OUT/patch_ab.json (each run's prefill and decode tok/s, the medians, patched/stock; rewritten after each
+# repetition, so a run cut short keeps what it finished) and prints the ratios. The stock build takes as long as a backend build the first time (cached after).
 set -euo pipefail
 OUT=${1:?usage: scripts/patch_ab.sh OUT MODEL.gguf [llama-bench flags...]}
 MODEL=${2:?usage: scripts/patch_ab.sh OUT MODEL.gguf [llama-bench flags...]}
@@ -34,17 +34,13 @@ FLUX_STOCK=1 FLUX_ONE_BUILD=$ONE_BUILD "$ROOT/scripts/build-backend.sh" >> "$OUT
 STOCK="$CACHE/backend/stock/bin/llama-bench"
 [ "$(linkage "$STOCK")" = "$LINK" ] \
   || { echo "patch_ab: the stock llama-bench is $(linkage "$STOCK"), the patched one $LINK: rebuild the stock one (FLUX_STOCK=1 FLUX_ONE_BUILD=$ONE_BUILD scripts/build-backend.sh)" >&2; exit 1; }
-for i in $(seq "$REPS"); do
-  order="patched stock"; [ $((i % 2)) = 0 ] && order="stock patched"
-  for which in $order; do
-    exe=$PATCHED; [ "$which" = stock ] && exe=$STOCK
-    env -u FLUX_MOE_SPLIT -u FLUX_MOE_MAPPED "$exe" -m "$MODEL" -r 1 -o jsonl "$@" > "$OUT/$which-$i.jsonl" 2>> "$OUT/llama-bench.log"
-  done
-done
-PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" python3 - "$OUT" "$REPS" "$*" "$LINK" <<'EOF'
+# summarize DONE [print]: patch_ab.json from the first DONE repetitions (written after each one, so that a run
+# cut short, e.g. a lent machine taken back, leaves the pairs it finished summarized); "print" prints the ratios
+summarize() {
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" python3 - "$OUT" "$1" "$FLAGS_TEXT" "$LINK" "$REPS" "${2:-}" <<'EOF'
 import json, statistics, sys
 from pathlib import Path
-out, reps, flags, link = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+out, reps, flags, link, planned, say = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6]
 runs = {w: [] for w in ("patched", "stock")}
 for w in runs:
     for i in range(1, reps + 1):
@@ -59,11 +55,23 @@ ratio = {t: med["patched"][t] / med["stock"][t] for t in med["patched"] if t in 
 from tasks.bench.stats import paired_ratio
 paired = {t: paired_ratio([r["tps"] for r in runs["patched"] if r["test"] == t],
                           [r["tps"] for r in runs["stock"] if r["test"] == t]).model_dump() for t in ratio}
-(out / "patch_ab.json").write_text(json.dumps({"flags": flags, "reps": reps, "linkage": link, "runs": runs, "median_tps": med,
-                                                "patched_vs_stock": ratio, "paired": paired}, indent=1))
-for t, r in ratio.items():
+(out / "patch_ab.json").write_text(json.dumps({"flags": flags, "reps": reps, "reps_planned": planned, "linkage": link,
+                                                "runs": runs, "median_tps": med, "patched_vs_stock": ratio,
+                                                "paired": paired}, indent=1))
+for t, r in ratio.items() if say else ():
     ci = paired[t]
     interval = f" [{ci['low']:.3f}, {ci['high']:.3f}]" if ci["low"] is not None else ""
     print(f"patch_ab: {t} patched {med['patched'][t]:.1f} vs stock {med['stock'][t]:.1f} tok/s: {r:.3f}x; "
           f"paired {ci['ratio']:.3f}x{interval} (medians of {reps}; both {link}; llama-bench {flags})")
 EOF
+}
+FLAGS_TEXT="$*"
+for i in $(seq "$REPS"); do
+  order="patched stock"; [ $((i % 2)) = 0 ] && order="stock patched"
+  for which in $order; do
+    exe=$PATCHED; [ "$which" = stock ] && exe=$STOCK
+    env -u FLUX_MOE_SPLIT -u FLUX_MOE_MAPPED "$exe" -m "$MODEL" -r 1 -o jsonl "$@" > "$OUT/$which-$i.jsonl" 2>> "$OUT/llama-bench.log"
+  done
+  [ "$i" = "$REPS" ] || summarize "$i"
+done
+summarize "$REPS" print
