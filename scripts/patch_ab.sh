@@ -9,7 +9,8 @@
 #   scripts/patch_ab.sh OUT MODEL.gguf [llama-bench flags...]      (REPS=5 by default; e.g. -ngl 999 -ncmoe 19)
 #
 # Writes OUT/patch_ab.json (each run's prefill and decode tok/s, the medians, patched/stock; rewritten after each
-# repetition, so a run cut short keeps what it finished) and prints the ratios. The stock build takes as long as a backend build the first time (cached after).
+# repetition, so a run cut short keeps what it finished) and prints the ratios. The stock build takes as long
+# as a backend build the first time (cached after).
 set -euo pipefail
 OUT=${1:?usage: scripts/patch_ab.sh OUT MODEL.gguf [llama-bench flags...]}
 MODEL=${2:?usage: scripts/patch_ab.sh OUT MODEL.gguf [llama-bench flags...]}
