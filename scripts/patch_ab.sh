@@ -24,10 +24,13 @@ PATCHED="$CACHE/backend/current/bin/llama-bench"
 [ -x "$PATCHED" ] || { echo "patch_ab: no patched llama-bench at $PATCHED: run scripts/build-backend.sh first" >&2; exit 2; }
 # How a llama-bench is linked: "shared" (it loads a libllama*.so: a FLUX_ONE_BUILD=1 build, the GPU machines') or
 # "static". The stock build is linked the same way, so that the race compares the patches and nothing else.
+# Without readelf (binutils), the layout says it: build-backend.sh puts a shared build's libraries beside bin/'s
+# executables (links into lib/), and a static build has none there.
 linkage() {
-  if readelf -d "$1" 2> /dev/null | grep -q 'NEEDED.*libllama'; then echo shared; else echo static; fi
+  if command -v readelf > /dev/null; then
+    if readelf -d "$1" 2> /dev/null | grep -q 'NEEDED.*libllama'; then echo shared; else echo static; fi
+  elif compgen -G "$(dirname "$1")/libllama*.so*" > /dev/null; then echo shared; else echo static; fi
 }
-command -v readelf > /dev/null || { echo "patch_ab: readelf is missing: install binutils" >&2; exit 2; }
 LINK=$(linkage "$PATCHED")
 ONE_BUILD=0; [ "$LINK" = shared ] && ONE_BUILD=1
 FLUX_STOCK=1 FLUX_ONE_BUILD=$ONE_BUILD "$ROOT/scripts/build-backend.sh" >> "$OUT/build-stock.log" 2>&1 \
