@@ -34,7 +34,7 @@ def test_hand_edited_plan_is_refused(senv: ServeEnv, plan_maker: MakePlan, tiny_
     raw = json.loads(path.read_text())
     raw["candidate"]["params"]["n_ctx"] = 4096  # a "small fix" by hand
     path.write_text(json.dumps(raw))
-    out = subprocess.run([sys.executable, "-m", "server", plan.id[:10]], env=senv.env, cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "server", plan.id[:10], "--port", "0"], env=senv.env, cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()

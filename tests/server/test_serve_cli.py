@@ -23,7 +23,10 @@ MakePlan = Callable[..., Plan]
 
 def _serve(senv: ServeEnv, *args: str, env: dict[str, str] | None = None,
            timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "server", *args], env={**senv.env, **(env or {})}, cwd=REPO,
+    # a port of the system's choosing unless the test names one: a server on the default port (8090) of the
+    # machine running the tests must not turn the refusal under test into "address in use"
+    port = [] if "--port" in args else ["--port", "0"]
+    return subprocess.run([sys.executable, "-m", "server", *args, *port], env={**senv.env, **(env or {})}, cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
 
 
