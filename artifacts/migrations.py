@@ -13,11 +13,11 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import duckdb
 import pyarrow as pa
@@ -25,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from artifacts.errors import StoreError
 from artifacts.ids import canonical_json
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -193,33 +195,34 @@ def _process_lock(path: Path, lock_timeout_s: float) -> Iterator[None]:
     lock.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        start, delay = time.monotonic(), 0.01
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError as exc:
-                waited = time.monotonic() - start
-                if waited + delay > lock_timeout_s:
-                    raise CatalogBusy(path, waited, f"another Flux process holds {lock.name}") from exc
-                time.sleep(delay * random.uniform(0.5, 1.5))
-                delay = min(delay * 2, 0.25)
+        _retry(path, lock_timeout_s, lambda: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB), BlockingIOError,
+               lambda _: f"another Flux process holds {lock.name}")
         yield
     finally:
         os.close(fd)  # releases the lock
 
 
 def _connect(path: Path, lock_timeout_s: float) -> duckdb.DuckDBPyConnection:
-    """Connect, retrying while the file is locked."""
-    start = time.monotonic()
-    delay = 0.01
+    """Connect, retrying while the file is locked (``duckdb.IOException``: the lock conflict's type; it carries no
+    finer code)."""
+    return _retry(path, lock_timeout_s, lambda: duckdb.connect(str(path)), duckdb.IOException, str)
+
+
+def _retry(path: Path, lock_timeout_s: float, attempt: Callable[[], T], busy: type[Exception],
+           why: Callable[[Exception], str]) -> T:
+    """``attempt()`` until it does not raise ``busy``, with jittered exponential backoff (10 ms up to 250 ms).
+
+    Raises:
+        CatalogBusy: The next wait would end past ``lock_timeout_s``.
+    """
+    start, delay = time.monotonic(), 0.01
     while True:
         try:
-            return duckdb.connect(str(path))
-        except duckdb.IOException as exc:  # the lock conflict's type; it carries no finer code
+            return attempt()
+        except busy as exc:
             waited = time.monotonic() - start
             if waited + delay > lock_timeout_s:
-                raise CatalogBusy(path, waited, str(exc)) from exc
+                raise CatalogBusy(path, waited, why(exc)) from exc
             time.sleep(delay * random.uniform(0.5, 1.5))
             delay = min(delay * 2, 0.25)
 
