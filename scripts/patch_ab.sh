@@ -9,7 +9,10 @@
 #   scripts/patch_ab.sh OUT MODEL.gguf [llama-bench flags...]      (REPS=5 by default; e.g. -ngl 999 -ncmoe 19)
 #
 # Writes OUT/patch_ab.json (each run's prefill and decode tok/s, the medians, patched/stock; rewritten after each
-# repetition, so a run cut short keeps what it finished) and prints the ratios. The stock build takes as long
+# repetition, so a run cut short keeps what it finished) and prints the ratios. Before each repetition it reads
+# the host (RAM read and the GPU's pageable copies, tasks/bench/host_state.py: a few seconds), since a stock
+# placement's prefill runs at the host's pageable copies and a lent host's speed changes under us; the readings
+# go into patch_ab.json ("host", one per repetition) beside the pair they preceded. The stock build takes as long
 # as a backend build the first time (cached after).
 set -euo pipefail
 OUT=${1:?usage: scripts/patch_ab.sh OUT MODEL.gguf [llama-bench flags...]}
@@ -46,6 +49,8 @@ import json, statistics, sys
 from pathlib import Path
 out, reps, flags, link, planned, say = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6]
 runs = {w: [] for w in ("patched", "stock")}
+host = [{"rep": i, **json.loads((out / f"host-{i}.json").read_text())} for i in range(1, reps + 1)
+        if (out / f"host-{i}.json").is_file()]
 for w in runs:
     for i in range(1, reps + 1):
         for line in (out / f"{w}-{i}.jsonl").read_text().splitlines():
@@ -61,16 +66,27 @@ paired = {t: paired_ratio([r["tps"] for r in runs["patched"] if r["test"] == t],
                           [r["tps"] for r in runs["stock"] if r["test"] == t]).model_dump() for t in ratio}
 (out / "patch_ab.json").write_text(json.dumps({"flags": flags, "reps": reps, "reps_planned": planned, "linkage": link,
                                                 "runs": runs, "median_tps": med, "patched_vs_stock": ratio,
-                                                "paired": paired}, indent=1))
+                                                "paired": paired, "host": host}, indent=1))
 for t, r in ratio.items() if say else ():
     ci = paired[t]
     interval = f" [{ci['low']:.3f}, {ci['high']:.3f}]" if ci["low"] is not None else ""
     print(f"patch_ab: {t} patched {med['patched'][t]:.1f} vs stock {med['stock'][t]:.1f} tok/s: {r:.3f}x; "
           f"paired {ci['ratio']:.3f}x{interval} (medians of {reps}; both {link}; llama-bench {flags})")
+for what, key in (("RAM read", "ram_read_gbs"), ("pageable host-to-device", "h2d_pageable_gbs")) if say else ():
+    got = [h[key] for h in host if h.get(key) is not None]
+    if got:
+        print(f"patch_ab: host {what} {min(got):.1f}-{max(got):.1f} GB/s over {len(got)} repetition(s)")
 EOF
 }
 FLAGS_TEXT="$*"
+# read_host DONE: the host before repetition DONE (OUT/host-DONE.json); a failed reading is left out, not fatal
+read_host() {
+  PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
+    "from tasks.bench.host_state import read_host; print(read_host().model_dump_json())" \
+    > "$OUT/host-$1.json" 2>> "$OUT/llama-bench.log" || rm -f "$OUT/host-$1.json"
+}
 for i in $(seq "$REPS"); do
+  read_host "$i"
   order="patched stock"; [ $((i % 2)) = 0 ] && order="stock patched"
   for which in $order; do
     exe=$PATCHED; [ "$which" = stock ] && exe=$STOCK

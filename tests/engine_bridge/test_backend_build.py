@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tarfile
@@ -157,3 +158,30 @@ def test_the_stock_llama_bench_packs_and_unpacks_beside_the_patched_build(tmp_pa
     empty = subprocess.run([str(REPO / "scripts" / "backend-pack.sh"), "unpack", str(tmp_path / "none")],
                            capture_output=True, text=True)
     assert empty.returncode == 2 and "no backend-" in empty.stderr
+
+
+def test_patch_ab_refuses_a_model_that_is_not_a_file(tmp_path: Path) -> None:
+    out = subprocess.run([str(REPO / "scripts" / "patch_ab.sh"), str(tmp_path / "ab"), str(tmp_path / "none.gguf")],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "is not a file: give a .gguf" in out.stderr, out.stderr
+
+
+def test_patch_ab_races_the_builds_and_reads_the_host_before_each_pair(tmp_path: Path, tiny_moe: Path) -> None:
+    # A check of the script (this machine's timings are noise): one repetition of each build on tiny-moe, the
+    # host read before it, all of it in patch_ab.json.
+    patched, stock = CACHE / "backend" / "current" / "bin", CACHE / "backend" / "stock" / "bin"
+    if not (patched / "llama-bench").exists() or not (stock / "llama-bench").exists():
+        pytest.skip("no stock llama-bench beside the patched one: FLUX_STOCK=1 scripts/build-backend.sh")
+    if any(patched.glob("libllama*.so*")) != any(stock.glob("libllama*.so*")):
+        pytest.skip("the cached stock llama-bench is linked unlike the patched one (a build of ~10 minutes)")
+    out = subprocess.run([str(REPO / "scripts" / "patch_ab.sh"), str(tmp_path / "ab"), str(tiny_moe),
+                          "-p", "16", "-n", "4", "-t", "2"], env={**os.environ, "REPS": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "patch_ab: prefill patched" in out.stdout and "patch_ab: host RAM read" in out.stdout, out.stdout
+    got = json.loads((tmp_path / "ab" / "patch_ab.json").read_text())
+    assert got["reps"] == got["reps_planned"] == 1 and got["linkage"] in ("static", "shared")
+    for build in ("patched", "stock"):
+        assert {r["test"] for r in got["runs"][build]} == {"prefill", "decode"}
+    assert got["host"][0]["rep"] == 1 and got["host"][0]["ram_read_gbs"] > 0
+    assert set(got["paired"]) == {"prefill", "decode"}
