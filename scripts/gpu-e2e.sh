@@ -16,7 +16,7 @@
 # command can continue in a second call on a machine that stayed warm. FLUX_E2E_STEPS=setup stops after
 # step 3 (to build while the wheels of a second call are on their way), =patch-ab after the patch A/B (3b);
 # FLUX_PACK_BACKEND=1 packs the build
-# into OUT/backend (copy to .carry/backend/ to skip the build next time) and the patch A/B's stock llama-bench into
+# into OUT/backend (copy to .carry/backend/ to skip the build next time; not when it came from there) and the patch A/B's stock llama-bench into
 # OUT/stock (.carry/stock/); FLUX_PATCH_AB="MODEL.gguf FLAGS" races
 # the patched llama-bench against the unpatched pin after step 3 (scripts/patch_ab.sh).
 set -euo pipefail
@@ -55,7 +55,9 @@ if [ "${FLUX_E2E_BUILD:-1}" != 0 ]; then
     scripts/build-backend.sh >> "$OUT/build.log" 2>&1
 fi
 say "backend ready in $(( $(date +%s) - start )) s"
-if [ "${FLUX_PACK_BACKEND:-0}" = 1 ] && [ ! -d "$OUT/backend" ]; then
+# (not when the build in use came in .carry/backend: packing it again costs a minute of the lent machine)
+key=$(basename "$(readlink -f "${XDG_CACHE_HOME:-$HOME/.cache}/flux/backend/current" || true)")
+if [ "${FLUX_PACK_BACKEND:-0}" = 1 ] && [ ! -d "$OUT/backend" ] && [ ! -f ".carry/backend/backend-$key.tar.xz.00" ]; then
   scripts/backend-pack.sh pack "$OUT/backend" >> "$OUT/build.log" 2>&1
 fi
 
