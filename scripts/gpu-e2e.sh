@@ -14,7 +14,8 @@
 #
 # Steps that are already done (wheels installed, backend built, twins written) are skipped, so the same
 # command can continue in a second call on a machine that stayed warm. FLUX_E2E_STEPS=setup stops after
-# step 3 (to build while the wheels of a second call are on their way), =patch-ab after the patch A/B (3b);
+# step 3 (to build while the wheels of a second call are on their way), =patch-ab after the patch A/B (3b),
+# =stock once the A/B's stock build has started (step 0);
 # FLUX_PACK_BACKEND=1 packs the build
 # into OUT/backend (copy to .carry/backend/ to skip the build next time; not when it came from there) and the patch A/B's stock llama-bench into
 # OUT/stock (.carry/stock/); FLUX_PATCH_AB="MODEL.gguf FLAGS" races
@@ -28,13 +29,30 @@ MODELS=${FLUX_MODEL_DIR:-/dev/shm/flux-models}
 export PYTHONUNBUFFERED=1 DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
 say() { printf '[gpu-e2e %s] %s\n' "$(date +%H:%M:%S)" "$*" | tee -a "$OUT/e2e.log" >&2; }
 
+# 0. the packed source, if that is how it came; with FLUX_PATCH_AB, the A/B's stock build starts from it at once,
+# detached, and runs while the packages, the backend and the twins are made (it needs no Python package; 319 s
+# of a 16-core machine in H200 run 19). FLUX_E2E_STEPS=stock starts it and returns: a call 1 that brings
+# .carry/src.tar.xz builds while call 2's packages are on their way. Step 3b waits for it; patch_ab.sh then finds
+# the build in the cache (the same key: the pin, no patches, shared libraries as the patched one-compile build).
+if [ -f .carry/src.tar.xz ] && [ ! -d .carry/src ]; then tar -xJf .carry/src.tar.xz -C .carry; fi
+STOCK_PID=/tmp/flux-stock-build.pid
+stock_running() { [ -f "$STOCK_PID" ] && kill -0 "$(cat "$STOCK_PID")" 2> /dev/null; }
+if { [ -n "${FLUX_PATCH_AB:-}" ] || [ "${FLUX_E2E_STEPS:-all}" = stock ]; } && [ -d .carry/src ] \
+   && [ ! -d .carry/stock ] && [ "${FLUX_E2E_BUILD:-1}" != 0 ] && ! stock_running; then
+  setsid bash -c 'echo $$ > "$1"; shift; exec env "$@"' _ "$STOCK_PID" FLUX_STOCK=1 FLUX_ONE_BUILD=1 \
+    FLUX_SRC_DIR=.carry/src FLUX_OFFLINE=1 CUDA_ARCHS="${CUDA_ARCHS:-90}" JOBS="$(nproc)" scripts/build-backend.sh \
+    >> "$OUT/build-stock.log" 2>&1 < /dev/null &
+  sleep 1
+  say "stock llama-bench build started (pid $(cat "$STOCK_PID" 2> /dev/null); log $OUT/build-stock.log)"
+fi
+[ "${FLUX_E2E_STEPS:-all}" = stock ] && exit 0
+
 # 1. packages: .carry/site.tar.xz (scripts/device-kit.sh: installed for this Python and packed), else every
-# .carry/whl*/ folder of wheels (a large set may come in two calls); and the packed source, if that is how it came
+# .carry/whl*/ folder of wheels (a large set may come in two calls)
 mkdir -p /tmp/site
 if [ -f .carry/site.tar.xz ] && [ ! -f /tmp/site/.flux-unpacked ]; then
   tar -xJf .carry/site.tar.xz -C /tmp && touch /tmp/site/.flux-unpacked
 fi
-if [ -f .carry/src.tar.xz ] && [ ! -d .carry/src ]; then tar -xJf .carry/src.tar.xz -C .carry; fi
 for d in .carry/whl*; do
   [ -d "$d" ] || continue
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$d"/*.whl 2>&1 | tail -n 3 >&2 || true
@@ -78,6 +96,10 @@ done
 # 3b. FLUX_PATCH_AB="MODEL.gguf FLAGS": the patched llama-bench on a stock placement against the pin built without
 # the patches (scripts/patch_ab.sh; the stock build needs .carry/src), before anything else loads the machine
 if [ -n "${FLUX_PATCH_AB:-}" ]; then
+  if stock_running; then
+    say "waiting for the stock llama-bench build (step 0)"
+    while stock_running; do sleep 2; done
+  fi
   # shellcheck disable=SC2086  # a model path and llama-bench flags
   FLUX_SRC_DIR=.carry/src FLUX_OFFLINE=1 CUDA_ARCHS=${CUDA_ARCHS:-90} JOBS=$(nproc) \
     scripts/patch_ab.sh "$OUT/patch-ab" $FLUX_PATCH_AB 2>&1 | tee -a "$OUT/e2e.log" || say "patch A/B failed"
