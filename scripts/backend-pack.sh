@@ -22,7 +22,7 @@ pack() {
   key=$(basename "$src")
   mkdir -p "$dir"
   rm -f "$dir/$kind-$key.tar.xz."*
-  tar -C "$CACHE" --exclude "$key/src" -cf - "$key" | xz -T0 -6 \
+  tar -C "$CACHE" --exclude "$key/src" --exclude "$key/stock-build" --exclude "$key/over-stock" -cf - "$key" | xz -T0 -6 \
     | split -b "${PIECE_MB:-15}M" -d -a 2 - "$dir/$kind-$key.tar.xz."
   echo "backend-pack: $kind $key -> $(ls "$dir/$kind-$key.tar.xz."* | wc -l) piece(s) in $dir" >&2
 }

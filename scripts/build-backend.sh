@@ -27,7 +27,8 @@
 # beside llama-server/llama-bench: one compile instead of two, which halves a CUDA build), FLUX_PROGRESS_S
 # (seconds between progress lines), FLUX_BUILD_VERBOSE=1 (also copy every step's output to stderr, as before logs),
 # FLUX_STOCK=1 (build only llama-bench of the pin without the patches, for scripts/patch_ab.sh; static, or
-# against shared libraries with FLUX_ONE_BUILD=1, as the patched build it is raced against).
+# against shared libraries with FLUX_ONE_BUILD=1, as the patched build it is raced against; FLUX_STOCK_KEEP=1
+# keeps its source and build tree for scripts/patch-over-stock.sh).
 set -euo pipefail
 shopt -s inherit_errexit  # a failing command inside $(...) fails the script too (bash clears -e there otherwise)
 
@@ -308,7 +309,9 @@ build_stock_bench() {
     mv "$OUT/lib.tmp" "$OUT/lib"
   fi
   rm -rf "$OUT/bin"; mv "$OUT/bin.tmp" "$OUT/bin"
-  rm -rf "$bdir" "$src"
+  # FLUX_STOCK_KEEP=1 keeps the source and the build tree, over which scripts/patch-over-stock.sh builds the
+  # patched llama-bench (recompiling only what the patches change); backend-pack.sh leaves them out
+  if [ "${FLUX_STOCK_KEEP:-0}" = 1 ]; then log "kept the stock tree: $src, $bdir"; else rm -rf "$bdir" "$src"; fi
 }
 if [ "${FLUX_STOCK:-0}" = 1 ]; then
   if [ -x "$OUT/bin/llama-bench" ]; then log "cache hit: $OUT"; else build_stock_bench; fi

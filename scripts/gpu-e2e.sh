@@ -19,7 +19,9 @@
 # FLUX_PACK_BACKEND=1 packs the build
 # into OUT/backend (copy to .carry/backend/ to skip the build next time; not when it came from there) and the patch A/B's stock llama-bench into
 # OUT/stock (.carry/stock/); FLUX_PATCH_AB="MODEL.gguf FLAGS" races
-# the patched llama-bench against the unpatched pin after step 3 (scripts/patch_ab.sh).
+# the patched llama-bench against the unpatched pin after step 3 (scripts/patch_ab.sh); with
+# FLUX_PATCH_AB_OVER_STOCK=1 the patched one is built over the stock build tree (scripts/patch-over-stock.sh),
+# and with FLUX_E2E_STEPS=patch-ab step 2 is left out: the pair costs one full compile.
 set -euo pipefail
 OUT=${1:?usage: scripts/gpu-e2e.sh OUT [MODEL:BUDGET[@CTX],...] [bench_gpu.py flags]}; shift
 PAIRS=${1:-qwen3-30b-a3b:10}; [ $# -gt 0 ] && shift
@@ -40,6 +42,7 @@ stock_running() { [ -f "$STOCK_PID" ] && kill -0 "$(cat "$STOCK_PID")" 2> /dev/n
 if { [ -n "${FLUX_PATCH_AB:-}" ] || [ "${FLUX_E2E_STEPS:-all}" = stock ]; } && [ -d .carry/src ] \
    && [ ! -d .carry/stock ] && [ "${FLUX_E2E_BUILD:-1}" != 0 ] && ! stock_running; then
   setsid bash -c 'echo $$ > "$1"; shift; exec env "$@"' _ "$STOCK_PID" FLUX_STOCK=1 FLUX_ONE_BUILD=1 \
+    FLUX_STOCK_KEEP="${FLUX_PATCH_AB_OVER_STOCK:-0}" \
     FLUX_SRC_DIR=.carry/src FLUX_OFFLINE=1 CUDA_ARCHS="${CUDA_ARCHS:-90}" JOBS="$(nproc)" scripts/build-backend.sh \
     >> "$OUT/build-stock.log" 2>&1 < /dev/null &
   sleep 1
@@ -63,9 +66,12 @@ python3 -m compileall -q -j 0 /tmp/site flows tasks engine_bridge artifacts serv
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 flux() { python3 -m flows "$@"; }
 
-# 2. the CUDA backend (FLUX_E2E_BUILD=0: use the installed one, e.g. to try this script on a CPU machine)
+# 2. the CUDA backend (FLUX_E2E_BUILD=0: use the installed one, e.g. to try this script on a CPU machine; not
+# needed by an A/B alone whose patched llama-bench is built over the stock tree, FLUX_PATCH_AB_OVER_STOCK=1)
 start=$(date +%s)
-if [ "${FLUX_E2E_BUILD:-1}" != 0 ]; then
+OVER_STOCK_ONLY=0
+[ "${FLUX_PATCH_AB_OVER_STOCK:-0}" = 1 ] && [ "${FLUX_E2E_STEPS:-all}" = patch-ab ] && OVER_STOCK_ONLY=1
+if [ "${FLUX_E2E_BUILD:-1}" != 0 ] && [ "$OVER_STOCK_ONLY" = 0 ]; then
   if [ -d .carry/backend ]; then scripts/backend-pack.sh unpack .carry/backend >> "$OUT/build.log" 2>&1 || true; fi
   # the stock llama-bench of an earlier run's patch A/B (FLUX_PACK_BACKEND=1 packed it into OUT/stock)
   if [ -d .carry/stock ]; then scripts/backend-pack.sh unpack .carry/stock >> "$OUT/build.log" 2>&1 || true; fi
@@ -100,8 +106,16 @@ if [ -n "${FLUX_PATCH_AB:-}" ]; then
     say "waiting for the stock llama-bench build (step 0)"
     while stock_running; do sleep 2; done
   fi
+  # FLUX_PATCH_AB_OVER_STOCK=1: the patched llama-bench is built over the stock build tree (step 0 kept it),
+  # recompiling what the patches change (scripts/patch-over-stock.sh): one full compile for the pair, not two
+  patched=""
+  if [ "${FLUX_PATCH_AB_OVER_STOCK:-0}" = 1 ]; then
+    patched=$(JOBS=$(nproc) scripts/patch-over-stock.sh 2>> "$OUT/build-stock.log") \
+      && say "patched llama-bench built over the stock tree: $(grep 'patch-over-stock: built' "$OUT/build-stock.log" | tail -n 1)" \
+      || say "the patched build over the stock tree failed: see $OUT/build-stock.log"
+  fi
   # shellcheck disable=SC2086  # a model path and llama-bench flags
-  FLUX_SRC_DIR=.carry/src FLUX_OFFLINE=1 CUDA_ARCHS=${CUDA_ARCHS:-90} JOBS=$(nproc) \
+  FLUX_PATCHED_BENCH=$patched FLUX_SRC_DIR=.carry/src FLUX_OFFLINE=1 CUDA_ARCHS=${CUDA_ARCHS:-90} JOBS=$(nproc) \
     scripts/patch_ab.sh "$OUT/patch-ab" $FLUX_PATCH_AB 2>&1 | tee -a "$OUT/e2e.log" || say "patch A/B failed"
   if [ "${FLUX_PACK_BACKEND:-0}" = 1 ] && [ ! -d "$OUT/stock" ]; then  # carried as .carry/stock next time
     scripts/backend-pack.sh pack-stock "$OUT/stock" >> "$OUT/build.log" 2>&1 || say "packing the stock build failed"

@@ -23,7 +23,9 @@ CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/flux"
 REPS=${REPS:-5}
 mkdir -p "$OUT"
 [ -f "$MODEL" ] || { echo "patch_ab: $MODEL is not a file: give a .gguf (flux synth writes one)" >&2; exit 2; }
-PATCHED="$CACHE/backend/current/bin/llama-bench"
+# FLUX_PATCHED_BENCH: another patched llama-bench, e.g. the one scripts/patch-over-stock.sh builds over the stock
+# build tree (one cmake project for both, and one full compile instead of two)
+PATCHED=${FLUX_PATCHED_BENCH:-$CACHE/backend/current/bin/llama-bench}
 [ -x "$PATCHED" ] || { echo "patch_ab: no patched llama-bench at $PATCHED: run scripts/build-backend.sh first" >&2; exit 2; }
 # How a llama-bench is linked: "shared" (it loads a libllama*.so: a FLUX_ONE_BUILD=1 build, the GPU machines') or
 # "static". The stock build is linked the same way, so that the race compares the patches and nothing else.
@@ -44,10 +46,11 @@ STOCK="$CACHE/backend/stock/bin/llama-bench"
 # summarize DONE [print]: patch_ab.json from the first DONE repetitions (written after each one, so that a run
 # cut short, e.g. a lent machine taken back, leaves the pairs it finished summarized); "print" prints the ratios
 summarize() {
-PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" python3 - "$OUT" "$1" "$FLAGS_TEXT" "$LINK" "$REPS" "${2:-}" <<'EOF'
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" python3 - "$OUT" "$1" "$FLAGS_TEXT" "$LINK" "$REPS" "${2:-}" "$PATCHED" "$STOCK" <<'EOF'
 import json, statistics, sys
 from pathlib import Path
 out, reps, flags, link, planned, say = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6]
+exes = {"patched": sys.argv[7], "stock": sys.argv[8]}
 runs = {w: [] for w in ("patched", "stock")}
 host = [{"rep": i, **json.loads((out / f"host-{i}.json").read_text())} for i in range(1, reps + 1)
         if (out / f"host-{i}.json").is_file()]
@@ -65,7 +68,7 @@ from tasks.bench.stats import paired_ratio
 paired = {t: paired_ratio([r["tps"] for r in runs["patched"] if r["test"] == t],
                           [r["tps"] for r in runs["stock"] if r["test"] == t]).model_dump() for t in ratio}
 (out / "patch_ab.json").write_text(json.dumps({"flags": flags, "reps": reps, "reps_planned": planned, "linkage": link,
-                                                "runs": runs, "median_tps": med, "patched_vs_stock": ratio,
+                                                "executables": exes, "runs": runs, "median_tps": med, "patched_vs_stock": ratio,
                                                 "paired": paired, "host": host}, indent=1))
 for t, r in ratio.items() if say else ():
     ci = paired[t]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import tarfile
 import time
@@ -164,6 +165,43 @@ def test_patch_ab_refuses_a_model_that_is_not_a_file(tmp_path: Path) -> None:
     out = subprocess.run([str(REPO / "scripts" / "patch_ab.sh"), str(tmp_path / "ab"), str(tmp_path / "none.gguf")],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "is not a file: give a .gguf" in out.stderr, out.stderr
+
+
+def test_patch_over_stock_refuses_without_a_kept_stock_tree(tmp_path: Path) -> None:
+    out = subprocess.run([str(REPO / "scripts" / "patch-over-stock.sh")], env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "FLUX_STOCK_KEEP=1" in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
+def test_the_patched_llama_bench_built_over_the_stock_tree_races_it(tmp_path: Path, tiny_moe: Path) -> None:
+    # scripts/patch-over-stock.sh: the patches applied to the kept stock tree, only what they change compiled again
+    # (ggml.h keeps its time stamp: it gains tensor flags alone), and patch_ab.sh races that llama-bench
+    # (FLUX_PATCHED_BENCH) against the stock one, the executables named in patch_ab.json.
+    stock = (CACHE / "backend" / "stock").resolve()
+    if not (stock / "stock-build").is_dir():
+        pytest.skip("no kept stock tree: FLUX_STOCK=1 FLUX_STOCK_KEEP=1 scripts/build-backend.sh (~10 minutes)")
+    built = subprocess.run([str(REPO / "scripts" / "patch-over-stock.sh")], capture_output=True, text=True, timeout=3600)
+    assert built.returncode == 0, built.stderr
+    patched = Path(built.stdout.strip())
+    assert patched == stock / "over-stock" / "bin" / "llama-bench" and patched.is_file()
+    # the patches are in the patched build (their switches' names) and not in the stock one, library or executable
+    def carries_patches(bin_dir: Path) -> bool:
+        files = [f for f in bin_dir.parent.glob("lib/libllama.so*") if not f.is_symlink()] or [bin_dir / "llama-bench"]
+        return any(b"FLUX_MOE_SPLIT" in f.read_bytes() for f in files)
+    assert carries_patches(patched.parent) and not carries_patches(stock / "bin")
+    # only the patched files were compiled again: of ggml, the four the patches touch (and CUDA's two), not the
+    # rest that includes ggml.h (kept time stamp)
+    compiled = re.findall(r"Building (?:C|CXX|CUDA) object (\S+)", (stock / "over-stock.log").read_text())
+    ggml = {Path(o).name for o in compiled if o.startswith("ggml/")}
+    assert {"ggml-backend.cpp.o", "ggml-cpu.c.o"} <= ggml <= {"ggml-backend.cpp.o", "ggml-cpu.c.o", "repack.cpp.o",
+                                                           "ggml-rpc.cpp.o", "ggml-cuda.cu.o", "mmvq.cu.o"}, ggml
+    out = subprocess.run([str(REPO / "scripts" / "patch_ab.sh"), str(tmp_path / "ab"), str(tiny_moe),
+                          "-p", "16", "-n", "4", "-t", "2"], env={**os.environ, "REPS": "1", "FLUX_PATCHED_BENCH": str(patched)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads((tmp_path / "ab" / "patch_ab.json").read_text())
+    assert got["executables"] == {"patched": str(patched), "stock": str(CACHE / "backend" / "stock" / "bin" / "llama-bench")}
+    assert {r["test"] for r in got["runs"]["patched"]} == {"prefill", "decode"}
 
 
 def test_patch_ab_races_the_builds_and_reads_the_host_before_each_pair(tmp_path: Path, tiny_moe: Path) -> None:
