@@ -98,6 +98,10 @@ class StageClock:
         stages outside the budget (the probe), and the tail still to come."""
         return self.started_after_s + sum(self.seconds.get(n, 0.0) for n in OUTSIDE_BUDGET) + TAIL_S
 
+    def command_s(self) -> float:
+        """Seconds since the command started (the process's start before the clock included)."""
+        return self.started_after_s + time.monotonic() - self.t0
+
     def left_s(self) -> float:
         """Estimated seconds until the plan is saved: what the budget has left, plus the tail."""
         return max(0.0, self.budget_s - self.in_budget_spent()) + TAIL_S if "validate" not in self.seconds else TAIL_S

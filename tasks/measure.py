@@ -33,6 +33,13 @@ from tasks.validate import score_loaded, scored_path
 
 log = logging.getLogger(__name__)
 MIN_VISIT_TIMEOUT_S = 30.0
+# A visit's requests may wait this many times its estimate (its prediction, or the visits so far): a loaded machine
+# slows a finalist, and a slow finalist is a slower plan, never a timed-out one (on the 2-core machine beside other
+# work a finalist hit the former fixed 30 s and its plan kept one round).
+VISIT_TIMEOUT_FACTOR = 4.0
+# The finalists every plan measures MIN_ROUNDS times however long it takes (a race needs two, each with a spread).
+PROTECTED = 2
+PROTECTED_ROUNDS = 2
 Progress = Callable[[str], None]
 TRIAL_SCHEMA = pa.schema([
     ("candidate_id", pa.string()), ("round", pa.int32()), ("prompt_index", pa.int32()),
@@ -157,10 +164,12 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
     ``gpu_budgets`` (bytes per GPU) turns a finalist whose measured GPU memory exceeds them into an error;
     ``predicted_gpu`` (bytes on every GPU, by candidate id) is recorded beside the measured bytes. The budget
     is a deadline: no visit starts that its estimate (the median visit so far, else ``predicted_visit_s``)
-    would end past it, in any round; the first two finalists' first visits always run. After the first round,
-    the finalists whose second visits (each as long as its first) do not all fit what is left are cut, slowest
-    first, so that every finalist kept gets a second round (a spread); a cut one is an error row ("measured
-    once"), never the plan.
+    would end past it, in any round, except the PROTECTED fastest finalists' first PROTECTED_ROUNDS visits,
+    which always run (a plan's race has two finalists measured twice each, at worst later than the budget).
+    After the first round, the finalists whose second visits (each as long as its first) do not all fit what
+    is left are cut, slowest first, so that every finalist kept gets a second round (a spread); a cut one is
+    an error row ("measured once"), never the plan. A visit's requests wait VISIT_TIMEOUT_FACTOR times its
+    estimate at least, so a loaded machine slows a finalist rather than timing it out.
 
     ``reserves`` are finalists left out for the budget, best first: in the first round, a finalist that fails
     (over the memory budget, a crash) hands its visit to the next reserve, so that a plan whose best-predicted
@@ -181,8 +190,10 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
     stopped = False
     total = repeats * len(finalists)
     done = 0
+    protected: set[str] = set()
     for rnd in range(repeats):
         if rnd == 1:
+            protected = set(_fastest(rows, first_visit, failed, PROTECTED))
             for cid in _cut_for_second_round(rows, first_visit, failed, budget_s - (time.monotonic() - t0)):
                 failed.add(cid)
                 rows.append({"candidate_id": cid, "round": 1, "prompt_index": -1,
@@ -196,9 +207,11 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
                 continue
             spent = time.monotonic() - t0
             estimate = statistics.median(visit_s) if visit_s else (predicted_visit_s or {}).get(cand.id, 0.0)
-            if done >= 2 and spent + estimate > budget_s:
+            estimate = max(estimate, first_visit.get(cand.id, 0.0))
+            must = done < PROTECTED or (rnd < PROTECTED_ROUNDS and cand.id in protected)
+            if not must and spent + estimate > budget_s:
                 stopped = True
-                break
+                continue  # a protected finalist later in this round's order still gets its visit
             done += 1
             if progress:
                 progress(f"measure: candidate {done}/{total} ({cand.id}, round {rnd + 1}); "
@@ -206,7 +219,7 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
             v0 = time.monotonic()
             # no request of a visit may wait past the budget's end (at least MIN_VISIT_TIMEOUT_S): a finalist
             # that hangs or crawls becomes a timeout row instead of holding the plan for measure_timeout_s
-            wait_s = min(timeout_s, max(MIN_VISIT_TIMEOUT_S, budget_s - spent))
+            wait_s = min(timeout_s, max(MIN_VISIT_TIMEOUT_S, VISIT_TIMEOUT_FACTOR * estimate, budget_s - spent))
             if cand.engine != NATIVE:
                 score = scoring if rnd == 0 and cand.draft is None else None  # a draft's placement scores
                 got = engine_visit(cand, spec_of(engines, cand.engine), model, prompts, n_gen, rnd, wait_s, log_path,
@@ -333,14 +346,19 @@ def _cut_for_second_round(rows: list[dict[str, Any]], first_visit: Mapping[str, 
                           left_s: float) -> list[str]:
     """Finalists to cut so that the rest get a second visit within ``left_s``: the slowest by their first
     round's workload time go first (the fastest are the ones a plan can be)."""
+    keep = _fastest(rows, first_visit, failed, len(first_visit))
+    cut: list[str] = []
+    while len(keep) > PROTECTED and sum(first_visit[c] for c in keep) > left_s:
+        cut.append(keep.pop())
+    return cut
+
+
+def _fastest(rows: list[dict[str, Any]], first_visit: Mapping[str, float], failed: set[str], n: int) -> list[str]:
+    """The ``n`` visited, live finalists with the least first-round workload time, fastest first."""
     live = [cid for cid in first_visit if cid not in failed]
     work = {cid: sum((r.get("prompt_ms") or 0) + (r.get("gen_ms") or 0) for r in rows if r["candidate_id"] == cid)
             for cid in live}
-    keep = sorted(live, key=lambda cid: work[cid])
-    cut: list[str] = []
-    while len(keep) > 1 and sum(first_visit[c] for c in keep) > left_s:
-        cut.append(keep.pop())
-    return cut
+    return sorted(live, key=lambda cid: work[cid])[:n]
 
 
 def _iqr(xs: list[float]) -> float | None:

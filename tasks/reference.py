@@ -136,7 +136,8 @@ def floor_variants(info: ModelInfo, hw: HardwareReport, ref: EngineParams,
 
 def reference(model: Path, info: ModelInfo, hw: HardwareReport, prompts: list[list[int]], held_out: list[list[int]],
               *, n_tokens: int, seed: int, gate: Gate, keys: dict[str, str], cache_dir: Path, log_path: Path,
-              timeout_s: float, progress: Progress, cores: CoreShare | None = None) -> ReferenceOutputs:
+              timeout_s: float, progress: Progress, cores: CoreShare | None = None,
+              floor_sequences: int = FLOOR_SEQUENCES) -> ReferenceOutputs:
     """The reference's continuations and outputs, and the floor (from the cache when there).
 
     Args:
@@ -146,23 +147,45 @@ def reference(model: Path, info: ModelInfo, hw: HardwareReport, prompts: list[li
         cache_dir: where results are kept across plans.
         cores: the cores this stage shares with another that runs beside it (the routing trace): the CPU floor
             variants' threads follow it.
+        floor_sequences: how many of the sequences the noise floor's variants score (fewer for a small budget).
     """
     t0 = time.monotonic()
     ref = reference_placement(info, hw, validation_context(prompts, n_tokens), hw.cpu.physical_cores, seed)
     variants = floor_variants(info, hw, ref, max(1, hw.cpu.physical_cores // 2) if cores else None)
     ref_key = content_id({**keys, "prompts": prompts, "n_tokens": n_tokens, "hardware": hw.fingerprint,
                           "reference": ref.model_dump(exclude={"n_threads", "n_threads_batch"})})
-    cache = Cache(cache_dir, ref_key, content_id({"reference": ref_key, "sequences": FLOOR_SEQUENCES, "variants": [
+    cache = Cache(cache_dir, ref_key, content_id({"reference": ref_key, "sequences": floor_sequences, "variants": [
         (n, p.model_dump(exclude={"n_threads", "n_threads_batch"})) for n, p in variants]}))
     computed = not (cache.reference().exists() and cache.floor().exists())
     # while it computes, the stage shares the host's cores (its loads, the CPU floor) with the routing trace
     with cores.busy("reference", hw.cpu.physical_cores) if cores and computed else nullcontext() as share:
         seqs, ref_lps = reference_continuations(model, ref, prompts, n_tokens, log_path, timeout_s, cache,
                                                 threads_file=share.path if share else None)
-        floor = floor_results(model, variants, seqs[:FLOOR_SEQUENCES], ref_lps[:FLOOR_SEQUENCES], log_path,
+        floor = floor_results(model, variants, seqs[:floor_sequences], ref_lps[:floor_sequences], log_path,
                               timeout_s, cache, progress, share.path if share else None)
     kl, top1 = gate.limits(floor)
     return ReferenceOutputs(prompts=prompts, held_out=held_out, continuations=[c for _, c in seqs],
                             cache_dir=str(cache_dir), reference_key=ref_key, floor_key=cache.floor_key, reference=ref,
                             floor=floor, kl_limit=kl, top1_limit=top1, computed=computed,
                             seconds=time.monotonic() - t0, device=device_of(ref, hw))
+
+
+def predicted_seconds(info: ModelInfo, hw: HardwareReport, n_seqs: int, cap: int, n_tokens: int,
+                      floor_sequences: int) -> float:
+    """Seconds the reference and its noise floor are predicted to take from the probe's whole-model kernels:
+    each configuration's load, the reference's prefill of ``n_seqs`` prompts of up to ``cap`` tokens and its
+    ``n_tokens`` greedy tokens each, and every floor variant's pass over ``floor_sequences`` of them (a
+    configuration with any layer on the host at the CPU's speed). An upper estimate: the floor's GPU lane runs
+    beside its host lane."""
+    ref = reference_placement(info, hw, cap + n_tokens + 8, hw.cpu.physical_cores, 0)
+
+    def cost(p: EngineParams, prefill: int, decode: int) -> float:
+        on_gpu = p.n_gpu_layers < 0 or p.n_gpu_layers > info.n_layer
+        k = next((k for k in hw.kernels if (k.device != "CPU") == on_gpu), None)
+        k = k or next((k for k in hw.kernels if k.device == "CPU"), None)
+        if k is None:
+            return 0.0
+        return ((k.load_ms or 0.0) + prefill * k.prefill_ms_per_token + decode * k.decode_ms_per_token) / 1e3
+
+    floor = sum(cost(p, floor_sequences * (cap + n_tokens), 0) for _, p in floor_variants(info, hw, ref))
+    return cost(ref, n_seqs * cap, n_seqs * n_tokens) + floor

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from artifacts.records.hardware import HardwareReport
 from artifacts.records.routing import RoutingProfile
 from engine_bridge import ops
 from engine_bridge.client import HIDE_GPUS, WorkerClient
@@ -36,11 +37,31 @@ def trace_prompts(prompts: list[list[int]], budget: int = TRACE_TOKENS) -> list[
     return out or [prompts[0][:budget]]
 
 
+# The fewest prompt tokens a trace is cut to for a small budget: 256 x 8 picks per layer still ranks a layer's
+# busiest experts (what a per-expert placement keeps), if not its cold tail.
+MIN_TRACE_TOKENS = 256
+
+
+def trace_tokens(hw: HardwareReport | None, budget_s: float, share: float) -> int:
+    """Prompt tokens to trace: TRACE_TOKENS, halved (down to MIN_TRACE_TOKENS) while the trace predicted from the
+    probe's CPU kernels (a load, then the tokens at its prefill speed: the trace runs on the CPU) exceeds
+    ``share`` of ``budget_s``; a routing trace scales with the budget as the measuring rounds do."""
+    cpu = next((k for k in hw.kernels if k.device == "CPU"), None) if hw else None
+    n = TRACE_TOKENS
+    if cpu is None:
+        return n
+    while n > MIN_TRACE_TOKENS and ((cpu.load_ms or 0.0) + n * cpu.prefill_ms_per_token) / 1e3 > share * budget_s:
+        n //= 2
+    return n
+
+
 def trace(model: Path, prompts: list[list[int]], params: EngineParams, log_path: Path,
-          timeout_s: float, threads_file: Path | None = None) -> RoutingCounts:
-    """Count the router's picks of every layer over ``prompts`` (prefilled, then TRACE_GEN greedy tokens each);
-    with ``threads_file``, the worker's threads follow it (:class:`tasks.cores.CoreShare`)."""
-    req = RoutingRequest(model=str(model), params=params, prompts=tuple(tuple(p) for p in trace_prompts(prompts)),
+          timeout_s: float, threads_file: Path | None = None, tokens: int = TRACE_TOKENS) -> RoutingCounts:
+    """Count the router's picks of every layer over ``prompts`` cut to ``tokens`` in all (prefilled, then
+    TRACE_GEN greedy tokens each); with ``threads_file``, the worker's threads follow it
+    (:class:`tasks.cores.CoreShare`)."""
+    cut = trace_prompts(prompts, tokens)
+    req = RoutingRequest(model=str(model), params=params, prompts=tuple(tuple(p) for p in cut),
                          n_gen=TRACE_GEN, threads_file=str(threads_file) if threads_file else None)
     # On the CPU with the GPUs hidden (as the probe's CPU kernels): the router's picks do not depend on the
     # device, and a CUDA build's evaluation callback crashed the worker reading ids computed on the GPU.

@@ -29,6 +29,9 @@ KEEP_FINALISTS = 2  # finalists measured however small the budget (a race needs 
 # The shallowest prompt measured however small the budget: decode after 64 tokens hides what a KV cache on the
 # host costs (run 8: 44 tok/s there, 25 at a 512-token depth, 8 at 16k).
 MIN_DEPTH = 1024
+# The shortest decode window a visit times after each prompt: a slow model's window shrinks to it before the
+# plan's budget is overrun (a decode reading of 16 tokens still has a spread over rounds).
+MIN_GEN = 16
 VISIT_ERROR = 1.5  # prompts are sized as if visits took this much longer than predicted (run 9: up to 1.9x)
 # Starting a worker and its first run (process, backend init, the warm-up prompt), beyond loading weights.
 VISIT_OVERHEAD_S = 1.5
@@ -75,6 +78,16 @@ def measure_budget(budget_s: float, spent_s: float, one_time_s: float = 0.0, out
     return max(budget_s - spent_s + grace, MIN_MEASURE_SHARE * budget_s)
 
 
+# Validation and persisting after measuring, beyond the budget (the mixtral twin's took under 2 s).
+TAIL_S = 5.0
+
+
+def first_plan_left(budget_s: float, command_s: float) -> float:
+    """Seconds measuring may take for the plan to end within ``budget_s`` + FIRST_PLAN_SLACK_S of the command's
+    start, ``command_s`` seconds ago (the tail after it kept)."""
+    return budget_s + FIRST_PLAN_SLACK_S - command_s - TAIL_S
+
+
 def load_rates(hw: HardwareReport, model_bytes: int) -> tuple[float, float]:
     """(GPU, host) bytes/s a load moves, from the probe's timed whole-model loads (LOAD_GBS without them)."""
     gpu = next((k.load_ms for k in hw.kernels if k.device != "CPU" and k.load_ms), None)
@@ -112,10 +125,15 @@ def measurement_lengths(fin: Finalists, n_ctx: int, req: PlanRequest, budget_s: 
     Deepest first because the mix's time is mostly its long prompts, and a deep KV cache is where KV placement and
     the per-token cost of attention show: run 8 on the H200 measured only a 64-token prompt at an 8 GiB budget and
     chose a KV-on-host plan that decoded 44 tok/s there and 25 tok/s at a 512-token depth; sized for all six
-    finalists, the prompts shrank to that 64-token one again at 10 GiB (run 9a)."""
+    finalists, the prompts shrank to that 64-token one again at 10 GiB (run 9a).
+
+    The tokens generated after each prompt scale with the model's speed (:func:`decode_window`): a slow model's
+    visits decode a shorter window rather than the plan being refused (the mixtral twin at 12 GiB decodes ~10
+    tok/s, and 256 generated tokens a visit did not fit a 240 s budget)."""
     budget = req.budget_s if budget_s is None else budget_s
-    ladder, n_gen = nominal_lengths(n_ctx, req)
+    ladder, nominal_gen = nominal_lengths(n_ctx, req)
     racers = _first(diverse_order(fin), min(KEEP_FINALISTS, len(fin.finalists)))
+    n_gen = decode_window(racers, ladder[0], nominal_gen, budget, rates)
 
     def fits(lengths: list[int]) -> bool:
         return MIN_ROUNDS * VISIT_ERROR * round_seconds(racers, lengths, n_gen, rates) <= budget
@@ -128,6 +146,15 @@ def measurement_lengths(fin: Finalists, n_ctx: int, req: PlanRequest, budget_s: 
         if n < chosen[0] and fits([*chosen, n]):
             chosen.append(n)
     return sorted(chosen), n_gen
+
+
+def decode_window(racers: Finalists, shortest: int, n_gen: int, budget_s: float,
+                  rates: tuple[float, float]) -> int:
+    """Tokens generated after each prompt: ``n_gen``, halved (down to MIN_GEN) while MIN_ROUNDS rounds of the
+    ``racers`` on the ``shortest`` prompt do not fit ``budget_s`` with VISIT_ERROR to spare."""
+    while n_gen > MIN_GEN and MIN_ROUNDS * VISIT_ERROR * round_seconds(racers, [shortest], n_gen, rates) > budget_s:
+        n_gen = max(MIN_GEN, n_gen // 2)
+    return n_gen
 
 
 def family_key(cand: Candidate) -> str:
@@ -186,17 +213,68 @@ def _first(fin: Finalists, n: int) -> Finalists:
     return fin.model_copy(update={"finalists": fin.finalists[:n], "predictions": fin.predictions[:n]})
 
 
-def check_budget(fin: Finalists, lengths: list[int], n_gen: int, budget_s: float,
-                 rates: tuple[float, float] = (LOAD_GBS * 1e9, LOAD_GBS * 1e9), spent_s: float = 0.0) -> None:
-    """Refuse a budget that cannot measure every finalist MIN_ROUNDS times (no spread, no fair race)."""
+def overrun_note(fin: Finalists, lengths: list[int], n_gen: int, budget_s: float,
+                 rates: tuple[float, float] = (LOAD_GBS * 1e9, LOAD_GBS * 1e9)) -> str | None:
+    """What a budget too short to measure every finalist MIN_ROUNDS times means, or ``None`` when it is not.
+
+    Never a refusal: a budget that truly cannot hold two finalists twice is refused right after the probe
+    (:func:`check_feasible`); past that point the finalists are measured twice however long it takes, and the
+    plan ends later than ``--budget-s`` asked (a loaded machine gives a slower plan, not a refusal)."""
     need = MIN_ROUNDS * round_seconds(fin, lengths, n_gen, rates)
-    if budget_s < need:
-        spent = f" after {spent_s:.0f} s of this budget spent on the model's routing trace and reference" if spent_s else ""
-        raise ImpossiblePlan(
-            f"the {max(0.0, budget_s):.0f} s that --budget-s leaves for measuring{spent} cannot measure the "
-            f"{len(fin.finalists)} finalists {MIN_ROUNDS} times each (~{need:.0f} s predicted for {len(lengths)} "
-            f"prompt(s) of {sum(lengths)} tokens + {n_gen} generated each): one round has no spread",
-            f"use --budget-s {int(need * 1.5 + spent_s) + 1} or more")
+    if budget_s >= need:
+        return None
+    return (f"the {max(0.0, budget_s):.0f} s left for measuring are less than the ~{need:.0f} s predicted to "
+            f"measure {len(fin.finalists)} finalists {MIN_ROUNDS} times each ({len(lengths)} prompt(s) of "
+            f"{sum(lengths)} tokens + {n_gen} generated each): every one is measured {MIN_ROUNDS} times all the same, "
+            "and the plan ends later than --budget-s")
+
+
+def fastest_kernels(hw: HardwareReport) -> tuple[float, float, float]:
+    """(load s, prefill s per token, decode s per token) of the fastest device the probe timed the whole model
+    on: no placement within a budget beats the whole model on its fastest device, so these bound from below."""
+    ks = [k for k in hw.kernels if k.decode_ms_per_token > 0]
+    if not ks:
+        return 0.0, 0.0, 0.0
+    best = min(ks, key=lambda k: k.decode_ms_per_token)
+    loads = [k.load_ms for k in ks if k.load_ms]
+    return (min(loads) / 1e3 if loads else 0.0), best.prefill_ms_per_token / 1e3, best.decode_ms_per_token / 1e3
+
+
+def least_measure_seconds(hw: HardwareReport, n_ctx: int, req: PlanRequest) -> float:
+    """A lower bound on measuring KEEP_FINALISTS finalists MIN_ROUNDS times: every visit loads the whole model
+    and runs the shortest prompt and MIN_GEN tokens as fast as the probe's fastest device did."""
+    load_s, prefill_s, decode_s = fastest_kernels(hw)
+    shortest = nominal_lengths(n_ctx, req)[0][0]
+    visit = VISIT_OVERHEAD_S + load_s + shortest * prefill_s + MIN_GEN * decode_s
+    return KEEP_FINALISTS * MIN_ROUNDS * visit
+
+
+def check_feasible(hw: HardwareReport, n_ctx: int, req: PlanRequest, one_time_s: float = 0.0) -> None:
+    """Refuse, right after the probe, a ``--budget-s`` that cannot measure two finalists twice even at the
+    fastest this machine ran the model (:func:`least_measure_seconds`) after ``one_time_s`` of the model's
+    one-time stages (their least, 0 when stored): a refusal that comes before the budget is spent, naming one
+    that works. Any budget above it plans, at worst later than asked."""
+    need = least_measure_seconds(hw, n_ctx, req) + one_time_s
+    if req.budget_s >= need:
+        return
+    raise ImpossiblePlan(
+        f"--budget-s {req.budget_s:g} cannot measure the {KEEP_FINALISTS} finalists {MIN_ROUNDS} times each: "
+        f"even at this machine's fastest (the probe's whole-model load and kernels) that takes ~{need:.0f} s",
+        f"use --budget-s {int(need * VISIT_ERROR * 2) + 1} or more")
+
+
+# The share of --budget-s a model's one-time stages (routing trace, reference and noise floor) are sized for:
+# they run beside each other, and what they leave is measuring's (the mixtral twin's first plan on the H100 at B = 240:
+# 102 s of them left 138 s, too few to measure two finalists twice at a fixed workload).
+ONE_TIME_SHARE = 0.3
+
+
+def one_time_scale(predicted_s: float, budget_s: float) -> float:
+    """The factor (at most 1) a one-time stage's work is scaled by so that ``predicted_s`` fits its share of
+    ``budget_s`` (ONE_TIME_SHARE)."""
+    if predicted_s <= 0:
+        return 1.0
+    return min(1.0, ONE_TIME_SHARE * budget_s / predicted_s)
 
 
 def tune_prompts(model: Path, lengths: list[int], seed: int, log_path: Path) -> list[list[int]]:
@@ -205,11 +283,25 @@ def tune_prompts(model: Path, lengths: list[int], seed: int, log_path: Path) -> 
         return sized_prompts(tok, lengths, split="tune", seed=seed)
 
 
-def validation_prompts(model: Path, n_ctx: int, n_tokens: int, seed: int,
-                       log_path: Path) -> tuple[list[list[int]], list[list[int]]]:
-    """(validation prompts: agent conversations + held-out prompts, held-out prompts to time)."""
-    cap = max(16, min(VALIDATION_CAP, n_ctx - n_tokens - 8))
+def validation_prompts(model: Path, n_ctx: int, n_tokens: int, seed: int, log_path: Path,
+                       scale: float = 1.0) -> tuple[list[list[int]], list[list[int]]]:
+    """(validation prompts: agent conversations + held-out prompts, held-out prompts to time); ``scale`` < 1
+    (:func:`validation_shape`) keeps fewer conversations, cut shorter."""
+    cap_at, n_convs = validation_shape(scale)
+    cap = max(16, min(cap_at, n_ctx - n_tokens - 8))
     with tokenizer(model, log_path) as tok:
-        convs = [tok(conversation_text(c))[-cap:] for c in load_conversations()]
+        convs = [tok(conversation_text(c))[-cap:] for c in load_conversations()[:n_convs]]
         held = sized_prompts(tok, [min(cap, n) for n in (128, 512)], split="held_out", seed=seed)
     return convs + held, held
+
+
+# The least a scaled reference keeps: the quality gate still compares this many conversations of this many tokens.
+MIN_VALIDATION_CAP = 64
+MIN_CONVERSATIONS = 3
+
+
+def validation_shape(scale: float) -> tuple[int, int]:
+    """(longest validation prompt in tokens, agent conversations kept) at ``scale`` of the full reference."""
+    s = max(0.0, min(1.0, scale))
+    cap = max(MIN_VALIDATION_CAP, int(VALIDATION_CAP * s) // 16 * 16)
+    return cap, max(MIN_CONVERSATIONS, round(len(load_conversations()) * s))

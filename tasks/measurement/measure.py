@@ -43,10 +43,15 @@ def _sized(ctx: PlanContext, log: Any, hw: HardwareReport,
     """(budget left, load rates, prompt lengths, tokens generated, finalists kept) for what the budget has left."""
     spent = ctx.clock.in_budget_spent()
     budget = wl.measure_budget(ctx.req.budget_s, spent, ctx.clock.one_time_s(), ctx.clock.outside_s())
+    # a first plan ends within B + FIRST_PLAN_SLACK_S of the command's start whatever ran before (a 26 GB model's
+    # probe took 109 s): measuring gets what that deadline leaves, its workload scaled to fit (tasks.workload)
+    budget = max(0.0, min(budget, wl.first_plan_left(ctx.req.budget_s, ctx.clock.command_s())))
     rates = wl.load_rates(hw, ctx.info.file_bytes)
     lengths, n_gen = wl.measurement_lengths(fin, min(c.params.n_ctx for c in fin.finalists), ctx.req, budget, rates)
     kept = wl.fitting_finalists(fin, lengths, n_gen, budget, rates)
-    wl.check_budget(kept, lengths, n_gen, budget, rates, spent)
+    note = wl.overrun_note(kept, lengths, n_gen, budget, rates)
+    if note:
+        log.warning("measure: %s", note)
     if len(kept.finalists) < len(fin.finalists):
         log.info("measure: %d of %d finalists fit %d rounds in the %.0f s left of the budget (%s dropped; a larger "
                  "--budget-s measures them)", len(kept.finalists), len(fin.finalists), wl.MIN_ROUNDS, budget,

@@ -38,21 +38,30 @@ def _when(ctx: PlanContext, log: Any, hw: HardwareReport) -> bool:
 
 
 def route_key(ctx: PlanContext, hw: HardwareReport | None = None) -> dict[str, Any]:
-    """The trace's key: the model, the workload, the seed, the tokens traced, the build and the code."""
+    """The trace's key: the model, the workload, the seed, the tokens traced (:func:`tasks.route.trace_tokens`:
+    fewer for a small budget), the build and the code."""
     return {"stage": "route", "model": ctx.model_hash, "workload": ctx.req.workload, "seed": ctx.req.seed,
-            "tokens": route.TRACE_TOKENS, "backend": ctx.backend_build, "code": ctx.code}
+            "tokens": _tokens(ctx, hw), "backend": ctx.backend_build, "code": ctx.code}
+
+
+def _tokens(ctx: PlanContext, hw: HardwareReport | None) -> int:
+    return route.trace_tokens(hw, ctx.req.budget_s, wl.ONE_TIME_SHARE)
 
 
 def _run(ctx: PlanContext, log: Any, hw: HardwareReport) -> RoutingProfile:
     lengths, _ = wl.nominal_lengths(ctx.info.n_ctx_train or 4096, ctx.req)
     prompts = wl.tune_prompts(ctx.model, lengths, ctx.req.seed, ctx.worker_log)
-    n_ctx = max(len(p) for p in route.trace_prompts(prompts)) + route.TRACE_GEN + 16
+    tokens = _tokens(ctx, hw)
+    if tokens < route.TRACE_TOKENS:
+        log.info("route: tracing %d prompt tokens (of %d) to fit --budget-s %g", tokens, route.TRACE_TOKENS,
+                 ctx.req.budget_s)
+    n_ctx = max(len(p) for p in route.trace_prompts(prompts, tokens)) + route.TRACE_GEN + 16
     # beside the reference's CPU noise floor: a share of the cores while both run, all of them once it is done
     with ctx.cores.busy("route", hw.cpu.physical_cores) as cores:
         counts = route.trace(ctx.model, prompts, route.trace_params(n_ctx, cores.threads()), ctx.worker_log,
-                             ctx.settings.plan.measure_timeout_s, threads_file=cores.path)
+                             ctx.settings.plan.measure_timeout_s, threads_file=cores.path, tokens=tokens)
     table = routing_table(counts, ctx.model_hash)
-    tid = content_id({"routing": content_id(route_key(ctx)), "counts": counts.counts})
+    tid = content_id({"routing": content_id(route_key(ctx, hw)), "counts": counts.counts})
     ctx.store.put_table(ROUTING_TABLE, table, key=tid)
     prof = route.profile(counts, tid)
     log.info("route: %d tokens traced; each layer's busiest 10%% / 25%% / 50%% of experts take %.0f%% / %.0f%% / "

@@ -37,7 +37,9 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport, fin: Finalists, measure
     log.info("validate: measured order %s", ", ".join(
         f"{s.candidate_id} {s.workload_s:.2f} s" + (f" (ctx {by_id[s.candidate_id].params.n_ctx})" if len(
             {c.params.n_ctx for c in ranked}) > 1 else "") for s in ok))
-    return validate(ranked, ctx.model, ref.prompts, ref.held_out, n_tokens=ctx.settings.plan.validate_tokens,
+    # the reference's own length: a small budget scores fewer tokens (tasks.validation.reference.shape)
+    n_tokens = max((len(c) for c in ref.continuations), default=ctx.settings.plan.validate_tokens)
+    return validate(ranked, ctx.model, ref.prompts, ref.held_out, n_tokens=n_tokens,
                     gate=gate(ctx.settings), quality_profile=ctx.req.quality_profile, log_path=ctx.worker_log,
                     timeout_s=ctx.settings.plan.measure_timeout_s, reference=ref.reference,
                     floor_variants=floor_variants(ctx.info, hw, ref.reference), cache=ref.cache, progress=log.info,
