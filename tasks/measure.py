@@ -260,7 +260,7 @@ def measure(finalists: list[Candidate], model: Path, prompts: list[list[int]], n
                     rows.append({"candidate_id": cid, "round": 0, "prompt_index": -1, "error": why})
                     if progress:
                         progress(f"measure: {cid} dropped: {why}")
-        if stopped:
+        if stopped and rnd + 1 >= PROTECTED_ROUNDS:
             break
     rows += _measured_once(rows, failed)
     table = pa.Table.from_pylist([{f.name: r.get(f.name) for f in TRIAL_SCHEMA} for r in rows], schema=TRIAL_SCHEMA)
