@@ -17,7 +17,8 @@ next-token block grafted on llama-server; ``%PLAN_S``: this pair's ``--budget-s`
    the store's ``bench_summary`` table;
 4. one record row: ratios (``tg_vs_fit``, ``pp_vs_fit``, ``agent_vs_fit``, ... against each baseline), the
    plan's own measured decode against its decode through HTTP, GPU memory of every contender, planning
-   time, ``plan_id`` and ``ctx``.
+   time, ``plan_id`` and ``ctx``, the ``card`` and ``date``, and the ``race`` (how the contenders were held:
+   ``co-resident`` unless the race's metrics say otherwise; ``superseded_by`` empty, tasks/bench/standing.py).
 
 With ``--depths``, after every pair, the first pair's plan is raced once more against ``--fit`` alone, one turn per depth
 (``flux bench run --via serve --turns D:32,...``, one round): decode at each depth, plan and ``--fit``, one row
@@ -31,6 +32,7 @@ Nothing here plans, times or races on its own: it drives the ``flux`` commands a
     python3 scripts/bench_gpu.py --import --out DIR      # put DIR's record into the store (table bench_gpu)
     python3 scripts/bench_gpu.py --import --out DIR --record docs/benchmarks/h200/record.parquet   # and append
         # its rows to the docs' record (a row already there, same run and plan, is not added twice)
+    python3 scripts/standing.py   # then the standing table of docs/benchmarks/gpu-record.md from that record
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ sys.path.insert(0, str(REPO))
 from tasks.bench.gpu_pairs import Pair, parse_pair, refused_budget  # noqa: E402
 from tasks.bench.host_state import flag_record, host_columns, probe_readings  # noqa: E402
 from tasks.bench.spec_facts import speculation_facts  # noqa: E402
+from tasks.bench.standing import gpu_card, race_of_metrics  # noqa: E402
 from tasks.bench.step_facts import step_facts, step_facts_from_show, step_times  # noqa: E402
 
 GIB = 2**30
@@ -141,12 +144,14 @@ def summary_rows(plan_id: str, run_after: float) -> list[dict[str, Any]]:
 def plan_facts(plan_id: str) -> dict[str, Any]:
     """What the persisted plan says of itself."""
     from artifacts.config import load_settings
-    from artifacts.records.kinds import PLAN
+    from artifacts.records.kinds import PLAN, PROBE
     from artifacts.records.store import Records
 
-    plan = Records.at(load_settings().data_dir).find_by_prefix(PLAN, plan_id)
+    records = Records.at(load_settings().data_dir)
+    plan = records.find_by_prefix(PLAN, plan_id)
     c = plan.candidate
-    return {**whole_tensor_facts(plan), **step_facts(c), **speculation_facts(plan), "plan_family": c.family, "workload": plan.request.workload, "plan_flags": " ".join(c.params.cli_args()), "ctx": c.params.n_ctx,
+    hw = next((h for h in reversed(records.all(PROBE)) if h.fingerprint == plan.hardware_fingerprint), None)
+    return {"card": gpu_card([g.name for g in hw.gpus]) if hw else None, **whole_tensor_facts(plan), **step_facts(c), **speculation_facts(plan), "plan_family": c.family, "workload": plan.request.workload, "plan_flags": " ".join(c.params.cli_args()), "ctx": c.params.n_ctx,
             "plan_prefill_tps": plan.measured.prefill_tps, "plan_decode_tps": plan.measured.decode_tps,
             "plan_workload_s": plan.measured.workload_s, "plan_workload_iqr": plan.measured.workload_iqr,
             "plan_rounds": plan.measured.n_rounds, "plan_kv_gpu_gib": sum(b for d, b in c.kv_bytes.items() if d != "CPU") / GIB,
@@ -235,6 +240,9 @@ def record_row(run: str, preset: str, routing: str, budget: float, plan_id: str,
                     "plan_gpu_method": m.get("plan_gpu_method"), "plan_gpu_vs_measured": m.get("plan_gpu_vs_measured"),
                     "plan_flag": m.get("plan_flag"), "baseline_threads": m.get("baseline_threads"),
                     "baseline_threads_note": m.get("baseline_threads_note"), **host_columns(m.get("host"))})
+    if rows:  # how the race held its contenders (tasks/bench/standing.py): co-resident unless its metrics say
+        out["race"] = race_of_metrics(json.loads(r["metrics"] or "{}") for r in rows)
+    out.update({"date": time.strftime("%Y-%m-%d", time.gmtime()), "superseded_by": None})
     if out.get("served_decode_tps") and out.get("plan_decode_tps"):
         out["http_vs_plan_decode"] = out["served_decode_tps"] / out["plan_decode_tps"]
     out.update(step_times(out.get("served_decode_tps"), out.get("all_gpu_decode_tps")))
