@@ -2,7 +2,9 @@
 
 The Litestar server owns one :class:`AsyncWorkerClient` in its lifespan. Every request gets a protocol id; a
 reader task routes each worker line to the queue of its id, so calls and ``generate`` streams run
-concurrently. A worker that exits fails every pending call with :class:`WorkerDied` at once; a call that
+concurrently. A worker that exits fails every pending call with :class:`WorkerDied` at once (saying how it
+exited, never what it wrote on stderr: that reaches the server's clients; :meth:`AsyncWorkerClient.last_words`
+gives the log's tail for the log); a call that
 misses its timeout raises :class:`WorkerTimeout` and kills the worker (like :mod:`engine_bridge.client`).
 So does a request the worker does not take off its stdin within ``write_timeout_s`` (a worker that is
 stopped or wedged outside llama.cpp stops reading, and its pipe fills).
@@ -59,6 +61,7 @@ class AsyncWorkerClient:
         self._pending: dict[int, asyncio.Queue[Any]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._eof = False
+        self._log_start = 0  # the log is shared by successive workers: this one's words start here
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> dict[str, Any]:
@@ -74,6 +77,7 @@ class AsyncWorkerClient:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             log = self.log_path.open("ab")
+            self._log_start = log.tell()
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 self.python, *self.argv, stdin=asyncio.subprocess.PIPE,
@@ -166,13 +170,19 @@ class AsyncWorkerClient:
 
     # -- calls ------------------------------------------------------------------------------------
     def _died(self) -> WorkerDied:
-        detail = ""
-        if self.log_path is not None and self.log_path.exists():
-            with self.log_path.open("rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - 2000))
-                lines = f.read().decode("utf-8", errors="replace").strip().splitlines()
-            detail = lines[-1] if lines else ""
-        return WorkerDied(self.returncode, detail)
+        """How the worker exited, in words for a client (its stderr stays in its log: see :meth:`last_words`)."""
+        return WorkerDied(self.returncode, exit_detail(self.returncode))
+
+    def last_words(self) -> str:
+        """This worker's last words in its log: the assertion or error that ended it when it left one, else its
+        last line ("" without a log). For the server's log, not for a client's error."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with self.log_path.open("rb") as f:
+            f.seek(max(self._log_start, f.seek(0, os.SEEK_END) - 65536))
+            lines = f.read().decode("utf-8", errors="replace").strip().splitlines()
+        fatal = [x for x in lines if "GGML_ASSERT(" in x or "GGML_ABORT" in x or ": error: " in x]
+        return (fatal or lines or [""])[-1].strip()
 
     def _send(self, rid: int, op: str, args: Mapping[str, Any] | None) -> None:
         """Write one request (no await: small writes go to the transport's buffer at once).
@@ -288,3 +298,12 @@ class AsyncWorkerClient:
         token events, then ``{"result": ...}``. Its arguments go as they are: a long prompt is not validated
         twice on the way to its first token."""
         return self.stream(ops.GENERATE.name, args, timeout)
+
+
+def exit_detail(returncode: int | None) -> str:
+    """How a process ended beyond its exit status: "killed by SIGKILL" for a signal, else ""."""
+    if returncode is None or returncode >= 0:
+        return ""
+    with contextlib.suppress(ValueError):
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"killed by signal {-returncode}"

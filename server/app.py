@@ -97,7 +97,11 @@ def create_app(settings: Settings, plan: Plan, api_key: str | None = None, model
         finally:
             await service.close()
 
-    return Litestar(route_handlers=routers(api_key), lifespan=[lifespan], exception_handlers=EXCEPTION_HANDLERS,
-                    request_max_body_size=max_body_bytes(settings, plan), openapi_config=openapi_config(),
-                    state=State({"flux": service}),
-                    middleware=[access.access_log, client_write_timeout(settings.serve.client_write_timeout_s)])
+    app = Litestar(route_handlers=routers(api_key), lifespan=[lifespan], exception_handlers=EXCEPTION_HANDLERS,
+                   request_max_body_size=max_body_bytes(settings, plan), openapi_config=openapi_config(),
+                   state=State({"flux": service}),
+                   middleware=[client_write_timeout(settings.serve.client_write_timeout_s)])
+    # Litestar runs an app's middleware for matched routes only: around the whole handler, the access log also
+    # sees the router's own answers (404 no such route, 405 wrong method), which it counts as errors
+    app.asgi_handler = access.access_log(app.asgi_handler)
+    return app

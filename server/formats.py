@@ -2,6 +2,11 @@
 
 One builder per kind (a registry keyed by the kind, not an if-chain). Builders are pure: the generation
 feeds them text pieces and the worker's token events (for logprobs).
+
+``finish_reason`` is always one of OpenAI's values, which typed clients check (the ``openai`` package's models
+allow "stop", "length", "tool_calls", "content_filter", "function_call"). A reason of Flux's own that OpenAI
+lacks goes out as the OpenAI value that means the same to a client (:data:`OPENAI_FINISH`), and is named in
+the choice's extension field ``flux: {"finish_reason": ...}``, which OpenAI clients keep as an extra field.
 """
 
 from __future__ import annotations
@@ -14,6 +19,19 @@ from engine_bridge.ops import TokenEvent
 
 Kind = Literal["chat", "text"]
 ToolCallBody = dict[str, Any]  # {"id", "type": "function", "function": {"name", "arguments"}}
+
+# A cancelled reply (DELETE /v1/requests/{id}, or nobody followed it) was cut before its end, as a reply cut by
+# max_tokens is: "length" tells a client the text is incomplete, where "stop" would claim the model ended it.
+OPENAI_FINISH: dict[str, str] = {"cancelled": "length"}
+
+
+def finish_fields(reason: str | None) -> dict[str, Any]:
+    """A choice's ``finish_reason`` as OpenAI clients accept it, and Flux's own reason in ``flux`` when the two
+    differ (``{"finish_reason": "length", "flux": {"finish_reason": "cancelled"}}``)."""
+    if reason is None:
+        return {"finish_reason": None}
+    wire = OPENAI_FINISH.get(reason, reason)
+    return {"finish_reason": wire} if wire == reason else {"finish_reason": wire, "flux": {"finish_reason": reason}}
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -89,7 +107,7 @@ class ChatBuilder(Builder):
 
     def _chunk(self, delta: dict[str, Any], lp: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
         return {**self._head(self.chunk_object),
-                "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}]}
+                "choices": [{"index": 0, "delta": delta, "logprobs": lp, **finish_fields(reason)}]}
 
     def first(self) -> dict[str, Any] | None:
         """``delta: {role: assistant, content: ""}``."""
@@ -116,7 +134,7 @@ class ChatBuilder(Builder):
         if tool_calls:
             message["tool_calls"] = tool_calls
         return {**self._head(self.object), "usage": usage,
-                "choices": [{"index": 0, "message": message, "logprobs": self._lp(tokens), "finish_reason": reason}]}
+                "choices": [{"index": 0, "message": message, "logprobs": self._lp(tokens), **finish_fields(reason)}]}
 
 
 class TextBuilder(Builder):
@@ -144,7 +162,7 @@ class TextBuilder(Builder):
 
     def _chunk(self, text: str, lp: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
         return {**self._head(self.chunk_object),
-                "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}]}
+                "choices": [{"index": 0, "text": text, "logprobs": lp, **finish_fields(reason)}]}
 
     def piece(self, text: str, tokens: list[TokenEvent]) -> dict[str, Any]:
         """``choices[0].text``."""
@@ -161,7 +179,7 @@ class TextBuilder(Builder):
         """``text_completion``."""
         return {**self._head(self.object), "usage": usage,
                 "choices": [{"index": 0, "text": text, "logprobs": self._lp(tokens, self.echo_chars),
-                             "finish_reason": reason}]}
+                             **finish_fields(reason)}]}
 
 
 BUILDERS: dict[Kind, type[Builder]] = {"chat": ChatBuilder, "text": TextBuilder}

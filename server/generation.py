@@ -13,6 +13,11 @@ and a reply with calls ends with ``finish_reason: "tool_calls"``. When a grammar
 calls (``tool_choice`` ``required`` or a named function), each call streams as it is written: a first
 ``tool_calls`` delta with its id and name, then its arguments in pieces; one cut by ``max_tokens`` stays a
 call (arguments as far as they got) and the reply's ``finish_reason`` is ``"length"``.
+
+A request cancelled while it waited for a sequence never reaches the worker: :meth:`Generation.withdrawn`
+ends it at once as a cancel ends a running one (no tokens), holding no admission slot. A cancelled reply's
+reason is ``cancelled`` here and in the access log; its client reads OpenAI's ``length`` with
+``flux.finish_reason: "cancelled"`` (:data:`server.formats.OPENAI_FINISH`).
 """
 
 from __future__ import annotations
@@ -117,8 +122,9 @@ class _Acc:
 class Generation:
     """A running request; the journal entry holds its events."""
 
-    def __init__(self, spec: GenSpec, builder: Builder, entry: Entry, ctx: GenContext) -> None:
-        """Prepare; the caller already holds an admission slot for it."""
+    def __init__(self, spec: GenSpec, builder: Builder, entry: Entry, ctx: GenContext,
+                 holds_slot: bool = True) -> None:
+        """Prepare; the caller already holds an admission slot for it (``holds_slot``), given back at its end."""
         self.spec = spec
         self.builder = builder
         self.entry = entry
@@ -129,6 +135,7 @@ class Generation:
         self._acc = _Acc()
         self._matcher = StopMatcher(spec.stops)
         self._parser = _call_parser(spec)
+        self._holds_slot = holds_slot
         self._cancel_requested = False
         self._cancel_sent = False
         self._started = time.monotonic()
@@ -140,6 +147,14 @@ class Generation:
         self._readers = 1  # its own client, until its response ends (see detach)
         self._orphan: asyncio.TimerHandle | None = None
         self._when_done: list[Callable[[], None]] = []
+
+    @classmethod
+    def withdrawn(cls, spec: GenSpec, builder: Builder, entry: Entry, ctx: GenContext) -> Generation:
+        """A request cancelled before it got a sequence: it ends at once, as a cancel ends a running one (its
+        stream opens and ends with the cancelled finish; no tokens), never reaching the worker."""
+        gen = cls(spec, builder, entry, ctx, holds_slot=False)
+        gen._cancel_requested = gen._cancel_sent = True  # nothing runs in the worker to be told
+        return gen
 
     def start(self) -> None:
         """Run in the background."""
@@ -244,7 +259,8 @@ class Generation:
             raise
         finally:
             self.ctx.journal.finish(self.entry)
-            self.ctx.admission.release(time.monotonic() - self._started)
+            if self._holds_slot:
+                self.ctx.admission.release(time.monotonic() - self._started)
             if self._orphan is not None:
                 self._orphan.cancel()
             self.stats = self._finish_stats(outcome)

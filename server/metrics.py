@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from server.generation import FinishStats
+from server.transport import Refusal
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -92,8 +93,10 @@ def _gauge(name: str, doc: str, value: float) -> Metric:
 class Metrics:
     """The app's metrics: per-request counters and histograms, plus the service's gauges at scrape time."""
 
-    def __init__(self) -> None:
-        """A fresh registry (each app has its own: no module globals)."""
+    def __init__(self, on_refused: Callable[[Refusal], None] | None = None) -> None:
+        """A fresh registry (each app has its own: no module globals); ``on_refused`` is also told of each
+        connection the transport answered or closed itself (the service counts and logs those)."""
+        self._on_refused = on_refused
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.prompt_tokens = Counter("llamacpp:prompt_tokens", "Number of prompt tokens processed, excluding "
@@ -108,8 +111,8 @@ class Metrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.duration = Histogram("flux_request_duration_seconds", "From a request's arrival to its last token",
                                   buckets=LATENCY_BUCKETS, registry=r)
-        self.refused_connections = Counter("flux_connections_refused", "Connections closed by a read timeout or "
-                                           "the connection limit", ["reason"], registry=r)
+        self.refused_connections = Counter("flux_connections_refused", "Connections closed by a read timeout, "
+                                           "malformed headers or the connection limit", ["reason"], registry=r)
         self._totals = {"prompt_tokens": 0.0, "prompt_seconds": 0.0, "predicted_tokens": 0.0,
                         "predicted_seconds": 0.0, "n_tokens_max": 0.0}
         self._service = _ServiceCollector(self._totals)
@@ -133,14 +136,16 @@ class Metrics:
             self.ttft.observe(s.ttft_s)
         self.duration.observe(s.duration_s)
 
-    def refused(self, reason: str) -> None:
-        """Count a connection the transport closed (``timeout`` or ``connections``)."""
-        self.refused_connections.labels(reason=reason).inc()
+    def refused(self, refusal: Refusal) -> None:
+        """Count a connection the transport answered or closed itself (the ``on_refused`` hook of
+        :func:`server.transport.guarded_protocol`), by its reason (``timeout``, ``malformed``,
+        ``connections``)."""
+        self.refused_connections.labels(reason=refusal.reason).inc()
+        if self._on_refused is not None:
+            self._on_refused(refusal)
 
     def render(self, snapshot: Snapshot) -> bytes:
         """The Prometheus text exposition, with ``snapshot``'s gauges."""
         self._service.snapshot = snapshot
         return generate_latest(self.registry)
 
-
-RefusedHook = Callable[[str], None]

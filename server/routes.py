@@ -124,7 +124,8 @@ async def request_events(request: AnyRequest, rid: FromPath[str],
 
 @delete("/requests/{rid:str}", status_code=200)
 async def cancel_request(request: AnyRequest, rid: FromPath[str]) -> dict[str, Any]:
-    """Cancel a running request now (its journal keeps what it wrote; a resume then ends with 'cancelled')."""
+    """Cancel a request now: a running one stops (its journal keeps what it wrote), a queued one never starts;
+    either ends with finish_reason 'length' and flux.finish_reason 'cancelled'."""
     return _svc(request).cancel(rid)
 
 

@@ -23,6 +23,7 @@ from artifacts.config import Settings
 from artifacts.records.plan import Plan
 from engine_bridge import rpc
 from engine_bridge.errors import EngineError
+from server import access
 from server.chat import ChatTemplate, TemplateInfo
 from server.errors import (
     ApiError,
@@ -40,9 +41,10 @@ from server.metrics import Metrics, Snapshot
 from server.prompts import prompt_tokens, reply_tokens
 from server.schemas import ChatRequest, CompletionRequest, Sampling, parse_body
 from server.stats import Counters, memory_by_use
-from server.supervisor import Admission, EngineInfo, LoadSpec, WorkerSupervisor
+from server.supervisor import Admission, EngineInfo, LoadSpec, Ticket, WorkerSupervisor
 from server.tools.formats import detect_format
 from server.tools.plan import ReplyPlan, ReplyPlanner
+from server.transport import Refusal
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +82,9 @@ class FluxService:
         serve = settings.serve
         self.journal = Journal(serve.journal_max_bytes, serve.journal_ttl_s)
         self.counters = Counters()
-        self.metrics = Metrics()
+        self.metrics = Metrics(on_refused=self._refused)
         self.running: dict[str, Generation] = {}  # by request id, from admission to the end
-        self._claimed: set[str] = set()  # request ids being parsed, tokenized or queued
+        self._claimed: dict[str, Ticket] = {}  # request ids being parsed, tokenized or queued
         self.host_reserve_percent = settings.host_reserve_percent
         self.template = TemplateInfo(self.model_path)
         self.tool_format = detect_format(self.template.source)
@@ -173,7 +175,7 @@ class FluxService:
             raise Conflict(f"request id {rid!r} belongs to a request that is still running (cancel it with "
                            f"DELETE /v1/requests/{rid}, or use another id)", code="request_id_in_use",
                            param="x-request-id")
-        self._claimed.add(rid)
+        self._claimed[rid] = Ticket()
         try:
             yield
         except ApiError as exc:
@@ -186,7 +188,7 @@ class FluxService:
             self.counters.outcome("errored")
             raise
         finally:
-            self._claimed.discard(rid)
+            self._claimed.pop(rid, None)
 
     async def chat(self, rid: str, body: bytes, arrived: float | None = None) -> Generation:
         """Parse, admit and start a chat completion.
@@ -246,12 +248,12 @@ class FluxService:
             exc.param = "messages" if kind == "chat" else "prompt"
             raise
         self._check_host_memory()
-        self._preempt_orphan()
-        await self.admission.acquire()
+        admitted = await self._admit(rid)
         try:
             entry = self.journal.open(rid)
         except RequestIdInUse as exc:
-            self.admission.release(None)
+            if admitted:
+                self.admission.release(None)
             raise Conflict(str(exc), code="request_id_in_use", param="x-request-id") from exc
         spec = GenSpec(rid=rid, prompt=prompt, max_tokens=max_tokens, sampling=self._sampling(req), stops=req.stops(),
                        logprobs=logprobs, top_logprobs=top_logprobs, include_usage=req.include_usage() or not req.stream,
@@ -264,10 +266,19 @@ class FluxService:
                          timeout_s=max(serve.prefill_timeout_s, serve.decode_timeout_s),
                          on_tokens=self.counters.tokens, on_outcome=self.counters.outcome, on_finish=self._finished,
                          orphan_s=max(serve.journal_ttl_s, 1.0))
-        gen = Generation(spec, builder, entry, ctx)
+        gen = Generation(spec, builder, entry, ctx) if admitted else Generation.withdrawn(spec, builder, entry, ctx)
         self.running[rid] = gen
         gen.start()
         return gen
+
+    async def _admit(self, rid: str) -> bool:
+        """Take a sequence for ``rid``, waiting in the queue if need be; False when the request was cancelled
+        (``DELETE``) before it got one: it then holds none and never starts (raises as :meth:`Admission.acquire`)."""
+        ticket = self._claimed.get(rid) or Ticket()
+        if ticket.withdrawn:
+            return False
+        self._preempt_orphan()
+        return await self.admission.acquire(ticket)
 
     def _preempt_orphan(self) -> None:
         """With every sequence taken, cancel the oldest reply nobody follows: a live request comes first (an
@@ -287,15 +298,28 @@ class FluxService:
         if gen.stats is not None:
             self.metrics.finished(gen.stats)
 
+    def _refused(self, refusal: Refusal) -> None:
+        """A connection the transport answered before any request reached the app (a header timeout, malformed
+        headers, the connection limit): count its error response and give it its access line, as a request's."""
+        if refusal.status is not None and not refusal.in_request:
+            self.counters.error_response(refusal.status)
+            access.log_refusal(refusal)
+
     def cancel(self, rid: str) -> dict[str, Any]:
-        """``DELETE /v1/requests/{rid}``: stop a running request now (its journal keeps what it wrote).
+        """``DELETE /v1/requests/{rid}``: stop a running request now (its journal keeps what it wrote), or one
+        not running yet (parsed, tokenized or waiting for a sequence): it never starts, and its client gets
+        the cancelled ending.
 
         Raises:
-            NotFound: no running or journaled request has this id.
+            NotFound: no running, waiting or journaled request has this id.
         """
-        gen = self.running.get(rid)
+        gen = self.running.get(rid)  # first: a request just started is running and still holds its claim
         if gen is not None and not gen.done:
             gen.cancel()
+            return {"id": rid, "object": "request", "status": "cancelling", "cancelled": True}
+        ticket = self._claimed.get(rid)
+        if ticket is not None:
+            ticket.withdraw()
             return {"id": rid, "object": "request", "status": "cancelling", "cancelled": True}
         if self.journal.get(rid) is None:
             raise NotFound(f"request '{rid}' is not running and its journal expired (or it never existed)",

@@ -7,7 +7,8 @@ arriving meanwhile wait for it up to the queue wait.
 
 :class:`Admission` lets at most ``n_seq_max`` generations into the worker (it batches them); further
 requests wait in a FIFO queue of at most ``queue_max`` (full: 429), each for at most ``queue_wait_s``
-(then 503). Both carry a Retry-After estimate.
+(then 503). Both carry a Retry-After estimate. A request holds a :class:`Ticket` from its arrival; a
+cancel withdraws it, at once when it waits in the queue, and the request then never gets a slot.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ import itertools
 import logging
 import math
 from collections.abc import AsyncGenerator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine_bridge import ops, rpc
-from engine_bridge.aclient import AsyncWorkerClient
+from engine_bridge.aclient import AsyncWorkerClient, exit_detail
 from engine_bridge.drafting import Drafting
 from engine_bridge.engines.spec import EngineSpec
 from engine_bridge.errors import EngineError, WorkerDied
@@ -104,8 +105,11 @@ class WorkerSupervisor:
             await worker.start()
             got = await worker.request(ops.SERVE_LOAD, ops.ServeLoadArgs(
                 model=s.model, params=s.params, park_bytes=s.park_bytes, drafting=s.drafting), timeout=s.load_s)
-        except BaseException:
+        except BaseException as exc:
             worker.kill()
+            if isinstance(exc, WorkerDied):  # its stderr is for this log, not for the error's message
+                log.error("engine worker %s exited while starting (%s); its last words: %s", worker.pid,
+                          exc.message, worker.last_words() or "(none)")
             raise
         info = EngineInfo(n_ctx=got.n_ctx, n_seq_max=got.n_seq_max, n_vocab=got.n_vocab, load_ms=got.load_ms,
                           raw=got.model_dump())
@@ -126,8 +130,10 @@ class WorkerSupervisor:
                 return
             self._ready.clear()
             self.last_exit = code
-            log.warning("engine worker %s exited with code %s: restarting it (see %s)", worker.pid, code,
-                        self.spec.log_path)
+            how = f" ({exit_detail(code)})" if exit_detail(code) else ""
+            # its stderr goes to this log, never into a client's error (which says only how it exited)
+            log.warning("engine worker %s exited with code %s%s: restarting it; its last words: %s (see %s)",
+                        worker.pid, code, how, worker.last_words() or "(none)", self.spec.log_path)
             await self._restart()
 
     async def _restart(self) -> None:
@@ -243,6 +249,21 @@ class WorkerSupervisor:
             return None
 
 
+@dataclass
+class Ticket:
+    """A request's claim on a slot, from its arrival until it gets one: :meth:`withdraw` (a cancel) makes it
+    leave the queue at once, or never enter it."""
+
+    withdrawn: bool = False
+    queued: asyncio.Future[None] | None = field(default=None, repr=False)  # its place in the queue, while there
+
+    def withdraw(self) -> None:
+        """Give up the claim: a wait in the queue ends now, and :meth:`Admission.acquire` answers False."""
+        self.withdrawn = True
+        if self.queued is not None and not self.queued.done():
+            self.queued.cancel()
+
+
 class Admission:
     """At most ``slots`` generations at once; a bounded FIFO queue of waiters with a wait limit."""
 
@@ -270,20 +291,25 @@ class Admission:
         mean = sum(self._durations) / len(self._durations) if self._durations else 1.0
         return max(1, min(60, math.ceil(mean * (self.waiting / max(self.slots, 1) + 1))))
 
-    async def acquire(self) -> None:
-        """Take a slot, waiting in line if none is free.
+    async def acquire(self, ticket: Ticket | None = None) -> bool:
+        """Take a slot, waiting in line if none is free; False (holding none) when ``ticket`` was withdrawn
+        before or while it waited.
 
         Raises:
             QueueFull: ``queue_max`` requests already wait.
             Unavailable: no slot came free within ``wait_s``.
         """
+        ticket = ticket or Ticket()
+        if ticket.withdrawn:
+            return False
         if self._free > 0 and not self.waiting:
             self._free -= 1
-            return
+            return True
         if self.waiting >= self.queue_max:
             raise QueueFull(self.waiting, self.retry_after())
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
+        ticket.queued = fut
         try:
             await asyncio.wait_for(asyncio.shield(fut), self.wait_s)
         except (TimeoutError, asyncio.CancelledError) as exc:
@@ -296,7 +322,16 @@ class Admission:
             if isinstance(exc, TimeoutError):
                 raise Unavailable(f"no sequence came free within {self.wait_s:g} s", code="queue_timeout",
                                   retry_after_s=self.retry_after()) from None
+            task = asyncio.current_task()
+            if ticket.withdrawn and not (task is not None and task.cancelling()):
+                return False  # the ticket's wait was cancelled, not this task (a shutdown)
             raise
+        finally:
+            ticket.queued = None
+        if ticket.withdrawn:  # withdrawn as the slot was handed over, before this resumed: give it on
+            self.release(None)
+            return False
+        return True
 
     def release(self, held_s: float | None) -> None:
         """Give a slot back (to the longest waiter, if any); ``held_s`` feeds the Retry-After estimate."""

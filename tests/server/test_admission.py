@@ -8,7 +8,7 @@ import pytest
 
 from server.errors import ContextLengthExceeded, QueueFull, Unavailable
 from server.prompts import reply_tokens
-from server.supervisor import Admission
+from server.supervisor import Admission, Ticket
 
 
 def test_reply_room_is_min_of_max_tokens_and_min_reply() -> None:
@@ -76,3 +76,54 @@ def test_cancelled_waiter_leaves_no_trace() -> None:
         assert adm.active == 0
 
     asyncio.run(run())
+
+
+def test_a_withdrawn_ticket_leaves_the_queue_at_once_holding_nothing() -> None:
+    async def run() -> None:
+        adm = Admission(slots=1, queue_max=4, wait_s=5)
+        assert await adm.acquire() is True
+        first, second = Ticket(), Ticket()
+        waits = [asyncio.create_task(adm.acquire(t)) for t in (first, second)]
+        await asyncio.sleep(0.01)
+        assert adm.waiting == 2
+        first.withdraw()
+        assert await asyncio.wait_for(waits[0], 1) is False, "out of the queue at once, not after wait_s"
+        assert adm.waiting == 1
+        adm.release(None)
+        assert await waits[1] is True and adm.active == 1, "the slot went to the next in line"
+        assert await adm.acquire(first) is False, "a withdrawn ticket never gets a slot"
+        adm.release(None)
+        assert adm.active == 0
+
+    asyncio.run(run())
+
+
+def test_a_ticket_withdrawn_as_its_slot_is_handed_over_gives_it_on() -> None:
+    async def run() -> None:
+        adm = Admission(slots=1, queue_max=4, wait_s=5)
+        await adm.acquire()
+        ticket = Ticket()
+        wait = asyncio.create_task(adm.acquire(ticket))
+        await asyncio.sleep(0.01)
+        adm.release(None)  # hands the slot to the waiter ...
+        ticket.withdraw()  # ... which is withdrawn before it resumes
+        assert await wait is False and adm.active == 0
+
+    asyncio.run(run())
+
+
+def test_a_task_cancelled_while_its_ticket_waits_is_still_cancelled() -> None:
+    async def run() -> None:
+        adm = Admission(slots=1, queue_max=4, wait_s=5)
+        await adm.acquire()
+        ticket = Ticket()
+        wait = asyncio.create_task(adm.acquire(ticket))
+        await asyncio.sleep(0.01)
+        ticket.withdraw()
+        wait.cancel()  # a shutdown as well: the task's own cancel wins
+        with pytest.raises(asyncio.CancelledError):
+            await wait
+        assert adm.waiting == 0
+
+    asyncio.run(run())
+

@@ -1,4 +1,5 @@
-"""Worker faults against a real server: kill -9 while idle (restarted) and mid-request (explicit error)."""
+"""Worker faults against a real server: kill -9 while idle (restarted) and mid-request (an explicit error that
+says how the worker ended; its stderr goes to the server's log, never into a client's message)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 from typing import Any
 
 import httpx
-from support import Server, sse_events
+from support import ServeEnv, Server, sse_events
 
 HELLO = [{"role": "user", "content": "Hello"}]
 LONG = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 900, "temperature": 0}
@@ -62,8 +63,11 @@ def test_worker_killed_mid_stream_ends_it_with_an_error(slow_server: Server) -> 
     _chat_ok(slow_server)
 
 
-def test_worker_killed_mid_request_is_a_502_and_server_stays_up(slow_server: Server) -> None:
+def test_worker_killed_mid_request_is_a_502_and_server_stays_up(slow_server: Server, senv: ServeEnv) -> None:
     pid = slow_server.worker_pid()
+    note = "llama_model_loader: a load note, see https://example.invalid/note"  # the worker's last stderr line
+    with (senv.settings.logs_dir / "serve-worker.log").open("a") as f:
+        f.write(note + "\n")
     result: dict[str, httpx.Response] = {}
 
     def call() -> None:
@@ -78,6 +82,11 @@ def test_worker_killed_mid_request_is_a_502_and_server_stays_up(slow_server: Ser
     t.join(60)
     r = result["r"]
     assert r.status_code == 502 and r.json()["error"]["code"] == "worker_died"
+    assert r.json()["error"]["message"] == ("the engine worker exited (code -9): killed by SIGKILL; the request was "
+                                            "not completed: send it again (the server restarts the worker)")
     _new_pid(slow_server, pid)
+    server_log = " ".join(slow_server.log.read_text().split())  # rich wraps long lines
+    assert f"engine worker {pid} exited with code -9 (killed by SIGKILL): restarting it; its last words: {note}" \
+        in server_log, "the stderr line is in the server's log"
     _chat_ok(slow_server)
     assert slow_server.stats()["requests"]["errored"] >= 1

@@ -1,8 +1,10 @@
 """What a hostile or unlucky client finds, against real servers over real sockets: numbers JSON cannot hold,
-huge bodies and one-word prompts, slow headers and bodies, and more connections than the server takes."""
+huge bodies and one-word prompts, slow, corrupted or malformed headers, slow bodies, and more connections than
+the server takes. Every answer the transport gives itself has an access line and is counted."""
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -142,6 +144,8 @@ def test_slow_body_is_cut_off(strict_server: Server) -> None:
 
 
 def test_connections_over_the_limit_are_refused_with_an_openai_error(strict_server: Server) -> None:
+    before = strict_server.stats()["error_responses"]
+    lines_before = len(_transport_lines(strict_server, "error=too_many_connections"))
     held = [socket.create_connection(_addr(strict_server)) for _ in range(6)]
     try:
         time.sleep(0.3)
@@ -153,3 +157,52 @@ def test_connections_over_the_limit_are_refused_with_an_openai_error(strict_serv
             s.close()
     time.sleep(0.3)
     assert _chat_ok(strict_server) < 5
+    assert len(_transport_lines(strict_server, "error=too_many_connections")) == lines_before + 1
+    assert strict_server.stats()["error_responses"]["503"] == before.get("503", 0) + 1
+
+
+def _transport_lines(srv: Server, needle: str) -> list[str]:
+    """Access lines of answers the transport gave before a request reached the app."""
+    return [x for x in srv.log.read_text().splitlines() if " access id=- method=- path=- " in x and needle in x]
+
+
+def _answer(srv: Server, data: bytes, budget_s: float = 20) -> tuple[float, bytes]:
+    """Send ``data`` at once, then nothing; (seconds until the server closed the connection, what it sent)."""
+    with socket.create_connection(_addr(srv), timeout=budget_s) as s:
+        t0 = time.monotonic()
+        s.sendall(data)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+        return time.monotonic() - t0, got
+
+
+def test_corrupted_whole_headers_time_out_named_for_what_came(strict_server: Server) -> None:
+    """Headers sent whole whose ending empty line is corrupted ("\r\n\0\n"): the server waits for their end,
+    then says what came (not "truncated" headers, nor that they "did not arrive"), logs and counts its 408."""
+    before = strict_server.stats()["error_responses"]
+    head = b"GET /v1/models HTTP/1.1\r\nHost: flux\r\nAccept: application/json\r\n\0\n"
+    took, got = _answer(strict_server, head)
+    assert 1.5 < took < 6 and got.startswith(b"HTTP/1.1 408"), (took, got[:200])
+    message = httpx.Response(408, content=got.split(b"\r\n\r\n", 1)[1]).json()["error"]["message"]
+    assert f"{len(head)} bytes came, then nothing for" in message and "no empty line" in message, message
+    assert "truncat" not in message and "did not arrive" not in message
+    took, got = _answer(strict_server, b"")  # a connection that says nothing
+    assert got.startswith(b"HTTP/1.1 408") and b"no request arrived within 2 s" in got, got[:300]
+    line = _transport_lines(strict_server, f"received_bytes={len(head)} ")
+    assert len(line) == 1 and "status=408 " in line[0] and line[0].endswith("error=header_timeout"), line
+    assert re.search(r"duration_ms=(\d+)", line[0]) and float(line[0].split("duration_ms=")[1].split()[0]) > 1500
+    after = strict_server.stats()["error_responses"]
+    assert after["408"] == before.get("408", 0) + 2, "counted where the body timeout's 408 is"
+    metrics = httpx.get(f"{strict_server.base}/metrics", timeout=30).text
+    assert 'flux_error_responses_total{status="408"}' in metrics
+
+
+def test_malformed_headers_are_a_400_with_an_openai_body_logged_and_counted(strict_server: Server) -> None:
+    before = strict_server.stats()["error_responses"]
+    took, got = _answer(strict_server, b"GET /v1/models HTTP/1.1\r\nHost: flux\r\nBad Header\x00: 1\r\n\r\n")
+    assert took < 2 and got.startswith(b"HTTP/1.1 400"), got[:200]
+    error = httpx.Response(400, content=got.split(b"\r\n\r\n", 1)[1]).json()["error"]
+    assert error["code"] == "malformed_request" and error["type"] == "invalid_request_error"
+    assert _transport_lines(strict_server, "status=400 ")[-1].endswith("error=malformed_request")
+    assert strict_server.stats()["error_responses"]["400"] == before.get("400", 0) + 1

@@ -1,5 +1,7 @@
 """Streaming against a real uvicorn server: a dropped stream runs on and resume gets all of it, each later event
-once; DELETE cancels; a running or waiting request's id is taken (409)."""
+once; DELETE cancels a running or a queued request, whose reply ends with OpenAI's "length" and Flux's
+"cancelled" (read by the real `openai` client with strict validation); a running or waiting request's id is
+taken (409)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import time
 from typing import Any
 
 import httpx
+import openai
 from support import Server, sse_events
 
 LONG = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 900, "stream": True,
@@ -34,6 +37,11 @@ def _resume(srv: Server, rid: str, after: int | None = None, last_event_id: int 
     headers = {"Last-Event-ID": str(last_event_id)} if last_event_id is not None else {}
     r = httpx.get(f"{srv.base}/v1/requests/{rid}/events", params=params, headers=headers, timeout=60)
     return r.status_code, sse_events(r.text.splitlines())
+
+
+def _cancelled(choice: dict[str, Any]) -> bool:
+    """A choice ended by a cancel: OpenAI's "length" on the wire, Flux's own reason beside it."""
+    return choice["finish_reason"] == "length" and choice.get("flux") == {"finish_reason": "cancelled"}
 
 
 def _wait_idle(srv: Server, timeout: float = 10) -> dict[str, Any]:
@@ -79,7 +87,7 @@ def test_delete_cancels_a_running_request_at_once(slow_server: Server) -> None:
     stats = _wait_idle(slow_server)
     assert time.monotonic() - t0 < 3 and stats["requests"]["cancelled"] == cancelled_before + 1
     status, rest = _resume(slow_server, "cancel-1", after=3)
-    assert status == 200 and json.loads(rest[-2][1])["choices"][0]["finish_reason"] == "cancelled"
+    assert status == 200 and _cancelled(json.loads(rest[-2][1])["choices"][0])
     again = httpx.delete(f"{slow_server.base}/v1/requests/cancel-1", timeout=30)
     assert again.status_code == 200 and again.json()["cancelled"] is False
     assert httpx.delete(f"{slow_server.base}/v1/requests/never-was", timeout=30).status_code == 404
@@ -169,11 +177,11 @@ def test_a_new_request_takes_the_sequence_of_a_reply_nobody_follows(slow_server:
     r = httpx.post(f"{slow_server.base}/v1/chat/completions", json={**LONG, "stream": False, "max_tokens": 2},
                    timeout=60)
     assert r.status_code == 200 and time.monotonic() - t0 < 2.5, "served at once, not after a queue wait"
-    reasons = []
+    choices = []
     for i in range(4):
         status, events = _resume(slow_server, f"orphan-{i}", after=0)
-        reasons.append(json.loads(events[-2][1])["choices"][0]["finish_reason"])
-    assert reasons.count("cancelled") >= 1, reasons
+        choices.append(json.loads(events[-2][1])["choices"][0])
+    assert sum(_cancelled(c) for c in choices) >= 1, choices
     for i in range(4):
         httpx.delete(f"{slow_server.base}/v1/requests/orphan-{i}", timeout=30)
     _wait_idle(slow_server)
@@ -227,4 +235,71 @@ def test_all_sequences_busy_then_the_wait_times_out_with_503(slow_server: Server
                 httpx.delete(f"{slow_server.base}/v1/requests/{r.headers['x-request-id']}", timeout=30)
     stats = _wait_idle(slow_server)
     assert stats["requests"]["rejected_503"] >= 1
+
+
+def test_delete_cancels_a_queued_request_which_never_starts(slow_server: Server) -> None:
+    before = slow_server.stats()
+    got: dict[str, Any] = {}
+    with httpx.Client(timeout=60) as c:
+        streams = [c.stream("POST", f"{slow_server.base}/v1/chat/completions", json=LONG) for _ in range(4)]
+        opened = [s.__enter__() for s in streams]
+
+        def queued(rid: str, stream: bool) -> None:  # all 4 sequences are busy: it waits in the queue
+            r = httpx.post(f"{slow_server.base}/v1/chat/completions", timeout=60, headers={"x-request-id": rid},
+                           json={**LONG, "stream": stream, "max_tokens": 50})
+            got[rid] = (r.status_code, time.monotonic(), r.text)
+
+        threads = [threading.Thread(target=queued, args=(rid, rid.endswith("stream")))
+                   for rid in ("queued-del-plain", "queued-del-stream")]
+        try:
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 5
+            while slow_server.stats()["queue"]["length"] < 2:
+                assert time.monotonic() < deadline, "the requests did not queue"
+                time.sleep(0.05)
+            for rid in ("queued-del-plain", "queued-del-stream"):
+                r = httpx.delete(f"{slow_server.base}/v1/requests/{rid}", timeout=30)
+                assert r.status_code == 200 and r.json() == {"id": rid, "object": "request", "status": "cancelling",
+                                                             "cancelled": True}, r.text
+            t0 = time.monotonic()
+            for t in threads:
+                t.join(10)
+            mid = slow_server.stats()
+            assert mid["active"] == 4 and mid["queue"]["length"] == 0, "the running four were left alone"
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+            for r in opened:
+                httpx.delete(f"{slow_server.base}/v1/requests/{r.headers['x-request-id']}", timeout=30)
+    status, ended, text = got["queued-del-plain"]
+    body = json.loads(text)
+    assert status == 200 and ended - t0 < 1.0, "ended at once, not after the queue wait (3 s)"
+    assert _cancelled(body["choices"][0]) and body["usage"]["completion_tokens"] == 0, body
+    status, ended, text = got["queued-del-stream"]
+    events = sse_events(text.splitlines())
+    assert status == 200 and ended - t0 < 1.0 and events[-1] == (None, "[DONE]")
+    assert _cancelled(json.loads(events[-2][1])["choices"][0]), events
+    after = _wait_idle(slow_server)
+    assert after["requests"]["cancelled"] >= before["requests"]["cancelled"] + 2
+    assert after["requests"]["rejected_503"] == before["requests"]["rejected_503"], "cancelled, not timed out"
+    again = httpx.delete(f"{slow_server.base}/v1/requests/queued-del-plain", timeout=30)
+    assert again.status_code == 200 and again.json()["status"] == "completed", "its journal is kept, as a run's"
+
+
+def test_the_openai_client_reads_a_cancelled_stream_strictly(slow_server: Server) -> None:
+    client = openai.OpenAI(base_url=f"{slow_server.base}/v1", api_key="none", max_retries=0, timeout=60,
+                           _strict_response_validation=True)  # every chunk validated against OpenAI's models
+    model = client.models.list().data[0].id
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell me a story."}],
+                                            max_tokens=900, temperature=0, stream=True,
+                                            extra_headers={"x-request-id": "openai-cancel"})
+    chunks = [next(stream)]
+    assert httpx.delete(f"{slow_server.base}/v1/requests/openai-cancel", timeout=30).json()["cancelled"] is True
+    chunks += list(stream)
+    last = [c for c in chunks if c.choices][-1].choices[0]
+    assert last.finish_reason == "length" and last.model_extra == {"flux": {"finish_reason": "cancelled"}}
+    done = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    assert done.choices[0].finish_reason in ("length", "stop") and not done.choices[0].model_extra
+    _wait_idle(slow_server)
 

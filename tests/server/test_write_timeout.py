@@ -61,4 +61,4 @@ def test_a_client_that_stops_reading_is_disconnected_and_its_generation_runs_on(
         rest = b""
         while chunk := s.recv(1 << 16):
             rest += chunk
-    assert rest.startswith(b"HTTP/1.1 200") and b'"finish_reason":"cancelled"' in rest and b"data: [DONE]" in rest
+    assert rest.startswith(b"HTTP/1.1 200") and b'"finish_reason":"length","flux":{"finish_reason":"cancelled"}' in rest and b"data: [DONE]" in rest
