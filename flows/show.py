@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from rich.console import Console
 from rich.table import Table
 
 from artifacts.logs import console
 from artifacts.records.evidence import MeasureSummary
+from artifacts.records.kinds import TRIALS_TABLE
 from artifacts.records.plan import Plan
 from artifacts.records.search import Prediction
+from artifacts.store import Store
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 GIB = 2**30
 
@@ -90,6 +99,32 @@ def depth_line(plan: Plan) -> str | None:
             + f" tok/s; at {d1} tokens {v1 / v0:.0%} of the speed at {d0}")
 
 
+def plan_trials(data_dir: Path, plan: Plan) -> pa.Table | None:
+    """The plan's measured trials (one row per finalist, round and prompt), None where the store lacks them."""
+    store = Store(data_dir)
+    return store.get_table(TRIALS_TABLE, plan.trials_table) if store.has(TRIALS_TABLE, plan.trials_table) else None
+
+
+def prefill_by_length(trials: pa.Table, candidate_id: str) -> list[tuple[int, float]]:
+    """A candidate's median measured prefill speed (each trial's prompt tokens over its prompt time) by prompt length."""
+    by: dict[int, list[float]] = {}
+    for r in trials.select(["candidate_id", "prompt_tokens", "prompt_ms", "error"]).to_pylist():
+        if r["candidate_id"] == candidate_id and not r["error"] and r["prompt_ms"] and r["prompt_tokens"]:
+            by.setdefault(int(r["prompt_tokens"]), []).append(r["prompt_tokens"] / r["prompt_ms"] * 1e3)
+    return [(n, statistics.median(v)) for n, v in sorted(by.items())]
+
+
+def prefill_line(plan: Plan, trials: pa.Table | None) -> str | None:
+    """What a long prompt costs (a coding agent's wait): the chosen plan's measured prefill speed by prompt length,
+    at its micro-batch, and how long its longest prompt took."""
+    pairs = prefill_by_length(trials, plan.candidate.id) if trials is not None else []
+    if not pairs:
+        return None
+    n, tps = pairs[-1]
+    return (f"prefill by prompt length (measured, -ub {plan.candidate.params.n_ubatch}): "
+            + ", ".join(f"{k}: {v:.0f}" for k, v in pairs) + f" tok/s; a {n}-token prompt took {n / tps:.2f} s")
+
+
 def _spread(lo: float | None, rounds: int = 0) -> str:
     """The spread and which statistic it is (measure._iqr: the IQR from 4 rounds, the full range under 4)."""
     if lo is None:
@@ -145,8 +180,10 @@ def plan_markdown(plan: Plan) -> str:
             "predicted decode | error |\n|---|---:|---:|---:|---:|---:|---:|---|\n" + rows + "\n")
 
 
-def print_plan(plan: Plan, con: Console | None = None, reserve_percent: float = 10.0) -> None:
-    """`flux show`: placement, measured speeds with spread, predicted vs measured, roofline, budgets, key
+def print_plan(plan: Plan, con: Console | None = None, reserve_percent: float = 10.0,
+               trials: pa.Table | None = None) -> None:
+    """`flux show`: placement, measured speeds with spread, decode by depth and (given the plan's ``trials``,
+    :func:`plan_trials`) prefill by prompt length, predicted vs measured, roofline, budgets, key
     (``reserve_percent``: the host reserve `flux serve` leaves, for the page budgets)."""
     from server.service import park_budget
 
@@ -162,9 +199,9 @@ def print_plan(plan: Plan, con: Console | None = None, reserve_percent: float = 
     con.print(f"measured: prefill {m.prefill_tps or 0:.1f} tok/s{_spread(m.prefill_iqr, m.n_rounds)}, decode "
               f"{m.decode_tps or 0:.1f} tok/s{_spread(m.decode_iqr, m.n_rounds)} over {m.n_rounds or m.n_trials} rounds")
     con.print(ranking_line(plan))
-    depth = depth_line(plan)
-    if depth:
-        con.print(depth)
+    for measured in (prefill_line(plan, trials), depth_line(plan)):
+        if measured:
+            con.print(measured, markup=False)
     if plan.roofline_decode_tps and m.decode_tps:
         con.print(f"roofline: decode bound {plan.roofline_decode_tps:.1f} tok/s (each device's bytes per token under "
                   f"this placement and split / its bandwidth): {m.decode_tps / plan.roofline_decode_tps:.0%} of it")

@@ -9,6 +9,7 @@ repacked layout (``no_host``) decode faster and are never offloaded: their prefi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from artifacts.model_info import KV_TYPES, ModelInfo, head_bytes
@@ -39,6 +40,12 @@ HOST_ATTN_GFLOPS_PER_CORE = 4.6
 # measured 1,547 and 1,585 tok/s (predicted 1,748 and 1,594), run 13's host splits on 256-token prompts 620-676
 # (predicted 629-664). A copy alone at the probe's rate had predicted 2,560-3,090 for run 9b.
 GPU_PREFILL_BATCH_EXP = 0.2
+# Beyond 512 tokens a micro-batch's compute per token keeps falling, faster: on the H100 (issue 50, the skewed
+# qwen3-30b-a3b twin) the whole model on the GPU prefilled 7.3-8.3k tok/s (0.12-0.14 ms a token, where 512 tokens at
+# the exponent above give 0.30 ms on the H200's probe), and a hybrid plan prefilled 1.5x faster at -ub 4096 than at
+# 2048, which 0.30 ms of compute a token beside the copy would have held to 1.2x. Not assumed past 4,096 (measured).
+GPU_PREFILL_LARGE_BATCH_EXP = 0.5
+GPU_PREFILL_LARGEST_BATCH = 4096.0
 # Prefill of a hybrid whose host computes its experts (no op offload, or repacked --no-host weights) is slower
 # than the probe's whole-model CPU rate per byte says: on the H200 (runs 16-17, qwen3next and qwen35moe twins,
 # 64-256-token prompts) four such finalists measured 90-308 tok/s where that rate predicted 2.02-2.20x as much.
@@ -66,11 +73,16 @@ CACHE_READ_MS = 0.010 / 8
 
 @dataclass(frozen=True)
 class Workload:
-    """Token counts of the workload a plan optimises (prefill-heavy for coding agents)."""
+    """Token counts of the workload a plan optimises (prefill-heavy for coding agents).
+
+    ``prompt_lengths``: each prompt's tokens, when known: prefill is then priced prompt by prompt (a prompt pays
+    one copy of the host weights per micro-batch it spans, :func:`micro_batches`); else at the mean prompt.
+    """
 
     prefill_tokens: int
     decode_tokens: int
     mean_prompt_tokens: float
+    prompt_lengths: tuple[int, ...] = ()
 
     @property
     def prefill_share(self) -> float:
@@ -320,7 +332,9 @@ def predict(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: Workload
             decode_ms += len(p.expert_split.layers) * CACHE_READ_MS
     if gpu_read and p.flash_attn != _gpu_probe_fa(hw):  # flash attention: ~15% off a GPU step (notes)
         decode_ms *= 0.85 if p.flash_attn else 1 / 0.85
-    prefill_ms = _prefill_ms(info, hw, cand, per_dev, prefill_ms_per_byte, probe_threads, work.mean_prompt_tokens)
+    lengths = work.prompt_lengths or (work.mean_prompt_tokens,)
+    prefill_ms = sum(n * _prefill_ms(info, hw, cand, per_dev, prefill_ms_per_byte, probe_threads, n)
+                     for n in lengths) / max(1e-9, sum(lengths))
     decode_tps, prefill_tps = 1e3 / max(decode_ms, 1e-6), 1e3 / max(prefill_ms, 1e-6)
     score = work.prefill_tokens / prefill_tps + work.decode_tokens / decode_tps
     return Prediction(candidate_id=cand.id, prefill_tps=prefill_tps, decode_tps=decode_tps, score_s=score)
@@ -342,9 +356,16 @@ def _predict_remote(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: 
     return Prediction(candidate_id=cand.id, prefill_tps=prefill_tps, decode_tps=decode_tps, score_s=score)
 
 
+def micro_batches(prompt_tokens: float, n_ubatch: int) -> int:
+    """Micro-batches llama.cpp splits a prompt into: a prompt shorter than the micro-batch is one of its own, a
+    longer one ends in a partial one (a 16,384-token prompt is 32 micro-batches of 512 and 2 of 8,192)."""
+    return max(1, math.ceil(max(1.0, prompt_tokens) / max(1, n_ubatch)))
+
+
 def _prefill_ms(info: ModelInfo, hw: HardwareReport, cand: Candidate, per_dev: dict[str, tuple[float, float]],
                 ms_per_byte: float, probe_threads: int, prompt_tokens: float) -> float:
-    """Prefill ms per token: CPU compute scaled by threads; host weights copied per offloaded micro-batch."""
+    """Prefill ms per token of a ``prompt_tokens`` prompt: CPU compute scaled by threads; host weights copied once
+    per offloaded micro-batch (the bytes each micro-batch moves: the copy bound of a hybrid's prefill)."""
     p = cand.params
     cpu_read = per_dev.get("CPU", (0.0, 0.0))[0]
     gpu_resident = sum(res for d, (_, res) in per_dev.items() if d != "CPU")
@@ -353,16 +374,22 @@ def _prefill_ms(info: ModelInfo, hw: HardwareReport, cand: Candidate, per_dev: d
     if not gpu_resident:
         return cpu_ms
     host_resident = per_dev.get("CPU", (0.0, 0.0))[1] - info.bytes_by_role.get("embeddings", 0)
-    batch = max(1.0, min(p.n_ubatch, prompt_tokens))  # a prompt shorter than the micro-batch is one of its own
+    tokens = max(1.0, prompt_tokens)
+    batch = min(p.n_ubatch, tokens)  # a prompt shorter than the micro-batch is one of its own
+    per_token = micro_batches(tokens, p.n_ubatch) / tokens  # copies of the host weights per prompt token
     pinned = p.load_mode != "mmap"
-    if p.expert_mapped and pinned:  # the whole expert tensors read over the bus from the pinned host buffer
-        return 0.08 + host_resident / mapped_bandwidth(hw) * 1e3 / batch  # once per micro-batch, offload or not
+    if p.expert_mapped and pinned:  # the whole expert tensors read over the bus from the pinned host buffer: once
+        # per micro-batch, offload or not (runs 13-17 within 3-13%; -ub 2048 -> 4096 predicts issue 50's 1.5x), and
+        # never faster than the whole model on the GPU (a 32k prompt at -ub 8192 had predicted more)
+        return max(0.08 + host_resident / mapped_bandwidth(hw) * 1e3 * per_token, _gpu_prefill_ms(hw, batch))
     threshold = p.offload_min_batch or DEFAULT_OFFLOAD_MIN_BATCH
-    if not p.expert_mapped and (p.n_ubatch < threshold or not p.op_offload or p.no_host):  # repacked: never
-        return cpu_ms * HYBRID_HOST_PREFILL_SLOWDOWN + 0.02  # offloaded
+    # llama.cpp offloads a micro-batch of at least the threshold's tokens (a prompt shorter than it stays on the
+    # host); repacked host weights never
+    if not p.expert_mapped and (batch < threshold or not p.op_offload or p.no_host):
+        return cpu_ms * HYBRID_HOST_PREFILL_SLOWDOWN + 0.02
     # an offloaded micro-batch copies the host weights (a mapped split's prefill takes this stock path too: its
     # pinned copies of the cold experts serve decode only, the whole tensors stay in the file's pageable pages)
-    return host_resident / _copy_rate(info, hw, pinned) * 1e3 / batch + _gpu_prefill_ms(hw, batch)
+    return host_resident / _copy_rate(info, hw, pinned) * 1e3 * per_token + _gpu_prefill_ms(hw, batch)
 
 
 def _copy_rate(info: ModelInfo, hw: HardwareReport, pinned: bool) -> float:
@@ -387,8 +414,11 @@ def _copy_rate(info: ModelInfo, hw: HardwareReport, pinned: bool) -> float:
 
 def _gpu_prefill_ms(hw: HardwareReport, batch: float) -> float:
     """GPU compute per prompt token of the whole model at ``batch`` tokens a micro-batch: the probe's (timed at
-    its small batch), cheaper per token as the batch grows (:data:`GPU_PREFILL_BATCH_EXP`)."""
+    its small batch), cheaper per token as the batch grows (:data:`GPU_PREFILL_BATCH_EXP`, and past 512 tokens
+    :data:`GPU_PREFILL_LARGE_BATCH_EXP`)."""
     k = next((k for k in hw.kernels if k.device != "CPU" and k.prefill_ms_per_token > 0), None)
     if k is None:
         return 0.08
-    return k.prefill_ms_per_token * (k.prefill_batch / max(k.prefill_batch, min(batch, 512.0))) ** GPU_PREFILL_BATCH_EXP
+    large = (512.0 / min(max(batch, 512.0), GPU_PREFILL_LARGEST_BATCH)) ** GPU_PREFILL_LARGE_BATCH_EXP
+    return (k.prefill_ms_per_token * (k.prefill_batch / max(k.prefill_batch, min(batch, 512.0))) ** GPU_PREFILL_BATCH_EXP
+            * large)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -37,6 +37,7 @@ from tasks.gpu_memory import (
     correction,
     offloads_host_weights,
 )
+from tasks.prefill_ubatch import prefill_ubatches, sized_family
 from tasks.remote import remote_candidates, rpc_limits
 
 log = logging.getLogger(__name__)
@@ -225,13 +226,16 @@ class _Shape:
     split: ExpertSplit | None = None
     hot_share: tuple[float, ...] = ()
     mapped: bool = False  # the split's cold experts read by the GPU from pinned host memory
+    sized_for: tuple[int, ...] = ()  # prefill micro-batches (beyond the default grid's) its budget holds
+    default_grid: bool = True  # tried at the default grid's micro-batches too (sized at SIZING_UBATCH)
 
 
-def gpu_overhead(info: ModelInfo, n_ctx: int, kv_bytes: float, margin: int = DEFAULT_MARGIN) -> int:
+def gpu_overhead(info: ModelInfo, n_ctx: int, kv_bytes: float, margin: int = DEFAULT_MARGIN,
+                 n_ubatch: int = SIZING_UBATCH) -> int:
     """What a GPU needs besides weights: ``margin`` (this machine's correction of the memory model:
-    :mod:`tasks.gpu_memory`), a 512-token micro-batch's compute buffer, ``kv_bytes``, and the headroom a
+    :mod:`tasks.gpu_memory`), a ``n_ubatch``-token micro-batch's compute buffer, ``kv_bytes``, and the headroom a
     placement sized to the budget leaves free."""
-    return int(margin + compute_bytes(info, SIZING_UBATCH, n_ctx, True) + kv_bytes + FILL_HEADROOM)
+    return int(margin + compute_bytes(info, n_ubatch, n_ctx, True) + kv_bytes + FILL_HEADROOM)
 
 
 def smallest_context(info: ModelInfo, hw: HardwareReport, req: PlanRequest, reserve_percent: float) -> int:
@@ -262,12 +266,7 @@ def _gpu_shapes(info: ModelInfo, req: PlanRequest, per_gpu: list[int], n_ctx: in
     (a mapped split's also ``mapped_extra``, what its graph holds beyond a hybrid load's, or less)."""
     if not per_gpu:
         return []
-    kv_total = kv_at(info, n_ctx, req.concurrency, req.kv)
-    margins = margins or [DEFAULT_MARGIN] * len(per_gpu)
-    # weights' room on each GPU with the KV cache on the host, then with it on the GPUs in their runs' shares
-    on_host = [max(0, b - gpu_overhead(info, n_ctx, 0.0, m)) for b, m in zip(per_gpu, margins, strict=True)]
-    shares = [b / sum(on_host) for b in on_host] if sum(on_host) else [1 / len(on_host)] * len(on_host)
-    on_gpu = [max(0, int(b - kv_total * sh)) for b, sh in zip(on_host, shares, strict=True)]
+    on_host, on_gpu = _weight_room(info, req, per_gpu, n_ctx, margins or [DEFAULT_MARGIN] * len(per_gpu))
     out = [_Shape(f + tag, pl, n_ctx, "gpu") for f, pl in _gpu_placements(info, on_gpu)]
     # single experts on the GPU, chosen by measured routing (patched backend); then the same with every layer
     # split and the cold picks read by the GPU over the bus
@@ -282,6 +281,52 @@ def _gpu_shapes(info: ModelInfo, req: PlanRequest, per_gpu: list[int], n_ctx: in
     if last is not None:
         out.append(_Shape(last[0] + tag, last[1], n_ctx, "layers"))
     return out
+
+
+def _weight_room(info: ModelInfo, req: PlanRequest, per_gpu: list[int], n_ctx: int, margins: list[int],
+                 n_ubatch: int = SIZING_UBATCH) -> tuple[list[int], list[int]]:
+    """Weights' room on each GPU beside a ``n_ubatch``-token micro-batch's compute buffer: with the KV cache on the
+    host, then with it on the GPUs in their runs' shares."""
+    kv_total = kv_at(info, n_ctx, req.concurrency, req.kv)
+    on_host = [max(0, b - gpu_overhead(info, n_ctx, 0.0, m, n_ubatch)) for b, m in zip(per_gpu, margins, strict=True)]
+    shares = [b / sum(on_host) for b in on_host] if sum(on_host) else [1 / len(on_host)] * len(on_host)
+    return on_host, [max(0, int(b - kv_total * sh)) for b, sh in zip(on_host, shares, strict=True)]
+
+
+def _sized_shapes(info: ModelInfo, req: PlanRequest, hw: HardwareReport, per_gpu: list[int], n_ctx: int, tag: str,
+                  routing: NDArray[np.float64] | None) -> list[_Shape]:
+    """Placements whose GPU budget holds the compute buffer of a prefill micro-batch the workload reaches
+    (:func:`tasks.prefill_ubatch.prefill_ubatches`) and this machine's correction at it, tried at that micro-batch
+    alone (with the default grid where one is the same placement). Without them a larger micro-batch would only
+    ever run placements filled at SIZING_UBATCH, whose budget has no room for its compute buffer. The whole model on
+    the GPUs where it still fits; of the whole-tensor MILPs, which leave experts on the host to be copied once per
+    micro-batch (a larger one spreads the copy over more tokens), the one weighted for prefill (the most bytes
+    spared a copy); and the per-expert splits (their copies of the busiest experts serve decode). Not the KV cache
+    on the host (a long prompt's attention on the CPU) nor llama.cpp's -ngl N: the candidates grow by a few dozen."""
+    out: list[_Shape] = []
+    gpus = [name for name, _ in gpu_devices(hw)][:len(per_gpu)]
+    for ub in prefill_ubatches(n_ctx, req) if per_gpu else ():
+        margins = [correction(hw, g, True, ub) for g in gpus] + [DEFAULT_MARGIN] * (len(per_gpu) - len(gpus))
+        on_gpu = _weight_room(info, req, per_gpu, n_ctx, margins, ub)[1]
+        out += [_Shape(sized_family(fam, ub) + tag, pl, n_ctx, "gpu", sized_for=(ub,), default_grid=False)
+                for fam, pl in _gpu_placements(info, on_gpu, MILP_FAMILIES[2:]) if pl.gpus()]  # not the CPU alone
+        for cover, fam in ((False, "experts-hot"), (True, "experts-mapped")):
+            room = on_gpu[0] - (correction(hw, gpus[0], True, ub, True) - margins[0] if cover and gpus else 0)
+            hot = hot_placement(info, routing, room, cover_layers=cover) if routing is not None and len(on_gpu) == 1 \
+                else None
+            if hot is not None:
+                out.append(_Shape(sized_family(fam, ub) + tag, hot.placement, n_ctx, "gpu", hot.split, hot.hot_share,
+                                  mapped=cover, sized_for=(ub,), default_grid=False))
+    return out
+
+
+def _merged(have: _Shape | None, new: _Shape) -> _Shape:
+    """One shape for a placement two sizings reach (a small model's placement does not change with the compute
+    buffer): the first's name, every micro-batch either tries."""
+    if have is None:
+        return new
+    return replace(have, sized_for=tuple(sorted({*have.sized_for, *new.sized_for})),
+                   default_grid=have.default_grid or new.default_grid)
 
 
 def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest, reserve_percent: float,
@@ -306,12 +351,14 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest, 
     margins = [correction(hw, name, True, SIZING_UBATCH) for name in gpus[:len(per_gpu)]]
     margins += [DEFAULT_MARGIN] * (len(per_gpu) - len(margins))
     for ctx in _contexts(n_ctx, req, len(gpus)):
-        shapes += _gpu_shapes(info, req, per_gpu, ctx, "" if ctx == n_ctx else f"@{ctx}", routing, margins,
+        tag = "" if ctx == n_ctx else f"@{ctx}"
+        shapes += _gpu_shapes(info, req, per_gpu, ctx, tag, routing, margins,
                               correction(hw, gpus[0], True, SIZING_UBATCH, True) - margins[0] if margins else 0)
+        shapes += _sized_shapes(info, req, hw, per_gpu, ctx, tag, routing)
     unique: dict[tuple[str, int, str, str, bool], _Shape] = {}
     for sh in shapes:
-        unique.setdefault((sh.placement.model_dump_json(), sh.n_ctx, sh.kv, sh.split.env_value() if sh.split else "",
-                           sh.mapped), sh)
+        key = (sh.placement.model_dump_json(), sh.n_ctx, sh.kv, sh.split.env_value() if sh.split else "", sh.mapped)
+        unique[key] = _merged(unique.get(key), sh)
     rejected: dict[str, int] = {}
     cands: list[Candidate] = []
     for shape in unique.values():
@@ -347,7 +394,7 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, shape: 
     placement, n_ctx = shape.placement, shape.n_ctx
     on_gpu = placement.gpu_layers() > 0 or placement.output_device != "CPU"
     threads = _thread_choices(hw)
-    ubatches = [256, 512, 2048] if on_gpu else [128, 512]
+    ubatches, sized = _ubatches(shape, on_gpu)
     hybrid = placement.is_hybrid()
     # (load mode, no_host): mapped, loaded into pinned host memory, or (hybrids only: without a GPU the CPU
     # weights are repacked anyway) loaded in the CPU's repacked layout: faster decode, CPU-bound prefill.
@@ -373,6 +420,8 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, shape: 
                                                                        offload, caches):
         if ub > n_ctx or (on_gpu and t != tb) or (no_host and omb is not None):
             continue
+        if ub in sized and (no_host or omb is not None or not fa):
+            continue  # see _ubatches
         out.append(EngineParams(
             n_ctx=n_ctx, n_seq_max=req.concurrency, n_ubatch=ub,
             n_batch=max(ub, min(n_ctx, PIPELINE_BATCH) if pipelined else 512 if not on_gpu else ub),
@@ -381,6 +430,16 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, shape: 
             tensor_split=split, offload_kqv=shape.kv != "host" or not on_gpu, expert_split=shape.split,
             expert_mapped=shape.mapped, expert_cache=cache, seed=req.seed, expert_mapped_tokens=mapped_tokens))
     return out
+
+
+def _ubatches(shape: _Shape, on_gpu: bool) -> tuple[list[int], set[int]]:
+    """(the shape's micro-batches, those beyond the default grid). Those are tried with flash attention only (without
+    it the compute buffer holds the micro-batch's attention scores, ub x n_ctx x heads: 16 GiB at 4,096 x 32,768
+    x 32), with weights llama.cpp offloads (repacked host weights never are: a larger micro-batch buys them
+    nothing) and at the default threshold (a micro-batch of 4,096 or more is offloaded under either)."""
+    base = ([256, 512, 2048] if on_gpu else [128, 512]) if shape.default_grid else []
+    extra = [u for u in shape.sized_for if u not in base]
+    return base + extra, set(extra)
 
 
 def _over_limit(limits: dict[str, int], weights: dict[str, int], kv: dict[str, int], comp: dict[str, int],

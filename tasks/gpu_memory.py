@@ -30,8 +30,10 @@ GIB = 2**30
 DEFAULT_MARGIN = GIB  # the old fixed margin: H200 finalists measured 0.3-0.9 GiB above the uncorrected model
 DEFAULT_OFFLOAD_MIN_BATCH = 32
 EXPERTS_ON_HOST = TensorOverride(pattern=r"\.ffn_(up|down|gate)_exps\.", device="CPU")
-CALIBRATION_UBATCH = 2048  # the largest micro-batch the search tries
-HYBRID_UBATCHES = (256, 512, CALIBRATION_UBATCH)  # the GPU search's micro-batches (tasks.enumerate)
+CALIBRATION_UBATCH = 2048  # the largest micro-batch of the search's default grid
+# the GPU search's default micro-batches (tasks.enumerate); the larger prefill ones (tasks.prefill_ubatch: 4,096 and
+# 8,192) are not loaded by the probe and take the largest calibrated extra (correction), their compute buffers modelled
+HYBRID_UBATCHES = (256, 512, CALIBRATION_UBATCH)
 SIZING_UBATCH = 512  # the micro-batch a GPU placement's expert share is sized at (tasks.enumerate.gpu_overhead)
 MAPPED_KEY = f"mapped@{SIZING_UBATCH}"
 # each calibration load is read after one run of this many prompt tokens and generated ones, as the measure

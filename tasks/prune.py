@@ -5,7 +5,9 @@ to knobs whose effect is kernel-specific (flash attention on a CPU, mmap vs load
 size) and to how many threads a hybrid GPU+CPU placement wants: its CPU speed is calibrated on CPU-only
 kernels (repacked weights), not on a hybrid's small expert matmuls between GPU hand-overs (on the H200,
 16 threads decoded 1.3-1.5x faster than 8 there; the model predicted 1.07-1.17x). So the finalists are
-the best-predicted candidate, then (when it is hybrid) the same candidate with the next thread count and
+the best-predicted candidate, then (when it is hybrid) the same candidate with the next thread count, its
+placement family sized for the other kind of micro-batch (a large prefill one's, :mod:`tasks.prefill_ubatch`, against
+the default grid's: faster prefill for slower decode, priced by a copy bound no finalist has measured yet) and
 the best hybrid with the other host-weight layout (pinned for offloaded prefill, or repacked for CPU decode:
 the model predicts which the workload's mix favours, measurement confirms), then, with several GPUs, the
 best placement spread over another number of GPUs (the model cannot price the hand-overs of llama.cpp's
@@ -26,6 +28,7 @@ from artifacts.model_info import ModelInfo
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.search import Candidate, Finalists, PlacementSpace
 from tasks.costmodel import Workload, predict
+from tasks.prefill_ubatch import sizing
 
 log = logging.getLogger(__name__)
 PLAUSIBLE = 3.0  # diversity picks only candidates predicted within this factor of the best workload time
@@ -59,6 +62,15 @@ def _thread_siblings(best: Candidate, ranked: list[Candidate]) -> list[Candidate
     return out
 
 
+def _other_sizing(best: Candidate, ranked: list[Candidate]) -> Candidate | None:
+    """The best of ``ranked`` in ``best``'s placement family and context sized for the other kind of micro-batch:
+    a prefill micro-batch's (:func:`tasks.prefill_ubatch.sizing`) where ``best`` has the default grid's, and the
+    reverse."""
+    family, ub = sizing(best.family)
+    return next((c for c in ranked if sizing(c.family)[0] == family and (sizing(c.family)[1] is None) != (ub is None)),
+                None)
+
+
 def prune(space: PlacementSpace, info: ModelInfo, hw: HardwareReport, work: Workload, n_finalists: int) -> Finalists:
     """Rank all candidates by predicted workload time and keep ``n_finalists`` diverse ones."""
     preds = {c.id: predict(info, hw, c, work) for c in space.candidates}
@@ -81,6 +93,8 @@ def prune(space: PlacementSpace, info: ModelInfo, hw: HardwareReport, work: Work
     # runs no host work: run 13's t 16 siblings were predicted and would measure the same as t 8)
     if ranked and _hybrid(ranked[0]) and n_finalists >= 3 and not ranked[0].params.expert_mapped:
         take(next(iter(_thread_siblings(ranked[0], ranked)), None))
+    if ranked and _hybrid(ranked[0]):  # a larger micro-batch's placement holds fewer experts' copies: measured
+        take(_other_sizing(ranked[0], plausible))
     by_ub = [next(c for c in plausible if c.params.n_ubatch == ub) for ub in sorted(
         {c.params.n_ubatch for c in plausible}, key=lambda u: min(preds[c.id].score_s for c in plausible
                                                                  if c.params.n_ubatch == u))]

@@ -17,8 +17,10 @@ from tasks.errors import ImpossiblePlan
 from tasks.measurement.speculation import base_id
 
 # A coding agent's prompts, up to the depth its conversations reach (16-32k tokens): the deepest also times
-# decode with a deep KV cache, which is where KV placement shows.
-LENGTHS = (64, 256, 1024, 2048, 4096, 16384)
+# decode with a deep KV cache, which is where KV placement shows, and prefill over many micro-batches, which is
+# where the micro-batch's size shows (a hybrid copies its host weights once per micro-batch: tasks.prefill_ubatch).
+# Only those that fit the context (nominal_lengths) and the budget (measurement_lengths) are timed.
+LENGTHS = (64, 256, 1024, 2048, 4096, 16384, 32768)
 N_GEN = 32
 # --workload chat: a turn on a cached history times only the new message and a long reply
 CHAT_LENGTHS = (64, 128, 256)
@@ -53,7 +55,7 @@ def nominal_lengths(n_ctx: int, req: PlanRequest) -> tuple[list[int], int]:
 def workload(lengths: list[int], n_gen: int) -> Workload:
     """Token counts of running every prompt once."""
     return Workload(prefill_tokens=sum(lengths), decode_tokens=n_gen * len(lengths),
-                    mean_prompt_tokens=sum(lengths) / len(lengths))
+                    mean_prompt_tokens=sum(lengths) / len(lengths), prompt_lengths=tuple(lengths))
 
 
 # The share of --budget-s that measuring keeps however much of it the stages before spent: never measure in nothing.

@@ -103,3 +103,43 @@ def test_flux_plans_lists_the_readable_plans_and_names_one_it_cannot_read(flux: 
     assert good.id[:12] in got.stdout and stale.id[:12] not in got.stdout
     note = [x for x in got.stderr.splitlines() if x.startswith("note: plan ")]
     assert len(note) == 1 and stale.id[:12] in note[0] and "gpu_mem_budget_gib" in note[0], got.stderr
+
+
+def test_show_prints_prefill_by_prompt_length_beside_decode_by_depth(tiny_moe: Path, tmp_path: Path) -> None:
+    """A coding agent's wait is prefill: `flux show` prints the chosen plan's measured prefill speed for each prompt
+    length it timed (median over rounds, from the plan's trials; another finalist's and failed trials left out), with
+    its micro-batch and its longest prompt's wait; a plan whose trials are not in the store prints no such line."""
+    import pyarrow as pa
+
+    from artifacts.records.kinds import TRIALS_TABLE
+    from artifacts.store import Store
+    from flows.show import plan_trials, prefill_by_length
+    from tasks.measure import TRIAL_SCHEMA
+
+    settings = load_settings({"XDG_DATA_HOME": str(tmp_path / "data"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+                              "HOME": str(tmp_path)})
+    trials_id = "ab" * 16
+    plan = stored_plan(settings, tiny_moe, EngineParams(n_ctx=40960, n_batch=4096, n_ubatch=4096),
+                       trials_table=trials_id, decode_by_depth=[(1024, 180.0), (16384, 150.0)])
+    # (candidate, round, prompt tokens, prompt ms, error): c000 at 1,024 tokens in 0.5 and 0.4 s (2,048 and 2,560
+    # tok/s: median 2,304), 16,384 in 3.2 s
+    rows = [("c000", 0, 1024, 500.0, None), ("c000", 1, 1024, 400.0, None), ("c000", 0, 16384, 3200.0, None),
+            ("c000", 1, 16384, 1.0, "worker died"), ("c001", 0, 1024, 100.0, None)]
+    table = pa.Table.from_pylist([
+        {"candidate_id": c, "round": r, "prompt_index": 0, "prompt_tokens": n, "prompt_ms": ms, "gen_tokens": 32,
+         "gen_ms": 200.0, "prefill_tps": None, "decode_tps": 160.0, "load_ms": 1.0, "peak_rss_bytes": 0,
+         "gpu_bytes": None, "gpu_method": None, "error": err} for c, r, n, ms, err in rows], schema=TRIAL_SCHEMA)
+    assert plan_trials(settings.data_dir, plan) is None, "not stored yet"
+    Store(settings.data_dir).put_table(TRIALS_TABLE, table, key=trials_id)
+    trials = plan_trials(settings.data_dir, plan)
+    assert trials is not None and prefill_by_length(trials, "c000") == [(1024, 2304.0), (16384, 5120.0)]
+    out = io.StringIO()
+    print_plan(plan, Console(file=out, width=400), trials=trials)
+    lines = out.getvalue().splitlines()
+    line = next(x for x in lines if x.startswith("prefill by prompt length"))
+    assert line == ("prefill by prompt length (measured, -ub 4096): 1024: 2304, 16384: 5120 tok/s; "
+                    "a 16384-token prompt took 3.20 s")
+    assert lines[lines.index(line) + 1].startswith("decode by context depth (measured): 1024: 180.0, 16384: 150.0")
+    out = io.StringIO()
+    print_plan(plan, Console(file=out, width=400))
+    assert "prefill by prompt length" not in out.getvalue()
