@@ -30,7 +30,7 @@ def _kernels(hw: HardwareReport, cpu: tuple[float, float, float], gpu: tuple[flo
     return hw.model_copy(update={"kernels": [k("CPU", cpu), *([k("CUDA0", gpu)] if gpu else [])]})
 
 
-# The mixtral-8x7b twin on the lent H100 (../shared/notes/h100-turn4): CPU load 22.9 s, prefill 70.6 ms/token,
+# The mixtral-8x7b twin on the lent H100 (docs/benchmarks/h100-user-run): CPU load 22.9 s, prefill 70.6 ms/token,
 # decode 122 ms/token; whole model on the GPU: load 6.1 s, 0.68 and 5.27 ms/token.
 MIXTRAL = ((22899.0, 70.64, 122.47), (6062.0, 0.68, 5.27))
 
