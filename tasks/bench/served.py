@@ -1,7 +1,7 @@
 """``flux bench run --via serve``: the plan as ``flux serve`` serves it, raced against llama-server at the
 plan's own GPU budget and context.
 
-Contenders, each started once and kept loaded for the whole race (on a GPU the loads dominate otherwise):
+Contenders:
 
 * ``plan``: ``flux serve <plan>`` (what a user runs), its worker loaded with the plan's parameters;
 * ``fit``: llama-server with its automatic fit (``--fit on``), told to leave all but the budget free
@@ -11,19 +11,26 @@ Contenders, each started once and kept loaded for the whole race (on a GPU the l
   fits the budget (MoE models);
 * ``most-ngl``: llama-server with the most ``-ngl`` layers whose measured GPU memory fits.
 
-Every contender is timed by the same client through the same endpoint (``/v1/completions``, streamed,
-greedy, a fresh prompt each turn so that no prompt cache helps): prefill is the time to the first token,
-decode the generated tokens after it over their time. Each contender first runs one untimed full-size turn
-(a cold first turn ran at 45% speed on the H200); rounds shuffle the order. A sweep's reading of a
-configuration is compared with its reading in the race: more than :data:`AGREE` apart, the sweep reading is
-reported as discarded (cold) and the race's stands.
+Each contender is timed in the conditions it would have alone (tasks/bench/served_race.py): one contender
+resident at a time, visited once a round in an order that alternates over the rounds, started, read (GPU
+memory) once warm, warmed with one untimed turn of each kind, timed on two distinct prompts of each kind,
+stopped, and its processes seen gone before the next starts. (Kept resident together, the baselines of an
+H100 run decoded 41% slower than alone: docs/benchmarks/race.md.) Every contender is timed by the same client
+through the same endpoint (``/v1/completions``, streamed, greedy, a prompt not seen before in the visit, so
+that no prompt cache helps): prefill is the time to the first token, decode the generated tokens after it
+over their time. A visit's reading is the median of its turns; the plan's and a baseline's visits of one
+round pair up.
+
+Each baseline's row carries its solo reading (the sweep's probe of that configuration, started alone; for
+``fit``, which no sweep times, its first visit against its later ones) beside its race reading (the median
+of its visits). More than :data:`AGREE` apart, the row is invalid: no ratio of it is reported, its verdict
+is ``fail`` (the verdicts stored are pass, fail and info) with a detail that starts ``invalid:``, so
+``flux bench run`` exits 1 and says why.
 """
 
 from __future__ import annotations
 
 import logging
-import random
-import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -48,100 +55,20 @@ from tasks.bench.served_contenders import (
     most_layers,
     pick_threads,
     plan_contender,
-    streamed_completion,
     sweep_n_cpu_moe,
+)
+from tasks.bench.served_race import (
+    AGREE,
+    TURNS_PER_VISIT,
+    medians,
+    race_solo,
+    solo_check,
+    visit_readings,
 )
 from tasks.gpu_memory import budget_problem
 
 log = logging.getLogger(__name__)
 GIB, MIB = 2**30, 2**20
-AGREE = 0.05  # two readings of one configuration in one run must agree within this, or the cold one goes
-TRIAL_SCHEMA = pa.schema([
-    ("engine", pa.string()), ("round", pa.int32()), ("turn", pa.int32()), ("prompt_tokens", pa.int32()),
-    ("prompt_ms", pa.float64()), ("gen_tokens", pa.int32()), ("gen_ms", pa.float64()),
-    ("prefill_tps", pa.float64()), ("decode_tps", pa.float64()), ("turn_s", pa.float64()),
-    ("gpu_bytes", pa.int64()), ("error", pa.string()),
-])
-
-
-def race_loaded(contenders: list[Contender], prompts: dict[str, list[list[int]]], turns: Sequence[Turn],
-                rounds: int, timeout_s: float, seed: int, progress: Progress,
-                meter: GpuMemoryMeter | None = None) -> pa.Table:
-    """Every contender started once (and measured), warmed with one full turn, then timed in shuffled rounds.
-
-    Contenders start one after another, each read (NVML) once warm before the next starts, so a reading of
-    the device's use above the baseline taken right before a start is that contender's alone.
-    ``prompts[turn.name]`` holds one distinct prompt per (contender, round) visit plus one for the warm-up.
-    """
-    meter = meter or GpuMemoryMeter()
-    rows: list[dict[str, Any]] = []
-    live: list[Contender] = []
-    for i, c in enumerate(contenders):
-        try:
-            meter.rebase()
-            c.start()
-            for t in turns:  # warm-up: one untimed full-size turn of each kind
-                streamed_completion(c.base, prompts[t.name][-1 - i], t.gen, timeout_s)
-            c.gpu = meter.read(c.pid)
-            live.append(c)
-            progress(f"{c.name}: started, GPU {(c.gpu_bytes or 0) / GIB:.2f} GiB"
-                     f"{f' ({c.gpu.method})' if c.gpu else ''} ({c.note})")
-        except Exception as exc:  # noqa: BLE001 - a contender that fails to start is an error row
-            rows.append({"engine": c.name, "round": -1, "turn": -1, "error": f"{type(exc).__name__}: {exc}"[:500]})
-            c.stop()
-    rng = random.Random(seed)
-    visit = 0
-    try:
-        for rnd in range(rounds):
-            order = live[:]
-            rng.shuffle(order)
-            for c in order:
-                for j, t in enumerate(turns):
-                    prompt = prompts[t.name][visit % (len(prompts[t.name]) - len(contenders))]
-                    rows.append(_timed_row(c, rnd, j, prompt, t, timeout_s))
-                visit += 1
-            progress(f"round {rnd + 1}/{rounds} done")
-    finally:
-        for c in contenders:
-            c.stop()
-    return pa.Table.from_pylist([{f.name: r.get(f.name) for f in TRIAL_SCHEMA} for r in rows], schema=TRIAL_SCHEMA)
-
-
-def _timed_row(c: Contender, rnd: int, j: int, prompt: list[int], t: Turn, timeout_s: float) -> dict[str, Any]:
-    row: dict[str, Any] = {"engine": c.name, "round": rnd, "turn": j, "gpu_bytes": c.gpu_bytes}
-    try:
-        tm = streamed_completion(c.base, prompt, t.gen, timeout_s)
-    except Exception as exc:  # noqa: BLE001 - one failed request is a row, the race goes on
-        return {**row, "error": f"{type(exc).__name__}: {exc}"[:500]}
-    return {**row, "prompt_tokens": tm.prompt_tokens, "prompt_ms": tm.prompt_ms, "gen_tokens": tm.gen_tokens,
-            "gen_ms": tm.gen_ms, "prefill_tps": tm.prompt_tokens / tm.prompt_ms * 1e3 if tm.prompt_ms else None,
-            "decode_tps": tm.gen_tokens / tm.gen_ms * 1e3 if tm.gen_ms else None,
-            "turn_s": (tm.prompt_ms + tm.gen_ms) / 1e3}
-
-
-def medians(table: pa.Table, engine: str, turn: int) -> dict[str, float]:
-    """Median prefill and decode speed and turn seconds of one engine on one turn."""
-    rows = [r for r in table.to_pylist() if r["engine"] == engine and r["turn"] == turn and not r["error"]]
-    out = {}
-    for k in ("prefill_tps", "decode_tps", "turn_s"):
-        xs = [r[k] for r in rows if r[k]]
-        if xs:
-            out[k] = statistics.median(xs)
-    return out
-
-
-def agreement(sweep: Probe | None, raced: dict[str, float]) -> tuple[float | None, str | None]:
-    """(relative difference, note) of a sweep's decode reading against the race's for one configuration."""
-    if sweep is None or sweep.timing is None or not sweep.timing.gen_ms or not raced.get("decode_tps"):
-        return None, None
-    swept = sweep.timing.gen_tokens / sweep.timing.gen_ms * 1e3
-    diff = abs(swept - raced["decode_tps"]) / raced["decode_tps"]
-    if diff <= AGREE:
-        return diff, None
-    return diff, (f"sweep read {swept:.1f} tok/s decode, the race {raced['decode_tps']:.1f} ({diff:.0%} apart, more "
-                  f"than {AGREE:.0%}): the sweep's single reading is discarded, the race's stands")
-
-
 MEMORY_AGREE = 0.05  # flux serve's GPU memory and the measure stage's reading of the same plan agree within this
 
 
@@ -198,22 +125,29 @@ def host_check(ctx: BenchContext, start: HostState, say: Progress) -> HostCheck:
     return check
 
 
-def _row(name: str, c: Contender, table: pa.Table, turns: Sequence[Turn], opts: Any,
-         extra: dict[str, Any], host_flagged: str | None = None) -> Any:
-    """Plan vs one contender: paired ratios per turn (same round), a verdict on the first turn's speeds."""
+def summary_row(c: Contender, table: pa.Table, turns: Sequence[Turn], opts: Any, extra: dict[str, Any],
+                probe: Probe | None = None, host_flagged: str | None = None) -> Any:
+    """Plan vs one baseline: paired ratios per turn (visits of the same round), a verdict on the first turn's
+    speeds, and the baseline's solo reading beside its race reading (:func:`tasks.bench.served_race.solo_check`).
+
+    Not a result (ratios kept under ``metrics["unreported"]``): an invalid row (solo and race readings more
+    than :data:`AGREE` apart; verdict ``fail``, detail ``invalid: ...``), or a budget flag (verdict ``info``).
+    """
     from tasks.bench.record import SummaryRow
     from tasks.bench.stats import paired_ratio
 
+    name = c.name
+    solo = solo_check(name, probe, table)
+    extra = {**extra, **solo}
+
     def pair(turn: int, metric: str) -> tuple[list[float], list[float]]:
-        by: dict[str, dict[int, float]] = {"plan": {}, name: {}}
-        for r in table.to_pylist():
-            if r["engine"] in by and r["turn"] == turn and not r["error"] and r[metric]:
-                by[r["engine"]][r["round"]] = r[metric]
-        keys = sorted(by["plan"].keys() & by[name].keys())
-        return [by["plan"][k] for k in keys], [by[name][k] for k in keys]
+        plan, base = visit_readings(table, "plan", turn, metric), visit_readings(table, name, turn, metric)
+        keys = sorted(plan.keys() & base.keys())
+        return [plan[k] for k in keys], [base[k] for k in keys]
 
     if not pair(0, "decode_tps")[0]:
-        return SummaryRow(baseline=name, verdict="info", detail=f"no paired turns with {name}", metrics=extra)
+        return SummaryRow(baseline=name, verdict="fail" if solo["invalid"] else "info", metrics=extra,
+                          detail=f"invalid: {solo['invalid']}" if solo["invalid"] else f"no paired turns with {name}")
     pre = paired_ratio(*pair(0, "prefill_tps"), n_boot=opts.n_boot, seed=opts.seed)
     dec = paired_ratio(*pair(0, "decode_tps"), n_boot=opts.n_boot, seed=opts.seed + 1)
     per_turn = {}
@@ -224,45 +158,35 @@ def _row(name: str, c: Contender, table: pa.Table, turns: Sequence[Turn], opts: 
                             "turn_speedup": ratio.model_dump() if ratio else None}
     metrics = {**extra, "per_turn": per_turn, "engine_note": c.note, "baseline_gpu_bytes": c.gpu_bytes,
                "baseline_gpu_method": c.gpu.method if c.gpu else None, "baseline_flag": c.flag,
-               "baseline_valid": c.flag is None and extra.get("plan_flag") is None}
+               "baseline_valid": c.flag is None and extra.get("plan_flag") is None and not solo["invalid"]}
     slower = "slower" in (pre.outcome, dec.outcome)
     detail = f"{turns[0].name}: prefill {pre.outcome} {pre.text()}, decode {dec.outcome} {dec.text()}"
+    unreported = {**metrics, "unreported": {"prefill": pre.model_dump(), "decode": dec.model_dump()}}
+    if solo["invalid"]:  # a disturbed measurement: never a result (per-turn ratios too), and the run must not pass
+        unreported["per_turn"] = {k: {**v, "turn_speedup": None} for k, v in per_turn.items()}
+        unreported["unreported"]["turn_speedup"] = {k: v["turn_speedup"] for k, v in per_turn.items()}
+        return SummaryRow(baseline=name, verdict="fail", detail=f"invalid: {solo['invalid']}; measured {detail}",
+                          n_samples=min(pre.n, dec.n), metrics={**unreported, "verdict_meant": "invalid"})
     why_not = c.flag and f"{name} {c.flag}" or extra.get("plan_flag") and f"the plan {extra['plan_flag']}"
     if why_not:  # the ratios are kept for diagnosis, never reported as a result
         return SummaryRow(baseline=name, verdict="info", detail=f"not a result: {why_not}; measured {detail}",
-                          n_samples=min(pre.n, dec.n), metrics={
-                              **metrics, "unreported": {"prefill": pre.model_dump(), "decode": dec.model_dump()}})
+                          n_samples=min(pre.n, dec.n), metrics=unreported)
     if host_flagged:
         detail += "; host slower than usual: these ratios hold for that state only"
     return ratio_row(name, pre, dec, "fail" if slower else "pass", detail, metrics)
 
 
-def bench_served(ctx: BenchContext, opts: Any, progress: Progress | None = None) -> Any:
-    """The served race (module docstring); one summary row per baseline."""
-    from tasks.bench.record import BenchRun, SummaryRow
-
-    say = progress or log.info
-    asked = tuple(Turn(name=f"p{p}-g{g}", prompt=p, gen=g) for p, g in opts.turns) if opts.turns else DEFAULT_TURNS
-    room = ctx.params.n_ctx - 16  # a turn must fit the plan's context, with its reply
-    turns = tuple(t if t.prompt + t.gen <= room else t.model_copy(update={"prompt": max(8, room - t.gen)})
-                  for t in asked)
-    budget_gib = opts.gpu_mem_budget_gib if opts.gpu_mem_budget_gib is not None else ctx.plan.request.gpu_mem_budget_gib
-    budget = int(max(budget_gib) * GIB) if budget_gib else None
-    info = model_of(ctx)
-    n_prompts = opts.rounds * (len(opts.baselines) + 1) + len(opts.baselines) + 3
-    prompts = _prompts(ctx, turns, n_prompts, opts.seed)
-    sweep_prompts = prompts[turns[0].name][-2:]
-    contenders: list[Contender] = [plan_contender(ctx)]
+def _baselines(ctx: BenchContext, opts: Any, info: ModelInfo, budget: int | None, meter: GpuMemoryMeter,
+               sweep_prompts: list[list[int]], turn: Turn, threads: BaselineThreads,
+               say: Progress) -> tuple[list[Contender], dict[str, Probe], dict[str, str]]:
+    """The baselines asked for, each found alone (the sweeps): contenders, their sweep probes, and why the
+    others are skipped."""
+    found: list[Contender] = []
     probes: dict[str, Probe] = {}
     skipped: dict[str, str] = {}
-    meter = GpuMemoryMeter()
-    check_budget(ctx, info, budget, meter)
-    host_start = read_host()  # before any contender loads the machine
-    t0 = time.monotonic()
-    threads = BaselineThreads(ctx.params.n_threads)
     for name in opts.baselines:
         if name == "fit":
-            contenders.append(fit_contender(ctx, budget, meter, threads))
+            found.append(fit_contender(ctx, budget, meter, threads))
             continue
         finder = {"n-cpu-moe": sweep_n_cpu_moe, "most-ngl": most_layers}.get(name)
         if finder is None:
@@ -270,21 +194,35 @@ def bench_served(ctx: BenchContext, opts: Any, progress: Progress | None = None)
         if name == "n-cpu-moe" and not info.is_moe:
             skipped[name] = "n/a: dense model (no experts)"
             continue
-        got = finder(ctx, info, budget, sweep_prompts, turns[0], say, threads.n)
+        got = finder(ctx, info, budget, sweep_prompts, turn, say, threads.n)
         if isinstance(got, str):
             skipped[name] = got
             continue
         if not probes:  # the first baseline found sets every baseline's threads
-            got = pick_threads(ctx, got, threads, cpu_info().physical_cores, budget, sweep_prompts, turns[0], say)
-        contenders.append(got[0])
+            got = pick_threads(ctx, got, threads, cpu_info().physical_cores, budget, sweep_prompts, turn, say)
+        found.append(got[0])
         probes[name] = got[1]
-    table = race_loaded(contenders, prompts, turns, opts.rounds, ctx.timeout_s, opts.seed, say, meter)
-    host = host_check(ctx, host_start, say)
-    plan_c = contenders[0]
-    for c in contenders[1:]:
-        c.flag = budget_flag(c.gpu, budget)
-        if c.flag:
-            say(f"{c.name}: {c.flag}: its ratios are not reported as results")
+    return found, probes, skipped
+
+
+def plan_agreement(ctx: BenchContext, served: float | None) -> float | None:
+    """Relative difference between the plan's served decode and the measure stage's (a note, never a verdict:
+    the measure stage reads the worker's own counters on its own prompts, the race a client's stream)."""
+    measured = ctx.plan.measured.decode_tps
+    return abs(served - measured) / measured if served and measured else None
+
+
+def _turns(ctx: BenchContext, opts: Any) -> tuple[Turn, ...]:
+    """The turns asked for (or the defaults), each cut to fit the plan's context with its reply."""
+    asked = tuple(Turn(name=f"p{p}-g{g}", prompt=p, gen=g) for p, g in opts.turns) if opts.turns else DEFAULT_TURNS
+    room = ctx.params.n_ctx - 16
+    return tuple(t if t.prompt + t.gen <= room else t.model_copy(update={"prompt": max(8, room - t.gen)})
+                 for t in asked)
+
+
+def _plan_notes(ctx: BenchContext, plan_c: Contender, table: pa.Table, budget: int | None,
+                say: Progress) -> dict[str, Any]:
+    """The plan's own readings beside its plan: GPU memory (over budget flags the run) and served decode."""
     plan_flag = over_plan_budget(plan_c, budget)
     if plan_flag:
         say(f"plan: {plan_flag}: no ratio of this run is reported as a result")
@@ -292,22 +230,55 @@ def bench_served(ctx: BenchContext, opts: Any, progress: Progress | None = None)
     if agree is not None and agree > MEMORY_AGREE:
         say(f"plan: flux serve held {(plan_c.gpu_bytes or 0) / GIB:.2f} GiB, the measure stage read "
             f"{(ctx.plan.measured.gpu_bytes or 0) / GIB:.2f} GiB ({agree:.0%} apart, more than {MEMORY_AGREE:.0%})")
-    served = medians(table, "plan", 0)
+    served = medians(table, "plan", 0).get("decode_tps")
+    served_vs = plan_agreement(ctx, served)
+    if served_vs is not None and served_vs > AGREE:
+        say(f"plan: served decode {served or 0:.1f} tok/s, the measure stage read {ctx.plan.measured.decode_tps:.1f} "
+            f"({served_vs:.0%} apart; a note only: the measure stage reads the worker's own counters)")
+    return {"plan_gpu_bytes": plan_c.gpu_bytes, "plan_gpu_method": plan_c.gpu.method if plan_c.gpu else None,
+            "plan_measured_gpu_bytes": ctx.plan.measured.gpu_bytes, "plan_gpu_vs_measured": agree,
+            "plan_flag": plan_flag, "plan_measured_decode_tps": ctx.plan.measured.decode_tps,
+            "plan_measured_prefill_tps": ctx.plan.measured.prefill_tps, "served_decode_tps": served,
+            "plan_served_vs_measured": served_vs}
+
+
+def bench_served(ctx: BenchContext, opts: Any, progress: Progress | None = None) -> Any:
+    """The served race (module docstring); one summary row per baseline."""
+    from tasks.bench.record import BenchRun, SummaryRow
+
+    say = progress or log.info
+    turns = _turns(ctx, opts)
+    budget_gib = opts.gpu_mem_budget_gib if opts.gpu_mem_budget_gib is not None else ctx.plan.request.gpu_mem_budget_gib
+    budget = int(max(budget_gib) * GIB) if budget_gib else None
+    info = model_of(ctx)
+    # one warm-up prompt, TURNS_PER_VISIT per round (every contender of a round gets the same), two for the sweeps
+    prompts = _prompts(ctx, turns, 1 + opts.rounds * TURNS_PER_VISIT + 2, opts.seed)
+    sweep_prompts = prompts[turns[0].name][-2:]
+    meter = GpuMemoryMeter()
+    check_budget(ctx, info, budget, meter)
+    host_start = read_host()  # before any contender loads the machine
+    t0 = time.monotonic()
+    threads = BaselineThreads(ctx.params.n_threads)
+    found, probes, skipped = _baselines(ctx, opts, info, budget, meter, sweep_prompts, turns[0], threads, say)
+    contenders = [plan_contender(ctx), *found]
+    race_prompts = {k: v[:-2] for k, v in prompts.items()}
+    table = race_solo(contenders, race_prompts, turns, opts.rounds, ctx.timeout_s, opts.seed, say, meter)
+    host = host_check(ctx, host_start, say)
+    plan_c = contenders[0]
+    for c in found:
+        c.flag = budget_flag(c.gpu, budget)
+        if c.flag:
+            say(f"{c.name}: {c.flag}: its ratios are not reported as results")
+    notes = _plan_notes(ctx, plan_c, table, budget, say)
     common: dict[str, Any] = {
         "options": opts.model_dump(mode="json"), "turn_specs": [t.model_dump() for t in turns],
         "budget_gib": max(budget_gib) if budget_gib else None, "ctx": ctx.params.n_ctx, "seconds": time.monotonic() - t0,
-        "plan_gpu_bytes": plan_c.gpu_bytes, "plan_gpu_method": plan_c.gpu.method if plan_c.gpu else None,
-        "plan_measured_gpu_bytes": ctx.plan.measured.gpu_bytes, "plan_gpu_vs_measured": agree, "plan_flag": plan_flag,
-        "plan_measured_decode_tps": ctx.plan.measured.decode_tps,
-        "plan_measured_prefill_tps": ctx.plan.measured.prefill_tps, "served_decode_tps": served.get("decode_tps"),
-        "plan_backend_build": ctx.plan.backend_build, "timing": "client stream (/v1/completions)",
+        **notes, "plan_backend_build": ctx.plan.backend_build, "timing": "client stream (/v1/completions)",
+        "race": f"solo visits: one contender resident at a time, {TURNS_PER_VISIT} timed turns of each kind a visit",
         "baseline_threads": threads.n, "baseline_threads_note": threads.note, "host": host.model_dump()}
-    rows = []
-    for c in contenders[1:]:
-        diff, note = agreement(probes.get(c.name), medians(table, c.name, 0))
-        extra = {**common, "sweep_vs_race": diff, "sweep_note": note}
-        if note:
-            say(f"{c.name}: {note}")
-        rows.append(_row(c.name, c, table, turns, opts, extra, host.flag))
+    rows = [summary_row(c, table, turns, opts, common, probes.get(c.name), host.flag) for c in found]
+    for r in rows:
+        if r.metrics.get("invalid"):
+            say(f"{r.baseline}: INVALID: {r.metrics['invalid']}")
     rows += [SummaryRow(baseline=name, verdict="info", detail=why, metrics=common) for name, why in skipped.items()]
     return BenchRun(suite="run", ctx=ctx, rows=rows, raw=table)

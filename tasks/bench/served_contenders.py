@@ -119,14 +119,16 @@ class Contender:
         return self.gpu.total if self.gpu else None
 
     def start(self) -> None:
-        """Start the engine and wait until it answers."""
+        """Start the engine and wait until it answers (a failed start leaves no pid of an earlier visit)."""
+        self.base, self.pid = "", None
         self.base, self.pid, self.stop_fn = self.start_fn()
 
     def stop(self) -> None:
-        """Stop it (idempotent)."""
+        """Stop it (idempotent); its pid is forgotten, since the process is gone."""
         if self.stop_fn is not None:
             self.stop_fn()
             self.stop_fn = None
+        self.pid = None
 
 
 def plan_contender(ctx: BenchContext) -> Contender:
@@ -173,9 +175,10 @@ def _common_args(ctx: BenchContext, threads: int | None = None) -> list[str]:
 def fit_args(ctx: BenchContext, budget: int | None, free: list[int], threads: int | None = None) -> list[str]:
     """llama-server's fit holding the plan's context, told to leave all but ``budget`` of ``free`` free.
 
-    ``free`` must be read right before the server starts, with the other contenders already loaded: fit
-    leaves ``--fit-target`` MiB free on each GPU, so a target computed before another contender loaded
-    leaves fit that contender's memory short (the 0.92 GiB of a 14 GiB budget seen on the H200).
+    ``free`` must be read right before the server starts: fit leaves ``--fit-target`` MiB free on each GPU,
+    so a target computed while another process held memory it has since freed (or before one loaded) gives
+    fit the wrong share (the 0.92 GiB of a 14 GiB budget seen on the H200, when contenders were co-resident).
+    The race now runs each contender alone, so ``free`` is read with nothing else of the race loaded.
     """
     args = [*_common_args(ctx, threads), "--fit", "on", "-fitc", str(ctx.params.n_ctx * ctx.params.n_seq_max)]
     if budget and free:
