@@ -33,7 +33,7 @@ from tasks.bench.record import summary_table as summary_rows
 from tasks.bench.registry import suites as declared_suites
 
 log = logging.getLogger(__name__)
-STYLE = {"pass": "green", "fail": "bold red", "info": "yellow"}
+STYLE = {"pass": "green", "fail": "bold red", "info": "yellow", "invalid": "bold magenta"}
 NO_RESULT = "—"
 
 

@@ -48,7 +48,7 @@ def _run(suite: Suite, ctx: BenchSite, opts: BaseModel, then: str) -> int:
     print_run(run)
     err.print(f"stored run {run.run_id[:12]}: {paths[0]} (+{len(paths) - 1} bench_summary rows); {then}",
               markup=False)
-    return 1 if run.verdict == "fail" else 0
+    return 1 if run.verdict in ("fail", "invalid") else 0
 
 
 def _scalar(annotation: Any) -> Any:

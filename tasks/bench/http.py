@@ -241,9 +241,11 @@ def error_body(ex: Exchange) -> dict[str, Any] | None:
 
 
 def finish_reason(events: list[tuple[int | None, str]]) -> str | None:
-    """The last finish_reason in a stream's events."""
+    """The last finish_reason in a stream's events; Flux's own (``flux.finish_reason``, e.g. "cancelled", which
+    OpenAI's field cannot carry) first."""
     for _, data in reversed(events):
         for choice in json_object(data).get("choices") or []:
-            if choice.get("finish_reason"):
-                return str(choice["finish_reason"])
+            own = (choice.get("flux") or {}).get("finish_reason")
+            if own or choice.get("finish_reason"):
+                return str(own or choice["finish_reason"])
     return None

@@ -23,7 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.bench.context import BenchSite
 
-Verdict = Literal["pass", "fail", "info"]
+# "invalid": a race whose readings disagree with themselves (a baseline's solo and race readings more than 5%
+# apart, tasks/bench/served.py): no ratio of it is a result, and the run exits non-zero as a fail does
+Verdict = Literal["pass", "fail", "info", "invalid"]
 SUMMARY_KIND = "bench_summary"
 SUMMARY_SCHEMA = pa.schema([
     ("run_id", pa.string()), ("plan_id", pa.string()), ("suite", pa.string()), ("baseline", pa.string()),
@@ -68,12 +70,14 @@ class BenchRun:
 
     @property
     def verdict(self) -> Verdict:
-        """The run's verdict: fail if any row fails, info if every row is info, else pass."""
+        """The run's verdict (:func:`overall`)."""
         return overall([r.verdict for r in self.rows])
 
 
 def overall(verdicts: Sequence[str]) -> Verdict:
-    """Combine row verdicts: any fail → fail; all info (or none) → info; else pass."""
+    """Combine row verdicts: any invalid → invalid; any fail → fail; all info (or none) → info; else pass."""
+    if "invalid" in verdicts:
+        return "invalid"
     if "fail" in verdicts:
         return "fail"
     return "pass" if "pass" in verdicts else "info"

@@ -146,7 +146,7 @@ def summary_row(c: Contender, table: pa.Table, turns: Sequence[Turn], opts: Any,
         return [plan[k] for k in keys], [base[k] for k in keys]
 
     if not pair(0, "decode_tps")[0]:
-        return SummaryRow(baseline=name, verdict="fail" if solo["invalid"] else "info", metrics=extra,
+        return SummaryRow(baseline=name, verdict="invalid" if solo["invalid"] else "info", metrics=extra,
                           detail=f"invalid: {solo['invalid']}" if solo["invalid"] else f"no paired turns with {name}")
     pre = paired_ratio(*pair(0, "prefill_tps"), n_boot=opts.n_boot, seed=opts.seed)
     dec = paired_ratio(*pair(0, "decode_tps"), n_boot=opts.n_boot, seed=opts.seed + 1)
@@ -165,8 +165,8 @@ def summary_row(c: Contender, table: pa.Table, turns: Sequence[Turn], opts: Any,
     if solo["invalid"]:  # a disturbed measurement: never a result (per-turn ratios too), and the run must not pass
         unreported["per_turn"] = {k: {**v, "turn_speedup": None} for k, v in per_turn.items()}
         unreported["unreported"]["turn_speedup"] = {k: v["turn_speedup"] for k, v in per_turn.items()}
-        return SummaryRow(baseline=name, verdict="fail", detail=f"invalid: {solo['invalid']}; measured {detail}",
-                          n_samples=min(pre.n, dec.n), metrics={**unreported, "verdict_meant": "invalid"})
+        return SummaryRow(baseline=name, verdict="invalid", detail=f"invalid: {solo['invalid']}; measured {detail}",
+                          n_samples=min(pre.n, dec.n), metrics=unreported)
     why_not = c.flag and f"{name} {c.flag}" or extra.get("plan_flag") and f"the plan {extra['plan_flag']}"
     if why_not:  # the ratios are kept for diagnosis, never reported as a result
         return SummaryRow(baseline=name, verdict="info", detail=f"not a result: {why_not}; measured {detail}",

@@ -87,22 +87,22 @@ def test_the_h100_race_is_invalid_not_a_win() -> None:
     table = _table({"plan": [[109.5, 109.5], [109.4, 109.6]], "n-cpu-moe": [[31.4, 31.8], [31.5, 31.7]]})
     row = summary_row(_baseline(), table, [TURN], OPTS.model_copy(update={"rounds": 2}), {"plan_flag": None},
                       _probe(53.4))
-    assert row.verdict == "fail" and row.detail.startswith("invalid: ")
+    assert row.verdict == "invalid" and row.detail.startswith("invalid: ")
     assert "53.4" in row.detail and "31.6" in row.detail and "stands" not in row.detail
     assert row.ratio_decode is None and row.ratio_prefill is None and row.ci_low is None
     m = row.metrics
-    assert m["verdict_meant"] == "invalid" and m["baseline_valid"] is False
+    assert m["baseline_valid"] is False
     assert m["solo_vs_race"] == pytest.approx(abs(53.4 - 31.6) / 31.6, rel=1e-3)
     assert m["unreported"]["decode"]["ratio"] == pytest.approx(109.5 / 31.6, rel=0.01)  # kept for diagnosis only
     assert m["per_turn"]["t"]["turn_speedup"] is None and m["unreported"]["turn_speedup"]["t"] is not None
-    assert overall([row.verdict, "pass"]) == "fail"  # `flux bench run` exits 1 (flows/cmd_bench.py)
+    assert overall([row.verdict, "pass"]) == "invalid"  # `flux bench run` exits 1 (flows/cmd_bench.py)
 
 
 def test_invalid_outranks_a_budget_flag_and_a_flag_alone_stays_info() -> None:
     table = _table({"plan": [[200, 200]] * 2, "fit": [[100, 100], [80, 80]]})
     flagged = _baseline("fit")
     flagged.flag = "held 5.00 GiB, 50% of the 10.00 GiB budget"
-    assert summary_row(flagged, table, [TURN], OPTS, {}).verdict == "fail"
+    assert summary_row(flagged, table, [TURN], OPTS, {}).verdict == "invalid"
     steady = _table({"plan": [[200, 200]] * 2, "fit": [[100, 100], [100, 101]]})
     row = summary_row(flagged, steady, [TURN], OPTS, {})
     assert row.verdict == "info" and row.detail.startswith("not a result") and row.ratio_decode is None
@@ -121,8 +121,8 @@ def test_fit_has_no_sweep_so_its_first_visit_is_its_solo_reading() -> None:
 def test_no_paired_visit_of_an_invalid_baseline_still_fails() -> None:
     table = _table({"plan": [[]], "n-cpu-moe": [[30, 30]]})
     row = summary_row(_baseline(), table, [TURN], OPTS, {}, _probe(50.0))
-    assert row.verdict == "fail" and row.detail.startswith("invalid: ")
-    assert BenchRun(suite="run", ctx=None, rows=[row], raw=table).verdict == "fail"  # type: ignore[arg-type]
+    assert row.verdict == "invalid" and row.detail.startswith("invalid: ")
+    assert BenchRun(suite="run", ctx=None, rows=[row], raw=table).verdict == "invalid"  # type: ignore[arg-type]
 
 
 BURN = "import time\nwhile True: time.time()"
