@@ -9,6 +9,8 @@ The type codes, quant block sizes and names come from the ``gguf`` package.
 from __future__ import annotations
 
 import mmap
+import os
+import stat
 import struct
 from pathlib import Path
 from typing import Any
@@ -157,23 +159,40 @@ def read_header(path: Path) -> GGUFHeader:
     """Read a GGUF file's metadata and tensor infos.
 
     Raises:
-        ModelFileError: unreadable, not a GGUF, unknown version, truncated header or tensor data.
+        ModelFileError: not a regular file, unreadable, not a GGUF, unknown version, truncated header or tensor
+            data.
     """
     try:
-        with path.open("rb") as f:
-            size = path.stat().st_size
-            if size < 24:
-                raise ModelFileError(path, f"only {size} bytes: not a GGUF model file")
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                return _parse(mm, path, size)
-    except IsADirectoryError as exc:
-        raise ModelFileError(path, "is a directory, not a GGUF file") from exc
+        # O_NONBLOCK: opening a FIFO for reading otherwise waits for a writer, forever (`flux inspect x.gguf` of a
+        # `mkfifo x.gguf` hung); what is opened is then refused unless it is a regular file
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError as exc:
         raise ModelFileError(path, "no such file") from exc
     except PermissionError as exc:
         raise ModelFileError(path, "permission denied: cannot read it") from exc
     except OSError as exc:
         raise ModelFileError(path, f"cannot read: {exc.strerror or exc}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ModelFileError(path, f"is {_file_kind(st.st_mode)}, not a GGUF file: give a model's .gguf file")
+        if st.st_size < 24:
+            raise ModelFileError(path, f"only {st.st_size} bytes: not a GGUF model file")
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
+            return _parse(mm, path, st.st_size)
+    except OSError as exc:
+        raise ModelFileError(path, f"cannot read: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _file_kind(mode: int) -> str:
+    """What a file that is not a regular file is, for a person."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
 def _parse(buf: mmap.mmap, path: Path, size: int) -> GGUFHeader:

@@ -20,6 +20,17 @@ from artifacts.logs import console, setup_logging
 Handler = Callable[[argparse.Namespace], int]
 COMMAND_MODULES = ("flows.cmd_models", "flows.cmd_plan", "flows.cmd_serve", "flows.cmd_bench", "flows.cmd_backend",
                    "flows.cmd_sql", "flows.cmd_rpc")
+# The module that registers each command: a command line naming one builds that module's parsers only, so that
+# `flux plan` of a saved plan and `flux serve` do not import every other command's dependencies first (the bench
+# suites, the synthesizer, the structure check's protocol: 0.5-1 s of a 2-core machine's start). `flux --help`, and
+# a name that is none of these, build them all (tests/flows/test_cli_dispatch.py checks this against them).
+COMMANDS: dict[str, str] = {
+    "synth": "flows.cmd_models", "inspect": "flows.cmd_models",
+    "plan": "flows.cmd_plan", "plans": "flows.cmd_plan", "show": "flows.cmd_plan", "deploy": "flows.cmd_plan",
+    "serve": "flows.cmd_serve", "bench": "flows.cmd_bench",
+    "version": "flows.cmd_backend", "config": "flows.cmd_backend", "devices": "flows.cmd_backend",
+    "generate": "flows.cmd_backend", "sql": "flows.cmd_sql", "rpc-server": "flows.cmd_rpc",
+}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -29,8 +40,9 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message}; see `{self.prog} --help`\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser; every command module registers its subcommands."""
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser: every command module registers its subcommands; with ``argv`` naming a command,
+    only the module that registers it does (:data:`COMMANDS`)."""
     parser = OneLineParser(
         prog="flux",
         description="Flux: measured execution plans for LLM inference on llama.cpp.",
@@ -38,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=OneLineParser)
     import importlib
 
-    for name in COMMAND_MODULES:
+    only = COMMANDS.get(argv[0], "") if argv else ""
+    for name in (only,) if only in COMMAND_MODULES else COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
 
@@ -46,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``flux`` console script."""
     err = console(stderr=True)
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:
         settings = load_settings()

@@ -14,7 +14,6 @@ from artifacts.filehash import model_hash
 from artifacts.logs import console
 from artifacts.model_info import ModelInfo, model_info
 from artifacts.synth import PRESETS, QUANTS, synthesize
-from engine_bridge.structure import check_structure
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -129,6 +128,8 @@ def inspect_model(path: Path, cache_dir: Path, with_hash: bool = True, logs_dir:
     if not info.supported:
         raise UnsupportedArchitecture(path, info.architecture)
     if logs_dir is not None:
+        from engine_bridge.structure import check_structure  # its worker protocol: only when asked
+
         check_structure(Path(info.shards[0]), logs_dir / "inspect-worker.log")
     if not with_hash:
         return info

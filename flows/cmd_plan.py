@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -15,13 +16,20 @@ from rich.table import Table
 from artifacts.config import Settings
 from artifacts.errors import FluxError
 from artifacts.logs import console
+from artifacts.model_info import ModelInfo
 from artifacts.records.kinds import PLAN
 from artifacts.records.plan import Plan, PlanRequest
 from artifacts.records.store import Records
 from flows.request import check_for_model, flow_params
 from flows.request_flags import add_plan_flags, request_from_args
 
+if TYPE_CHECKING:
+    from tasks.stage import PlanContext
+
 DEFAULT_MODEL = "tiny-moe"
+# a model this small hashes in well under a second: its saved plan is looked up before anything starts, even at a
+# path not seen before; a larger one seen for the first time is hashed beside Prefect's server's start
+HASH_FIRST_BYTES = 1 << 30
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -60,7 +68,14 @@ def default_model(settings: Settings) -> Path:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Plan a model (reusing a matching saved plan unless --replan) and print the plan id."""
+    """Plan a model (reusing a matching saved plan unless --replan) and print the plan id.
+
+    What needs no process runs first: the flags, the model's header (a bad file is one line, exit 2) and, when the
+    model's hash is remembered (or it is small), the look-up of a saved plan, which imports no Prefect and starts
+    nothing. Only a plan to make starts llama.cpp's check of the model's tensors, then Prefect's server, beside
+    the hashing of a large model seen for the first time.
+    """
+    from flows.plan_context import check_loader, hashes_remembered, plan_context, read_model
     from tasks.clock import mark_command_start
 
     mark_command_start()
@@ -69,9 +84,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     con = console(stderr=True)
     req = request_from_args(settings, args, model)
     t0 = time.monotonic()
+    info = read_model(req, settings)
+    check_for_model(req, info.n_ctx_train)
+    look_up = not req.replan and not req.reprobe
+    if look_up and (info.file_bytes <= HASH_FIRST_BYTES or hashes_remembered(info, settings.cache_dir)):
+        if _reused(plan_context(req, settings, info), con):
+            return 0
+        look_up = False  # no saved plan for these bytes, this machine and these flags
+    check_loader(info, settings)
     server_ready = _start_prefect_server_early()
     try:
-        return _plan(req, settings, con, t0, server_ready)
+        return _plan(req, settings, info, con, t0, look_up, server_ready)
     finally:
         # never leave the early start mid-way: an error (a refused engine, a bad model) returned while the thread
         # was still spawning the server, and the interpreter's shutdown under it aborted the process (SIGABRT
@@ -79,20 +102,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
         server_ready()
 
 
-def _plan(req: PlanRequest, settings: Settings, con: Console, t0: float, server_ready: Callable[[], None]) -> int:
-    from flows import stages
+def _reused(pctx: PlanContext, con: Console) -> bool:
+    """Print the saved plan matching ``pctx``'s key, if there is one."""
     from tasks import pipeline
 
-    pctx = stages.context(req, settings)
-    check_for_model(req, pctx.info.n_ctx_train)
-    if not req.replan and not req.reprobe:
-        found = pipeline.existing_plan(pctx)
-        if found:
-            pipeline.remember_model_path(pctx)
-            con.print(f"reusing saved plan {found[:12]} (same model bytes, machine, backend and flags; --replan to "
-                      "measure again)")
-            console().print(found)
-            return 0
+    found = pipeline.existing_plan(pctx)
+    if not found:
+        return False
+    pipeline.remember_model_path(pctx)
+    con.print(f"reusing saved plan {found[:12]} (same model bytes, machine, backend and flags; --replan to "
+              "measure again)")
+    console().print(found)
+    return True
+
+
+def _plan(req: PlanRequest, settings: Settings, info: ModelInfo, con: Console, t0: float, look_up: bool,
+          server_ready: Callable[[], None]) -> int:
+    from flows.plan_context import plan_context, preflight_engines
+
+    pctx = plan_context(req, settings, info)  # hashes a model seen for the first time, beside the server's start
+    if look_up and _reused(pctx, con):
+        return 0
+    preflight_engines(pctx.engines, pctx.model, info.n_ctx_train, settings)
     from flows.plan_model import plan_model
 
     _quiet_flux_errors()

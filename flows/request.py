@@ -138,7 +138,8 @@ def check_draft(req: PlanRequest) -> None:
         if path is None:
             continue
         if not Path(path).is_file():
-            raise BadPlanFlag(f"{flag} {path}: no such file; {fix}")
+            what = "not a regular file" if Path(path).exists() else "no such file"
+            raise BadPlanFlag(f"{flag} {path}: {what}; {fix}")
         why = mismatch(Path(req.model), Path(path))
         if why is not None:
             raise BadPlanFlag(f"{flag} {path}: {why}{then}")

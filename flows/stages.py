@@ -21,22 +21,12 @@ from prefect.futures import PrefectFuture
 from prefect.states import Completed
 from pydantic import BaseModel
 
-from artifacts.code_id import code_id
 from artifacts.config import Settings
-from artifacts.filehash import model_hash
 from artifacts.ids import content_id
 from artifacts.records.kinds import Kind
-from artifacts.records.machine import machine_facts
 from artifacts.records.plan import Plan, PlanRequest
 from artifacts.records.store import Records
-from artifacts.store import Store
-from engine_bridge import rpc
-from engine_bridge.backend import backend_info
-from engine_bridge.engines.preflight import preflight
-from engine_bridge.params import EngineParams
-from flows.request import check_draft, engine_specs
-from tasks.clock import StageClock
-from tasks.measurement.speculation import drafting_for
+from flows.plan_context import check_loader, plan_context, preflight_engines, read_model
 from tasks.pipeline import STAGES, PlanContext, Stage
 from tasks.stage import Artifact
 
@@ -44,28 +34,12 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def context(req: PlanRequest, settings: Settings, reprobe: bool = False) -> PlanContext:
-    """Read the model (header + cached hash) and the backend build once per flow run."""
-    from flows.cmd_models import inspect_model
-
-    info = inspect_model(Path(req.model), settings.cache_dir, with_hash=False, logs_dir=settings.logs_dir)
-    build = backend_info(settings.cache_dir).build_id
-    # RPC servers are asked who they are before anything is hashed or measured: one that does not answer or
-    # runs another build ends the run here, in one line
-    facts = machine_facts().model_copy(update={"rpc": [rpc.identify(e, build) for e in req.rpc or []]})
-    # so is every engine other than the worker: started once, it must answer and stream logprobs and usage
-    engines = engine_specs(settings, req)
-    for spec in engines:
-        preflight(spec, Path(req.model), EngineParams(n_ctx=min(info.n_ctx_train or 512, 512)),
-                  settings.logs_dir / "engines.log")
-    # and the draft model and grafted heads: they must share the model's vocabulary (and the heads its shape)
-    check_draft(req)
-    drafting = drafting_for(req, model_hash([Path(req.draft_model)], settings.cache_dir) if req.draft_model else None,
-                            info.n_nextn_layers, model_hash([Path(req.heads)], settings.cache_dir) if req.heads else None)
-    mh = model_hash([Path(s) for s in info.shards], settings.cache_dir)
-    return PlanContext(req=req, settings=settings, store=Store(settings.data_dir), info=info.model_copy(
-        update={"content_hash": mh}), model_hash=mh, backend_build=build, facts=facts, code=code_id(),
-        clock=StageClock(req.budget_s), run_id=_flow_run_id(), reprobe=reprobe, engines=tuple(engines),
-        drafting=drafting)
+    """Read the model (header, llama.cpp's loader's check, cached hash) and the backend build once per flow run;
+    every engine other than the worker is started once (:func:`flows.plan_context.preflight_engines`)."""
+    info = read_model(req, settings)
+    check_loader(info, settings)
+    return plan_context(req, settings, info, reprobe=reprobe, run_id=_flow_run_id(), check_engines=lambda engines:
+                        preflight_engines(engines, Path(req.model), info.n_ctx_train, settings))
 
 
 def _flow_run_id() -> str:

@@ -22,9 +22,10 @@ from typing import NoReturn
 from artifacts.config import Settings, load_settings
 from artifacts.errors import FluxError
 from artifacts.logs import setup_logging
-from server.errors import ServeSetupError
 
 log = logging.getLogger(__name__)
+# server.errors (Litestar, uvicorn) is imported where a serve error is raised: every `flux` command builds this
+# module's flags, and importing Litestar cost them 0.2 s
 
 
 def _port(text: str) -> int:
@@ -62,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _read_key_file(path: Path, what: str) -> str:
+    from server.errors import ServeSetupError
+
     try:
         text = path.expanduser().read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -75,6 +78,8 @@ def api_key(settings: Settings, args: argparse.Namespace) -> str | None:
     Raises:
         ServeSetupError: the key given is empty or its file cannot be read.
     """
+    from server.errors import ServeSetupError
+
     sources: list[tuple[str, str | None]] = []
     if args.api_key_file is not None:
         sources.append(("--api-key-file", _read_key_file(args.api_key_file, "--api-key-file")))
@@ -99,6 +104,8 @@ def bind(host: str, port: int) -> socket.socket:
     Raises:
         ServeSetupError: the address is in use or cannot be bound.
     """
+    from server.errors import ServeSetupError
+
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
@@ -120,11 +127,7 @@ def serve(settings: Settings, args: argparse.Namespace) -> int:
     Raises:
         FluxError: no such plan, it does not match this machine (PlanMismatch), or ServeSetupError.
     """
-    import uvicorn
-
-    from server.app import create_app
     from server.plan_check import load_checked_plan
-    from server.transport import guarded_protocol
 
     key = api_key(settings, args)
     host = args.host or settings.serve.host
@@ -132,6 +135,13 @@ def serve(settings: Settings, args: argparse.Namespace) -> int:
     sock = bind(host, port)  # before loading anything: a busy port fails in a second, not after the load
     try:
         plan, model = load_checked_plan(settings, args.plan, args.model)
+        # the app's imports (Litestar, uvicorn, the routes: a second or more of a 2-core machine) come once the plan
+        # is known good: a plan refused here is said without them
+        import uvicorn
+
+        from server.app import create_app
+        from server.transport import guarded_protocol
+
         app = create_app(settings, plan, api_key=key, model_path=model)
         config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
                                 lifespan="on", timeout_keep_alive=int(max(1, settings.serve.keep_alive_s)),

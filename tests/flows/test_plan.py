@@ -85,6 +85,48 @@ def test_second_plan_is_reused_quickly(planned: dict[str, object], tiny_moe: Pat
     assert time.monotonic() - t0 < 15
 
 
+def _flow_runs(prefect_home: Path) -> int:
+    """How many flow runs Prefect's database (its temporary server's, under PREFECT_HOME) records."""
+    import sqlite3
+
+    with sqlite3.connect(prefect_home / "prefect.db") as db:
+        return int(db.execute("SELECT count(*) FROM flow_run").fetchone()[0])
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # bound then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_reuse_runs_no_flow_and_starts_no_prefect_server(planned: dict[str, object], tiny_moe: Path,
+                                                          tmp_path: Path) -> None:
+    env: dict[str, str] = planned["env"]  # type: ignore[assignment]
+    home = Path(env["PREFECT_HOME"])
+    before = _flow_runs(home)
+    assert before >= 1, "the plan was made by a flow run, recorded in this database"
+    args = ("plan", str(tiny_moe), "--budget-s", str(BUDGET), "--ctx", "512")
+
+    def reused(**more: str) -> str:
+        out = flux({**env, **more}, *args)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.strip() == planned["id"] and "reusing saved plan" in out.stderr
+        return out.stderr
+
+    reused()  # as a user runs it: a flow run here would be recorded in the temporary server's database
+    assert _flow_runs(home) == before, "a reuse ran a flow"
+    # a Prefect home of its own: a temporary server started there would create its database; and every module the
+    # process imports is listed (-X importtime): Prefect is not among them
+    fresh = tmp_path / "prefect-home"
+    said = reused(PREFECT_HOME=str(fresh), PYTHONPROFILEIMPORTTIME="1")
+    assert not (fresh / "prefect.db").exists(), "a reuse started Prefect's temporary server"
+    assert not re.search(r"\| +prefect(\.|$)", said, re.MULTILINE), "a reuse imported Prefect"
+    # and with Prefect's API on a port where nothing listens: any contact with a server fails
+    reused(PREFECT_API_URL=f"http://127.0.0.1:{_closed_port()}/api")
+
+
 def test_a_renamed_model_reuses_its_plan_and_the_new_path_is_remembered(planned: dict[str, object], tiny_moe: Path,
                                                                          tmp_path: Path) -> None:
     import shutil
