@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PLANNER_SOURCES: tuple[tuple[str, str], ...] = (
     ("tasks", "**/*.py"),
     ("engine_bridge", "**/*.py"),
-    ("flows", "plan_model.py"), ("flows", "stages.py"), ("flows", "request.py"),
+    ("flows", "plan_model.py"), ("flows", "stages.py"), ("flows", "plan_context.py"), ("flows", "request.py"),
     ("artifacts", "gguf_header.py"), ("artifacts", "model_info.py"), ("artifacts", "ids.py"),
     ("artifacts", "code_id.py"), ("artifacts", "records/**/*.py"),
 )
