@@ -32,7 +32,7 @@ from pydantic import BaseModel
 
 from engine_bridge import ops
 from engine_bridge.errors import EngineError, ProtocolMismatch, WorkerDied, WorkerTimeout, from_wire
-from engine_bridge.protocol import PROTOCOL_VERSION, decode, encode
+from engine_bridge.protocol import PROTOCOL_VERSION, decode, encode, packed
 
 A = TypeVar("A", bound=BaseModel)
 R = TypeVar("R", bound=BaseModel)
@@ -295,8 +295,16 @@ class AsyncWorkerClient:
 
     def generate(self, args: Mapping[str, Any], timeout: float = 120.0) -> AsyncGenerator[dict[str, Any], None]:
         """A ``generate`` stream (:class:`~engine_bridge.ops.GenerateArgs` fields; the worker validates them):
-        token events, then ``{"result": ...}``. Its arguments go as they are: a long prompt is not validated
-        twice on the way to its first token."""
+        token events, then ``{"result": ...}``. Its arguments go as they are, the prompt packed
+        (:func:`~engine_bridge.protocol.packed`): a long prompt is not validated twice on the way to its first
+        token, nor written as JSON integers.
+
+        Raises:
+            EngineError: ``bad_request``: a prompt token id that does not fit 32 bits (nothing was sent).
+        """
+        prompt = args.get("prompt")
+        if isinstance(prompt, list):
+            args = {**args, "prompt": packed(prompt)}
         return self.stream(ops.GENERATE.name, args, timeout)
 
 

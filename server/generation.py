@@ -280,11 +280,13 @@ class Generation:
         """The op's arguments, built as its model (unvalidated here: the worker validates them once, so a long
         prompt is not checked twice on the way to its first token)."""
         s = self.spec
-        return ops.GenerateArgs.model_construct(
-            rid=s.rid, prompt=s.prompt, max_tokens=s.max_tokens, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+        args = ops.GenerateArgs.model_construct(
+            rid=s.rid, prompt=[], max_tokens=s.max_tokens, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
             grammar=s.grammar, temperature=s.sampling.temperature, top_p=s.sampling.top_p, top_k=s.sampling.top_k,
             min_p=s.sampling.min_p, seed=s.sampling.seed, presence_penalty=s.sampling.presence_penalty,
             frequency_penalty=s.sampling.frequency_penalty).model_dump(exclude_defaults=True)
+        args["prompt"] = s.prompt  # as it is: the client packs it, a dump would copy it first
+        return args
 
     async def _pump(self) -> ops.GenerateResult:
         """Consume the worker's events until its result; returns the result."""

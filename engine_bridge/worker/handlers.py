@@ -19,13 +19,17 @@ from pydantic import BaseModel
 
 from engine_bridge import ops
 from engine_bridge.errors import EngineError
-from engine_bridge.protocol import PROTOCOL_VERSION
+from engine_bridge.protocol import PROTOCOL_VERSION, packed
 
 if TYPE_CHECKING:
     from engine_bridge.worker.state import Worker
 
 Handler = Callable[["Worker", Any], BaseModel]
 StreamHandler = Callable[["Worker", int, Any], None]
+# Result fields that are token arrays: they travel packed (engine_bridge.protocol.packed), a long prompt's tokens
+# in a millisecond instead of several
+TOKEN_FIELDS: dict[str, tuple[str, ...]] = {ops.TOKENIZE.name: ("tokens",), ops.GREEDY.name: ("tokens",),
+                                            ops.SPEC_GREEDY.name: ("tokens",)}
 
 
 def hello(w: Worker, a: ops.NoArgs) -> ops.HelloResult:
@@ -61,8 +65,8 @@ def check_structure(w: Worker, a: ops.StructureArgs) -> ops.StructureResult:
 
 def tokenize(w: Worker, a: ops.TokenizeArgs) -> ops.TokenizeResult:
     """Tokens of a text (special tokens parsed unless ``special`` is false; BOS only with ``add_special``)."""
-    if w.engine is not None:
-        return ops.TokenizeResult(tokens=w.engine.vocab.tokenize(a.text, a.special, a.add_special))
+    if w.engine is not None:  # llama.cpp's own ids, packed straight from its array (see payload): not validated
+        return ops.TokenizeResult.model_construct(tokens=w.engine.vocab.tokenize_array(a.text, a.special, a.add_special))
     return ops.TokenizeResult(tokens=w.need_model().tokenize(a.text, special=a.special))
 
 
@@ -177,6 +181,14 @@ HANDLERS: dict[str, tuple[ops.OpSpec[Any, Any], Handler]] = {spec.name: (spec, f
     (ops.CHAT, chat), (ops.SERVE_LOAD, serve_load), (ops.CANCEL, cancel), (ops.SERVE_STATS, serve_stats),
     (ops.ROUTING_COUNTS, routing_counts), (ops.ABORT, abort))}
 STREAM_HANDLERS: dict[str, tuple[ops.OpSpec[Any, Any], StreamHandler]] = {ops.GENERATE.name: (ops.GENERATE, generate)}
+
+
+def payload(op: str, result: BaseModel) -> dict[str, Any]:
+    """``result`` as it travels: JSON, with its token arrays packed."""
+    fields = TOKEN_FIELDS.get(op, ())
+    out = result.model_dump(mode="json", exclude=set(fields))
+    out.update({f: packed(getattr(result, f)) for f in fields})
+    return out
 
 
 def unhandled() -> list[str]:

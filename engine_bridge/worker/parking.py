@@ -80,6 +80,12 @@ class ParkingLot:
                 best_n, best_key = n, key
         return best_n, best_key
 
+    def covers(self, tokens: np.ndarray) -> bool:
+        """True when a parked state already holds ``tokens`` (or a longer version of them): parking them again would
+        copy a whole state only to drop it."""
+        return any(len(e.tokens) >= len(tokens) and common_prefix(e.tokens, tokens) == len(tokens)
+                   for e in self._entries.values())
+
     def put(self, entry: Parked) -> bool:
         """Park ``entry``; a state that extends a parked one replaces it. False when it was not kept."""
         if entry.nbytes > self.limit:

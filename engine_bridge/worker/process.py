@@ -32,7 +32,7 @@ from typing import Any
 from engine_bridge import ops
 from engine_bridge.errors import EngineError
 from engine_bridge.protocol import decode
-from engine_bridge.worker.handlers import HANDLERS, STREAM_HANDLERS, check
+from engine_bridge.worker.handlers import HANDLERS, STREAM_HANDLERS, check, payload
 from engine_bridge.worker.state import Worker
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def handle(w: Worker, msg: dict[str, Any]) -> bool:
         if op not in HANDLERS:
             raise EngineError("unknown_op", f"unknown op {op!r}")
         spec, fn = HANDLERS[op]
-        w.send({"id": rid, "ok": True, "result": fn(w, check(spec, raw)).model_dump(mode="json")})
+        w.send({"id": rid, "ok": True, "result": payload(op, fn(w, check(spec, raw)))})
     except EngineError as exc:
         w.send({"id": rid, "ok": False, "error": {"code": exc.code, "message": exc.message}})
     except Exception as exc:  # noqa: BLE001 - any failure of one request is reported, the worker lives on

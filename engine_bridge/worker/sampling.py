@@ -100,13 +100,17 @@ class Vocab:
 
     def tokenize(self, text: str, special: bool = True, add_special: bool = False) -> list[int]:
         """Token ids of ``text``; ``special`` parses control tokens, ``add_special`` adds BOS if the model does."""
+        return self.tokenize_array(text, special, add_special).tolist()
+
+    def tokenize_array(self, text: str, special: bool = True, add_special: bool = False) -> np.ndarray:
+        """:meth:`tokenize` as an int32 array (a long prompt's ids, never a Python list of them)."""
         raw = text.encode("utf-8")
         cap = len(raw) + 8
         for _ in range(2):
             buf = (llama_cpp.llama_token * cap)()
             n = llama_cpp.llama_tokenize(self.ptr, raw, len(raw), buf, cap, add_special, special)
             if n >= 0:
-                return list(buf[:n])
+                return np.ctypeslib.as_array(buf)[:n].astype(np.int32)
             cap = -n
         raise RuntimeError("llama_tokenize did not converge")
 

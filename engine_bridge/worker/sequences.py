@@ -1,12 +1,19 @@
 """The serving engine's bookkeeping types: where its output goes (:class:`Sink`), a running request, and a
-sequence slot with the tokens its KV cache holds (:mod:`engine_bridge.worker.serving` steps them)."""
+sequence slot with the tokens its KV cache holds (:mod:`engine_bridge.worker.serving` steps them).
+
+A slot's tokens are an int32 array (:class:`Tokens`), so that comparing a 32k-token prompt with what each slot
+holds is a vectorized compare, not a conversion of every slot's Python list per request.
+"""
 
 from __future__ import annotations
 
 import codecs
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+
+import numpy as np
 
 from engine_bridge import ops
 from engine_bridge.errors import EngineCode
@@ -14,12 +21,19 @@ from engine_bridge.ops import GenerateArgs
 from engine_bridge.worker.grammar import GrammarSampler
 from engine_bridge.worker.sampling import new_text_decoder
 
-__all__ = ["MIN_PARK_TOKENS", "FinishReason", "Sink", "_Request", "_Slot"]
+__all__ = ["MIN_PARK_TOKENS", "PARK_BELOW_KEEP_SHARE", "FinishReason", "Sink", "Tokens", "_Request", "_Slot"]
 
 FinishReason = Literal["stop", "length", "cancelled"]
 # Below this many tokens recomputing beats moving state: a prompt that drops fewer cached tokens from
-# a slot does not park them, and a parked state (or a partly matching slot) sharing fewer is not reused.
+# a slot does not park them, a parked state (or a partly matching slot) sharing fewer is not reused, and a
+# parked state is restored only when it saves this many tokens more than the best slot.
 MIN_PARK_TOKENS = 32
+# A slot is parked before it is trimmed only when the new prompt keeps less than this share of it (llama-server's
+# rule for saving a slot to its prompt cache: f_keep < 0.5). Parking copies the WHOLE state (a 4.7k-token
+# conversation of a 30B MoE is ~460 MB, ~300 ms out of the GPU) on the new request's way to its first token: a
+# prompt that keeps most of the slot (the same prompt again, the next turn of the conversation, a turn whose
+# template drops the last reply's thinking) loses only its tail, which nobody is likely to send again.
+PARK_BELOW_KEEP_SHARE = 0.5
 
 
 class Sink(Protocol):
@@ -49,10 +63,46 @@ class _Request:
     generated: int = 0
 
 
+class Tokens:
+    """A growable int32 token array: what one sequence's KV cache holds, in order."""
+
+    def __init__(self, values: Iterable[int] | np.ndarray = ()) -> None:
+        arr = np.asarray(values if isinstance(values, np.ndarray) else list(values), dtype=np.int32)
+        self._buf = np.empty(max(64, 2 * len(arr)), dtype=np.int32)
+        self._buf[:len(arr)] = arr
+        self._n = len(arr)
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def array(self) -> np.ndarray:
+        """The tokens as an int32 array view (valid until the next change)."""
+        return self._buf[:self._n]
+
+    def tolist(self) -> list[int]:
+        """The tokens as a list."""
+        return self.array.tolist()
+
+    def extend(self, values: list[int]) -> None:
+        """Append ``values``."""
+        n = self._n + len(values)
+        if n > len(self._buf):
+            grown = np.empty(max(n, 2 * len(self._buf)), dtype=np.int32)
+            grown[:self._n] = self.array
+            self._buf = grown
+        self._buf[self._n:n] = values
+        self._n = n
+
+    def truncate(self, keep: int) -> None:
+        """Keep the first ``keep`` tokens."""
+        self._n = max(0, min(keep, self._n))
+
+
 @dataclass
 class _Slot:
     seq: int
-    tokens: list[int] = field(default_factory=list)  # exactly the tokens whose KV this sequence holds
+    tokens: Tokens = field(default_factory=Tokens)  # exactly the tokens whose KV this sequence holds
     last_used: int = 0
     conversation: str | None = None
     req: _Request | None = None

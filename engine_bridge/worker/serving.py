@@ -5,10 +5,13 @@ Each of ``n_seq_max`` sequence slots holds up to ``n_ctx`` tokens of KV (``kv_un
 its next prompt chunk (prefill; chunks share ``n_batch`` tokens fairly) or its one next token (decode).
 Then each request whose logits came back samples through its own llama.cpp sampler chain and streams
 the token to the :class:`Sink`. A slot keeps the KV of a finished request: a later prompt that starts
-with the same tokens reuses it; a prompt that replaces a conversation parks the old state in RAM
-(:mod:`engine_bridge.worker.parking`) so a return to it skips the prefix. With a plan's drafting settings, a
-greedy request's decode step feeds its token and a draft's proposals and keeps what the model itself would
-have chosen (:mod:`engine_bridge.worker.serve_draft`).
+with the same tokens reuses it, and costs only its new tokens (at least its last one, whose logits give the
+first token); a prompt that replaces a conversation parks the old state in RAM
+(:mod:`engine_bridge.worker.parking`) so a return to it skips the prefix. A prompt that keeps most of a slot
+(the same prompt again, the conversation's next turn) trims the slot's tail without parking it: parking copies
+the whole state, which would cost a long conversation hundreds of milliseconds before its first token. With a
+plan's drafting settings, a greedy request's decode step feeds its token and a draft's proposals and keeps what
+the model itself would have chosen (:mod:`engine_bridge.worker.serve_draft`).
 
 Runs inside the worker process, on one thread (the worker's main loop); nothing here is thread-safe.
 """
@@ -34,7 +37,15 @@ from engine_bridge.worker.grammar import GrammarSampler
 from engine_bridge.worker.load import SeqBatch, SmallBatchThreads, load_model_and_context
 from engine_bridge.worker.parking import ParkingLot, capture, common_prefix, restore
 from engine_bridge.worker.sampling import Vocab, build_chain, log_softmax, token_logprobs
-from engine_bridge.worker.sequences import MIN_PARK_TOKENS, FinishReason, Sink, _Request, _Slot
+from engine_bridge.worker.sequences import (
+    MIN_PARK_TOKENS,
+    PARK_BELOW_KEEP_SHARE,
+    FinishReason,
+    Sink,
+    Tokens,
+    _Request,
+    _Slot,
+)
 from engine_bridge.worker.serve_draft import (
     ServeDrafter,
     all_rows,
@@ -96,20 +107,22 @@ class ServeEngine:
                 (prompt + max_tokens > n_ctx), ``busy`` (every sequence is running a request),
                 ``bad_grammar`` (llama.cpp refused the grammar).
         """
-        args = self._validate(raw)
+        t0 = time.perf_counter()
+        args, prompt = self._validate(raw)
         free = [s for s in self.slots if s.req is None]
         if not free:
             raise EngineError("busy", f"all {self.n_seq_max} sequences are generating: retry when one finishes")
         grammar = GrammarSampler(self.vocab, args.grammar) if args.grammar is not None else None
-        slot, cached = self._place(np.asarray(args.prompt, dtype=np.int32), free)
+        slot, cached = self._place(prompt, free)
         slot.req = _Request(key=key, args=args, chain=build_chain(args, self.vocab.n_vocab),
-                            pending=list(args.prompt[cached:]), cached=cached, grammar=grammar)
+                            pending=args.prompt[cached:], cached=cached, grammar=grammar, t0=t0)
         slot.last_used, slot.conversation = next(self._clock), args.conversation
         self._by_rid[args.rid] = slot
         self.counters["prefix_hits"] += cached > 0
         self.counters["cached_tokens"] += cached
 
-    def _validate(self, raw: GenerateArgs | dict[str, Any]) -> GenerateArgs:
+    def _validate(self, raw: GenerateArgs | dict[str, Any]) -> tuple[GenerateArgs, np.ndarray]:
+        """The arguments, and the prompt as an int32 array (its ids checked against the vocabulary at once)."""
         try:
             args = raw if isinstance(raw, GenerateArgs) else GenerateArgs.model_validate(raw)
         except ValidationError as exc:
@@ -119,10 +132,15 @@ class ServeEngine:
         if len(args.prompt) + args.max_tokens > self.n_ctx:
             raise EngineError("context_overflow", f"{len(args.prompt)} prompt tokens + max_tokens "
                               f"{args.max_tokens} exceed the context of {self.n_ctx} tokens per sequence")
-        bad = [t for t in args.prompt if not 0 <= t < self.vocab.n_vocab]
-        if bad:
-            raise EngineError("bad_request", f"token ids out of range 0..{self.vocab.n_vocab - 1}: {bad[:5]}")
-        return args
+        out_of_range = EngineError("bad_request", f"token ids out of range 0..{self.vocab.n_vocab - 1}")
+        try:
+            ids = np.asarray(args.prompt, dtype=np.int64)  # int64: an id past int32 is refused, not wrapped
+        except OverflowError:
+            raise out_of_range from None
+        bad = ids[(ids < 0) | (ids >= self.vocab.n_vocab)]
+        if len(bad):
+            raise EngineError("bad_request", f"{out_of_range.message}: {bad[:5].tolist()}")
+        return args, ids.astype(np.int32)
 
     def _place(self, prompt: np.ndarray, free: list[_Slot]) -> tuple[_Slot, int]:
         """Pick a free slot for ``prompt``: reuse a cached prefix, else restore a parked one, else a cold slot.
@@ -133,12 +151,13 @@ class ServeEngine:
         cap = len(prompt) - 1  # the last prompt token is always decoded: its logits give the first token
         slot_n, best = 0, None
         for s in sorted(free, key=lambda s: -s.last_used):
-            n = min(common_prefix(np.asarray(s.tokens, np.int32), prompt), cap)
+            n = min(common_prefix(s.tokens.array, prompt), cap)
             if n > slot_n and (n >= MIN_PARK_TOKENS or len(s.tokens) - n < MIN_PARK_TOKENS):
                 slot_n, best = n, s
         park_n, park_key = self.lot.best(prompt)
         park_n = min(park_n, cap)
-        if park_key is not None and park_n > slot_n and park_n >= MIN_PARK_TOKENS:
+        # a restore copies the whole parked state in (and may park a victim): only for tokens worth it
+        if park_key is not None and park_n >= slot_n + MIN_PARK_TOKENS:
             return self._restore(free, park_key, park_n)
         if best is not None:
             return best, self._truncate(best, slot_n)
@@ -156,7 +175,7 @@ class ServeEngine:
             log.warning("restoring a parked state into sequence %d failed; prefilling from scratch", target.seq)
             llama_cpp.llama_memory_seq_rm(self.mem, target.seq, -1, -1)
             return target, 0
-        target.tokens = entry.tokens.tolist()
+        target.tokens = Tokens(entry.tokens)
         target.conversation = entry.conversation
         return target, self._truncate(target, n, park=False)
 
@@ -166,16 +185,23 @@ class ServeEngine:
         return empty[0] if empty else min(free, key=lambda s: s.last_used)
 
     def _truncate(self, slot: _Slot, keep: int, park: bool = True) -> int:
-        """Keep the first ``keep`` cached tokens of ``slot``, parking the rest first if it is worth it."""
-        if park and len(slot.tokens) - keep >= MIN_PARK_TOKENS:
-            entry = capture(self.ctx, slot.seq, np.asarray(slot.tokens, np.int32), slot.conversation, self.lot.limit)
+        """Keep the first ``keep`` cached tokens of ``slot``, parking the whole state first if it is worth it."""
+        if park and self._worth_parking(slot, keep):
+            entry = capture(self.ctx, slot.seq, slot.tokens.array, slot.conversation, self.lot.limit)
             if entry is not None:
                 self.lot.put(entry)
         if keep < len(slot.tokens) and not llama_cpp.llama_memory_seq_rm(self.mem, slot.seq, keep, -1):
             keep = 0  # a partial removal can fail (recurrent models); a whole one cannot
             llama_cpp.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
-        del slot.tokens[keep:]
+        slot.tokens.truncate(keep)
         return keep
+
+    def _worth_parking(self, slot: _Slot, keep: int) -> bool:
+        """Park ``slot`` before it keeps only ``keep`` tokens: when it drops MIN_PARK_TOKENS or more, keeps less than
+        PARK_BELOW_KEEP_SHARE of itself, and no parked state already holds it."""
+        n = len(slot.tokens)
+        return (n - keep >= MIN_PARK_TOKENS and keep < PARK_BELOW_KEEP_SHARE * n
+                and not self.lot.covers(slot.tokens.array))
 
     # -- stepping -------------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -202,7 +228,8 @@ class ServeEngine:
         if self.drafter is None:
             return plan
         try:
-            self._proposed = with_drafts(self.drafter, [(s.seq, s.tokens, r.args, r.generated, c) for s, r, c in plan],
+            self._proposed = with_drafts(self.drafter, [(s.seq, s.tokens.tolist(), r.args, r.generated, c)
+                                                        for s, r, c in plan],
                                          self.n_batch)
         except EngineError as exc:  # a draft that fails costs its speed-up, not the requests
             log.error("drafting failed, decoding without it: %s", exc)
@@ -345,7 +372,7 @@ class ServeEngine:
         for slot in slots:
             req = self._release(slot)
             llama_cpp.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
-            slot.tokens.clear()
+            slot.tokens.truncate(0)
             if req is not None:
                 self.sink.fail(req.key, code, message)
 

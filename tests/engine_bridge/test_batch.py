@@ -356,3 +356,58 @@ def test_served_greedy_tokens_are_llama_cpps_greedy_samplers(ctx_model: Path) ->
         llama_cpp.llama_sampler_free(chain)
         m.close()
     assert rec.tokens(1) == chosen[:len(rec.tokens(1))] and len(rec.tokens(1)) >= 8
+
+
+def test_a_prompt_that_keeps_most_of_a_sequence_trims_it_without_parking(ctx_model: Path) -> None:
+    """The same prompt again computes its last token only, and one a few tokens longer computes those: the reply's
+    tail is trimmed, never parked (parking copies the whole state on the way to the first token). A prompt that
+    replaces the conversation still parks it, and a return to that conversation restores it exactly."""
+    engine, rec = make(ctx_model, n_ctx=1024, n_seq_max=1)
+    a = engine.vocab.tokenize(text(20, 120))
+    b = engine.vocab.tokenize(text(21, 120))
+    assert len(a) > 4 * MIN_PARK_TOKENS
+
+    def prefilled(key: int, prompt: list[int], n: int = 2 * MIN_PARK_TOKENS) -> int:
+        before = engine.stats()["prefill_tokens"]
+        run(engine, key, prompt, n=n)
+        assert rec.results[key]["prompt_tokens"] == len(prompt)
+        return int(engine.stats()["prefill_tokens"] - before)
+
+    assert prefilled(1, a) == len(a) and rec.results[1]["completion_tokens"] == 2 * MIN_PARK_TOKENS
+    assert prefilled(2, a) == 1 and rec.results[2]["cached_tokens"] == len(a) - 1
+    assert rec.tokens(2) == rec.tokens(1), "the cached prefix gives the same greedy reply"
+    extra = [t for t in engine.vocab.tokenize(" and then?") if t != rec.tokens(2)[0]][:3]
+    assert prefilled(3, a + extra) == len(extra) and rec.results[3]["cached_tokens"] == len(a)
+    assert engine.stats()["parked"]["parked_total"] == 0, "a prompt that keeps most of the sequence parks nothing"
+    assert prefilled(4, b) == len(b)
+    assert engine.stats()["parked"]["parked_total"] == 1, "another conversation parks this one"
+    assert prefilled(5, a, n=8) == 1 and rec.results[5]["cached_tokens"] == len(a) - 1
+    assert engine.stats()["parked"]["hits"] == 1
+    assert rec.tokens(5) == rec.tokens(1)[:8], "the restored state is the state that was parked"
+    engine.close()
+
+
+def test_a_parked_state_is_restored_only_when_it_saves_enough(ctx_model: Path) -> None:
+    """A restore copies a whole state in: it must save MIN_PARK_TOKENS more than the sequence already holds, else
+    the few tokens are computed. The lot knows what it holds, so nothing is copied out twice."""
+    engine, rec = make(ctx_model, n_ctx=1024, n_seq_max=1)
+    a = engine.vocab.tokenize(text(22, 120))
+    b = engine.vocab.tokenize(text(23, 40))
+    run(engine, 1, a, n=40)
+    reply = rec.tokens(1)
+    run(engine, 2, b, n=4)  # parks a + its reply
+    y = [t for t in engine.vocab.tokenize(" Yes.") if t != reply[0]][:2]
+    run(engine, 3, a + y, n=4)  # restored: it saves all of a
+    assert engine.stats()["parked"]["hits"] == 1 and rec.results[3]["cached_tokens"] == len(a)
+    before = engine.stats()["prefill_tokens"]
+    run(engine, 4, a + reply[:5] + y, n=4)  # the parked state would save 5 tokens more than the sequence holds
+    assert engine.stats()["parked"]["hits"] == 1, "not restored for 5 tokens"
+    assert rec.results[4]["cached_tokens"] == len(a) and engine.stats()["prefill_tokens"] - before == 5 + len(y)
+    engine.close()
+
+    from engine_bridge.worker.parking import Parked, ParkingLot
+
+    lot = ParkingLot(1 << 20)
+    lot.put(Parked(tokens=np.arange(100, dtype=np.int32), data=bytes(64)))
+    assert lot.covers(np.arange(60, dtype=np.int32)) and lot.covers(np.arange(100, dtype=np.int32))
+    assert not lot.covers(np.arange(101, dtype=np.int32)) and not lot.covers(np.arange(1, 50, dtype=np.int32))

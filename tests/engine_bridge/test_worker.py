@@ -171,3 +171,32 @@ def test_a_vocabulary_only_load_tokenizes_like_the_whole_model(tiny_moe: Path) -
                     w.request(ops.TIMED_RUN, ops.TimedRunArgs(prompt=[1, 2, 3], n_gen=2), 30)
                 assert err.value.code == "not_loaded" and "vocabulary only" in err.value.message
     assert got[0] == got[1] and got[0][0]
+
+
+def test_token_arrays_travel_packed_and_arrive_as_lists(tiny_moe: Path) -> None:
+    """A long prompt's tokens cross the pipe packed (base64 of int32: a 32k-token prompt is about a millisecond to
+    write and to read instead of several, and a cached prompt crosses twice): a serving engine's tokenize result
+    and a packed generate prompt arrive as the lists they were."""
+    from engine_bridge.protocol import PACKED_KEY, decode, encode, packed
+    from engine_bridge.worker.handlers import payload
+
+    assert decode(encode({"id": 1, "t": packed(list(range(5000)))}))["t"] == list(range(5000))
+    assert packed([3, 1, 2]) == [3, 1, 2], "short arrays stay readable JSON"
+    for lookalike in ({PACKED_KEY: "not base64!"}, {PACKED_KEY: "AAA="}, {PACKED_KEY: "AAAA", "other": 1}):
+        assert decode(encode({"id": 1, "x": lookalike}))["x"] == lookalike, "only a packed array is unpacked"
+    with pytest.raises(EngineError) as exc:
+        packed([2**40] * 100)
+    assert exc.value.code == "bad_request"
+    wire = payload(ops.TOKENIZE.name, ops.TokenizeResult(tokens=list(range(100))))
+    assert set(wire["tokens"]) == {PACKED_KEY}
+    text = " ".join(f"word{i}" for i in range(300))
+    with WorkerClient() as w:
+        w.request(ops.LOAD, ops.LoadArgs(model=str(tiny_moe), params=PARAMS, vocab_only=True))
+        want = w.tokenize(text)
+        w.request(ops.SERVE_LOAD, ops.ServeLoadArgs(model=str(tiny_moe), params=PARAMS.model_copy(
+            update={"n_ctx": 2048})))
+        got = w.tokenize(text)
+        assert got == want and len(got) > 300
+        result = [m for m in w.stream("generate", {"rid": "p", "prompt": packed(got), "max_tokens": 2,
+                                                   "temperature": 0.0}) if "result" in m][0]["result"]
+    assert result["prompt_tokens"] == len(got)
