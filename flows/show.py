@@ -185,12 +185,14 @@ def print_plan(plan: Plan, con: Console | None = None, reserve_percent: float = 
     """`flux show`: placement, measured speeds with spread, decode by depth and (given the plan's ``trials``,
     :func:`plan_trials`) prefill by prompt length, predicted vs measured, roofline, budgets, key
     (``reserve_percent``: the host reserve `flux serve` leaves, for the page budgets)."""
+    from server.chat import template_line
     from server.service import park_budget
 
     con = con or console()
     m, v, r = plan.measured, plan.validation, plan.request
     con.print(f"[bold]plan {plan.id}[/]  created {plan.created_at}")
     con.print(f"model {plan.model_name}  {plan.model_path}")
+    con.print(template_line(Path(plan.model_path)), markup=False)
     con.print(f"request: ctx {plan.candidate.params.n_ctx}, concurrency {r.concurrency}, kv {r.kv}, "
               f"budget {r.budget_s:.0f} s; quality profile {plan.quality_profile}")
     con.print(f"workload mix: {r.workload}, {plan.workload_prefill_share:.0%} prefill tokens")

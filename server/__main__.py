@@ -2,7 +2,8 @@
 
 Everything a person can get wrong ends the process with exit code 2 and one line saying what and how to
 fix it, before the model is loaded: a bad flag, a port already in use, an empty or unreadable API key, a
-plan that does not match this machine (or was edited), a ``--model`` file whose content is not the plan's.
+plan that does not match this machine (or was edited), a ``--model`` file whose content is not the plan's, a
+``--chat-template`` that names no built-in template, a ``--chat-template-file`` that cannot be read or rendered.
 
 The API key comes from ``--api-key-file``, then ``FLUX_API_KEY``, then (visible to every user in ``ps``)
 ``--api-key``. Without one, every local process may use the server, including
@@ -17,11 +18,14 @@ import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from artifacts.config import Settings, load_settings
 from artifacts.errors import FluxError
 from artifacts.logs import setup_logging
+
+if TYPE_CHECKING:
+    from server.chat import TemplateOverride
 
 log = logging.getLogger(__name__)
 # server.errors (Litestar, uvicorn) is imported where a serve error is raised: every `flux` command builds this
@@ -60,6 +64,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "FLUX_API_KEY)")
     p.add_argument("--model", type=Path, help="serve the plan's model from this file (another copy or path of "
                    "the same bytes: its content hash must match the plan's)")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat-template", metavar="NAME", type=_template_name,
+                      help="render chat prompts with this llama.cpp built-in template instead of the GGUF's "
+                           "(llama-server's names: chatml, llama2, llama3, gemma, mistral-v7, phi3, deepseek3, ...; "
+                           "a wrong one lists them all)")
+    chat.add_argument("--chat-template-file", metavar="PATH", type=Path,
+                      help="render chat prompts with this Jinja template instead of the GGUF's")
+
+
+def _template_name(text: str) -> str:
+    from server.chat_templates import check_name  # light: no jinja2, no Litestar
+
+    try:
+        return check_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def chat_template(args: argparse.Namespace) -> TemplateOverride | None:
+    """The chat template the flags ask for, or None for the GGUF's own (or its family's).
+
+    Raises:
+        ServeSetupError: the ``--chat-template-file`` cannot be read, does not compile or does not render.
+    """
+    from server.chat import TemplateOverride, template_file
+
+    if getattr(args, "chat_template_file", None) is not None:
+        return template_file(args.chat_template_file)
+    name = getattr(args, "chat_template", None)
+    return TemplateOverride(name) if name else None
 
 
 def _read_key_file(path: Path, what: str) -> str:
@@ -130,6 +164,7 @@ def serve(settings: Settings, args: argparse.Namespace) -> int:
     from server.plan_check import load_checked_plan
 
     key = api_key(settings, args)
+    template = chat_template(args)
     host = args.host or settings.serve.host
     port = settings.serve.port if args.port is None else args.port
     sock = bind(host, port)  # before loading anything: a busy port fails in a second, not after the load
@@ -142,7 +177,7 @@ def serve(settings: Settings, args: argparse.Namespace) -> int:
         from server.app import create_app
         from server.transport import guarded_protocol
 
-        app = create_app(settings, plan, api_key=key, model_path=model)
+        app = create_app(settings, plan, api_key=key, model_path=model, chat_template=template)
         config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
                                 lifespan="on", timeout_keep_alive=int(max(1, settings.serve.keep_alive_s)),
                                 http=guarded_protocol(settings.serve, app.state.flux.metrics.refused))

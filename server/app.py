@@ -15,10 +15,12 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from artifacts.config import Settings
 from artifacts.records.plan import Plan
 from server import access
+from server.chat import ChatTemplate, TemplateInfo, TemplateOverride
 from server.errors import EXCEPTION_HANDLERS
 from server.openapi import openapi_config
 from server.routes import routers
 from server.service import FluxService
+from server.tools.formats import detect_format
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,8 @@ def max_body_bytes(settings: Settings, plan: Plan) -> int:
     return max(MIN_BODY_BYTES, plan.candidate.params.n_ctx * BODY_BYTES_PER_CTX_TOKEN)
 
 
-def create_app(settings: Settings, plan: Plan, api_key: str | None = None, model_path: Path | None = None) -> Litestar:
+def create_app(settings: Settings, plan: Plan, api_key: str | None = None, model_path: Path | None = None,
+               chat_template: TemplateOverride | None = None) -> Litestar:
     """The OpenAI-compatible app for ``plan``; the worker starts when the app starts.
 
     Args:
@@ -83,8 +86,13 @@ def create_app(settings: Settings, plan: Plan, api_key: str | None = None, model
         plan: a plan already checked against this machine.
         api_key: when set, /v1, /flux and /metrics want ``Authorization: Bearer <api_key>``.
         model_path: the plan's model at another path (already checked to hold the same bytes).
+        chat_template: ``--chat-template``/``--chat-template-file``, used instead of the GGUF's template.
     """
     service = FluxService(settings, plan, model_path)
+    if chat_template is not None:  # before the worker starts, as the service sets up the GGUF's own
+        info = service.template = TemplateInfo(service.model_path, chat_template)
+        service.tool_format = detect_format(info.source)
+        service._set_template(ChatTemplate(info.source, info.bos_text or "", info.eos_text or ""))
     access.configure(settings.serve.access_log)
 
     @asynccontextmanager

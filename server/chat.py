@@ -6,6 +6,10 @@ sandboxed environment with ``trim_blocks``/``lstrip_blocks``, loop controls, ``r
 ``add_generation_prompt=True``. The rendered text already holds the template's special tokens, so it is
 tokenized with special tokens parsed and no BOS added.
 
+Which template: ``flux serve --chat-template NAME`` (one of llama.cpp's built-ins, llama-server's names) or
+``--chat-template-file PATH`` (Jinja), else the GGUF's own, else its family's built-in
+(:mod:`server.chat_templates`; llama-server would use ChatML). :class:`TemplateInfo` says which and why.
+
 Tools reach the template as ``tools`` (OpenAI's list). What a template can do is probed once, as
 llama-server's ``common_chat_templates`` caps do, by rendering small conversations
 (:class:`TemplateCaps`); the messages are then adjusted the way llama-server adjusts them: ``developer``
@@ -21,22 +25,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from artifacts.errors import ModelFileError
 from artifacts.gguf_header import read_header
-from server.errors import InvalidRequest
+from engine_bridge.bos import adds_bos
+from server.chat_templates import BUILTIN_TEMPLATES, builtin_source, family_template, vocabulary_markers
+from server.errors import InvalidRequest, ServeSetupError
 
 log = logging.getLogger(__name__)
 
-# Used only when a GGUF has no template: ChatML, which most instruction-tuned GGUFs without one expect.
-FALLBACK_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+# ChatML: llama-server's template for a GGUF without one; Flux's for one whose family it cannot tell.
+FALLBACK_TEMPLATE = BUILTIN_TEMPLATES["chatml"]
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -113,23 +117,104 @@ def _token_text(metadata: dict[str, Any], key: str) -> str | None:
     return None
 
 
-class TemplateInfo:
-    """What the server needs from the GGUF header for chat: template source and special token texts."""
+TemplateOrigin = Literal["gguf", "--chat-template", "--chat-template-file", "architecture", "vocabulary",
+                         "tokenizer", "default"]
 
-    def __init__(self, model_path: Path) -> None:
-        """Read the header of ``model_path`` (first shard)."""
-        md = read_header(model_path).metadata
+
+@dataclass(frozen=True)
+class TemplateOverride:
+    """A chat template given to ``flux serve``: a built-in's name, or a Jinja file's path and text."""
+
+    name: str
+    file_text: str | None = None
+
+    @property
+    def origin(self) -> TemplateOrigin:
+        """The flag it came from."""
+        return "--chat-template" if self.file_text is None else "--chat-template-file"
+
+
+def template_file(path: Path) -> TemplateOverride:
+    """A Jinja chat template file, checked by rendering one user message.
+
+    Raises:
+        ServeSetupError: the file cannot be read, does not compile, or does not render a user's message.
+    """
+    where = f"--chat-template-file {path}"
+    try:
+        text = path.expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ServeSetupError(f"{where}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from exc
+    try:
+        template = ChatTemplate(text, "<s>", "</s>")
+    except jinja2.TemplateSyntaxError as exc:
+        raise ServeSetupError(f"{where}: not a Jinja template: line {exc.lineno}: {exc.message}") from exc
+    probe = "flux-template-check"
+    try:
+        out = template.render([{"role": "user", "content": probe}])
+    except InvalidRequest as exc:
+        raise ServeSetupError(f"{where}: does not render a user message: {exc.message}") from exc
+    if probe not in out:
+        raise ServeSetupError(f"{where}: renders a user message without its text (it wrote {out[:80]!r}): "
+                              "it must write messages[i]['content']")
+    return TemplateOverride(str(path), text)
+
+
+class TemplateInfo:
+    """What the server needs from the GGUF header for chat: template source and special token texts, and which
+    template that is (``name``: the built-in's name, ``gguf`` or the file) and why (``origin``, ``reason``)."""
+
+    def __init__(self, model_path: Path, override: TemplateOverride | None = None, quiet: bool = False) -> None:
+        """Read the header of ``model_path`` (first shard); ``override`` is ``flux serve``'s flag; ``quiet``
+        keeps the warning a GGUF without a template gets (``flux show`` says it its own way)."""
+        header = read_header(model_path)
+        md = header.metadata
         source = md.get("tokenizer.chat_template")
         self.has_template = isinstance(source, str) and bool(source.strip())
-        if not self.has_template:
-            log.warning("%s has no tokenizer.chat_template: chat prompts use ChatML", model_path.name)
-        self.source = source if isinstance(source, str) and self.has_template else FALLBACK_TEMPLATE
+        self.origin: TemplateOrigin
+        if override is not None:
+            self.name, self.origin = override.name, override.origin
+            self.source = override.file_text if override.file_text is not None else builtin_source(
+                override.name, adds_bos(md))
+            self.reason = f"from {override.origin}"
+        elif isinstance(source, str) and self.has_template:
+            self.name, self.origin, self.source = "gguf", "gguf", source
+            self.reason = "the GGUF's own (tokenizer.chat_template)"
+        else:
+            family = family_template(md, vocabulary_markers(model_path, md, header.metadata_end))
+            self.name, self.origin, self.source = family.name, family.origin, builtin_source(family.name, adds_bos(md))
+            self.reason = f"{family.reason} (the GGUF has none)"
+            if not quiet:
+                log.warning("%s has no tokenizer.chat_template: chat prompts use llama.cpp's built-in %r template, "
+                            "%s%s; `flux serve --chat-template NAME` or --chat-template-file PATH sets another",
+                            model_path.name, family.name, family.reason,
+                            "" if family.name == "chatml" else " (llama-server would use ChatML)")
         self.bos_id = md.get("tokenizer.ggml.bos_token_id") if isinstance(
             md.get("tokenizer.ggml.bos_token_id"), int) else None
         self.eos_id = md.get("tokenizer.ggml.eos_token_id") if isinstance(
             md.get("tokenizer.ggml.eos_token_id"), int) else None
         self.bos_text = _token_text(md, "tokenizer.ggml.bos_token_id")
         self.eos_text = _token_text(md, "tokenizer.ggml.eos_token_id")
+
+    def describe(self) -> str:
+        """One line: the template and why (``flux show``, the server's log)."""
+        if self.origin == "gguf":
+            return self.reason
+        what = "a Jinja file" if self.origin == "--chat-template-file" else "llama.cpp's built-in"
+        return f"{self.name}: {what}, {self.reason}"
+
+    def meta(self) -> dict[str, str]:
+        """What ``GET /v1/models`` reports in a card's ``meta``."""
+        return {"chat_template": self.name, "chat_template_origin": self.origin}
+
+
+def template_line(model_path: Path) -> str:
+    """``flux show``'s line: the chat template ``flux serve`` renders this model's chats with (no template flag)."""
+    try:
+        info = TemplateInfo(model_path, quiet=True)
+    except (ModelFileError, OSError) as exc:
+        return f"chat template: unknown ({exc})"
+    return f"chat template: {info.describe()}"
 
 
 _PROBE_TOOL = {"type": "function", "function": {

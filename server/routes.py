@@ -93,10 +93,19 @@ async def completions(request: AnyRequest) -> Response[Any]:
     return await _reply(request, await _svc(request).text(rid, await request.body(), arrived))
 
 
+def _models(svc: FluxService) -> dict[str, Any]:
+    """The model list, each card's ``meta`` naming the chat template (``chat_template``: a built-in's name,
+    ``gguf`` or the file; ``chat_template_origin``: the flag, ``gguf``, or how the family's was chosen)."""
+    body = svc.models()
+    for card in body["data"]:
+        card.setdefault("meta", {}).update(svc.template.meta())
+    return body
+
+
 @get("/models")
 async def list_models(request: AnyRequest) -> dict[str, Any]:
-    """The served model, with its context limit."""
-    return _svc(request).models()
+    """The served model, with its context limit and chat template."""
+    return _models(_svc(request))
 
 
 @get("/models/{model_id:str}")
@@ -104,7 +113,7 @@ async def get_model(request: AnyRequest, model_id: FromPath[str]) -> dict[str, A
     """One model card (404 model_not_found for another id)."""
     svc = _svc(request)
     svc.check_model(model_id)
-    card: dict[str, Any] = svc.models()["data"][0]
+    card: dict[str, Any] = _models(svc)["data"][0]
     return card
 
 
