@@ -77,12 +77,11 @@ def test_show_prints_the_plan(planned: dict[str, object]) -> None:
     assert str(planned["id"])[:12] in listing.stdout
 
 
-def test_second_plan_is_reused_quickly(planned: dict[str, object], tiny_moe: Path) -> None:
-    t0 = time.monotonic()
+def test_second_plan_is_reused(planned: dict[str, object], tiny_moe: Path) -> None:
+    """How quickly is scripts/bench_reuse.py's to say (docs/benchmarks/cpu.md): no wall-clock limit in a test."""
     out = flux(planned["env"], "plan", str(tiny_moe), "--budget-s", str(BUDGET), "--ctx", "512")  # type: ignore[arg-type]
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == planned["id"] and "reusing saved plan" in out.stderr
-    assert time.monotonic() - t0 < 15
 
 
 def _flow_runs(prefect_home: Path) -> int:
