@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -98,6 +98,15 @@ class ModelInfo(BaseModel):
     # next-token (MTP) blocks after the trunk (nextn_predict_layers): not in n_layer nor in layers; llama.cpp
     # loads them only for an MTP drafting context
     n_nextn_layers: int = 0
+    # Sliding-window attention (Gemma 2/3, gpt-oss, Cohere2, ...): the window in tokens, how many KV layers attend
+    # to it only, and their share of kv_bytes_per_token. llama.cpp keeps a window-sized cache for those layers
+    # (kv_cache_bytes); 0 / {}: every KV layer holds the whole context.
+    n_swa: int = 0
+    n_swa_layers: int = 0
+    swa_kv_bytes_per_token: dict[str, int] = {}
+    # Bytes of one sequence's KV cache at the trained context (n_ctx_train) as llama.cpp allocates it with its
+    # default 512-token micro-batch, by cache type: kv_cache_bytes(info, type, n_ctx_train)
+    kv_cache_bytes_train_ctx: dict[str, int] = {}
 
     @property
     def is_moe(self) -> bool:
@@ -108,6 +117,44 @@ class ModelInfo(BaseModel):
     def weight_bytes(self) -> int:
         """Bytes of all tensors."""
         return sum(self.bytes_by_role.values())
+
+
+# llama.cpp's default micro-batch (n_ubatch): the sliding-window cache keeps this many cells beyond the window
+DEFAULT_UBATCH = 512
+_SWA_PAD = 256  # llama.cpp pads the sliding-window cache to 256 cells (llama_kv_cache_iswa)
+
+
+def swa_cells(info: ModelInfo, n_ctx: int, n_ubatch: int = DEFAULT_UBATCH) -> int:
+    """Cells per sequence of a sliding-window layer's KV cache at ``n_ctx`` tokens per sequence: llama.cpp's
+    ``llama_kv_cache_iswa`` keeps the window plus one micro-batch, padded to 256, never more than the context
+    (``swa_full`` false, as llama-server and Flux's worker run). ``n_ctx`` when the model has no window."""
+    return min(n_ctx, _window_cells(info, n_ubatch)) if info.n_swa else n_ctx
+
+
+def _window_cells(info: ModelInfo, n_ubatch: int) -> int:
+    """The window plus one micro-batch, padded to 256 cells."""
+    return -(-(info.n_swa + n_ubatch) // _SWA_PAD) * _SWA_PAD
+
+
+def kv_cache_bytes(info: ModelInfo, kv_type: str, n_ctx: int, n_seq: int = 1,
+                   n_ubatch: int = DEFAULT_UBATCH) -> int:
+    """Bytes of the KV cache llama.cpp allocates for ``n_seq`` sequences of ``n_ctx`` tokens each: the
+    full-attention layers hold ``n_ctx`` cells per sequence, the sliding-window layers :func:`swa_cells`.
+
+    The one place Flux turns KV bytes per token into bytes at a context: the memory model, GPU budgets and
+    context sizing all call it. A hybrid's fixed recurrent state is not included (``recurrent_state_bytes``).
+    """
+    per_token = info.kv_bytes_per_token.get(kv_type, 0)
+    swa = info.swa_kv_bytes_per_token.get(kv_type, 0)
+    return ((per_token - swa) * n_ctx + swa * swa_cells(info, n_ctx, n_ubatch)) * n_seq
+
+
+def kv_read_bytes(info: ModelInfo, kv_type: str, depth: float, n_ubatch: int = DEFAULT_UBATCH) -> float:
+    """KV bytes one sequence's next token reads at ``depth`` tokens of context: every cell of the full-attention
+    layers, at most the window-sized cache of the sliding-window ones."""
+    per_token = info.kv_bytes_per_token.get(kv_type, 0)
+    swa = info.swa_kv_bytes_per_token.get(kv_type, 0)
+    return (per_token - swa) * depth + swa * min(depth, _window_cells(info, n_ubatch))
 
 
 def block_bytes(info: ModelInfo) -> int:
@@ -204,11 +251,72 @@ def _recurrent_state(md: dict[str, Any], arch: str, n_layer: int) -> int:
     return 4 * per_layer * (n_layer - _kv_layers(md, arch, n_layer))
 
 
-def _kv_per_token(md: dict[str, Any], arch: str, n_layer: int) -> dict[str, int]:
+def _kv_elements(md: dict[str, Any], arch: str, n_layer: int, n_swa_layers: int) -> tuple[int, int]:
+    """KV elements per token of (every KV layer, the ``n_swa_layers`` sliding-window ones, whose head sizes are
+    ``key_length_swa`` / ``value_length_swa`` where the header has them)."""
     n_kv = _int(md, f"{arch}.attention.head_count_kv", _int(md, f"{arch}.attention.head_count"))
-    elements = _kv_layers(md, arch, n_layer) * n_kv * (
-        _head_dim(md, arch, "key_length") + _head_dim(md, arch, "value_length"))
+    k, v = _head_dim(md, arch, "key_length"), _head_dim(md, arch, "value_length")
+    swa = n_swa_layers * n_kv * (_int(md, f"{arch}.attention.key_length_swa", k)
+                                 + _int(md, f"{arch}.attention.value_length_swa", v))
+    return (_kv_layers(md, arch, n_layer) - n_swa_layers) * n_kv * (k + v) + swa, swa
+
+
+def _by_kv_type(elements: int) -> dict[str, int]:
     return {t: int(round(elements * b)) for t, b in KV_TYPES.items()}
+
+
+class _SwaRule(NamedTuple):
+    """How an architecture's llama.cpp loader decides its sliding-window layers (src/models/<arch>.cpp)."""
+
+    pattern: int  # load_swa_pattern's default n_pattern; 0: the per-layer sliding_window_pattern array is required
+    dense_first: bool = False  # layer i is global iff i % pattern == 0 (else iff i % pattern == pattern - 1)
+    when: Literal["key", "always", "unless_zero"] = "key"  # key: only with a sliding_window > 0 in the header
+    default: int = 0  # the window without the key
+    fixed: int = 0  # the window whatever the key says (llama4's 8192-token chunks, smallthinker's 4096)
+
+
+# Architectures whose loader sets a sliding-window type llama.cpp gives a window-sized cache (llama_kv_cache_iswa
+# through the generic memory path). Left out: gemma3n and gemma4 (layers that share another layer's cache),
+# exaone4 (a window only at 64 layers), embedding models (symmetric windows), hybrids with windows.
+_SWA_RULES: dict[str, _SwaRule] = {
+    "gemma2": _SwaRule(2, when="always", default=4096),
+    "gemma3": _SwaRule(6),
+    "gpt-oss": _SwaRule(2, when="always"),
+    "cohere2": _SwaRule(4, when="always"),
+    "cohere2moe": _SwaRule(4, dense_first=True, when="always"),
+    "exaone-moe": _SwaRule(4, when="always", default=128),
+    "afmoe": _SwaRule(4),
+    "mellum": _SwaRule(4),
+    "olmo2": _SwaRule(4),
+    "plamo3": _SwaRule(8),
+    "laguna": _SwaRule(4, dense_first=True),
+    "smallthinker": _SwaRule(4, dense_first=True, fixed=4096),
+    "muse-glimmer": _SwaRule(4, when="always"),
+    "llama4": _SwaRule(4, when="unless_zero", fixed=8192),
+    **{a: _SwaRule(0, when="always") for a in ("granite-swa", "maple", "mimo2", "step35", "spark2_5")},
+}
+
+
+def swa_layer_ids(md: dict[str, Any], arch: str, n_layer: int) -> tuple[int, list[int]]:
+    """(window, the layers that attend to it) as llama.cpp's loader decides them: the per-layer
+    ``sliding_window_pattern`` array when the header has one, else its scalar or the architecture's default
+    pattern (llama_hparams::set_swa_pattern). (0, []) for a model without sliding-window layers."""
+    rule = _SWA_RULES.get(arch)
+    key = md.get(f"{arch}.attention.sliding_window")
+    window = int(max(key)) if isinstance(key, list) and key else int(key) if isinstance(key, (int, float)) else None
+    if rule is None or (rule.when == "key" and not window) or (rule.when == "unless_zero" and window == 0):
+        return 0, []
+    window = rule.fixed or window or rule.default
+    pattern = md.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        layers = [i for i, swa in enumerate(pattern[:n_layer]) if swa]
+    elif isinstance(pattern, ArrayInfo) or (rule.pattern == 0 and pattern is None):
+        return 0, []  # an array the header reader did not load, or a required one missing: llama.cpp refuses it
+    else:
+        n = int(pattern) if pattern is not None else rule.pattern
+        layers = [i for i in range(n_layer) if n == 0 or (
+            i % n != 0 if rule.dense_first else i % n < n - 1)]
+    return (window, layers) if window and layers else (0, [])
 
 
 def _summarize(tensors: list[TensorInfo], n_layer: int) -> tuple[dict[str, int], dict[str, int], list[LayerInfo]]:
@@ -252,7 +360,9 @@ def model_info(path: Path, supported: frozenset[str] | None = None) -> ModelInfo
     n_layer = _int(md, f"{arch}.block_count") - n_nextn
     by_role, quant, layers = _summarize(tensors, n_layer)
     arch_ok = arch in (supported if supported is not None else supported_architectures())
-    return ModelInfo(
+    n_swa, swa_layers = swa_layer_ids(md, arch, n_layer)
+    kv_elements, swa_elements = _kv_elements(md, arch, n_layer, len(swa_layers))
+    info = ModelInfo(
         path=str(path), shards=[str(p) for p in paths], file_bytes=sum(h.file_bytes for h in headers),
         architecture=arch, supported=arch_ok, name=str(md.get("general.name", path.stem)),
         file_type=str(md.get("general.file_type", "")), n_params=sum(t.n_elements for t in tensors),
@@ -263,10 +373,13 @@ def model_info(path: Path, supported: frozenset[str] | None = None) -> ModelInfo
         n_vocab=_vocab(md, arch), n_ctx_train=_int(md, f"{arch}.context_length"),
         n_expert=_int(md, f"{arch}.expert_count"), n_expert_used=_int(md, f"{arch}.expert_used_count"),
         bytes_by_role=by_role, quant_types=quant, layers=layers,
-        kv_bytes_per_token=_kv_per_token(md, arch, n_layer),
+        kv_bytes_per_token=_by_kv_type(kv_elements),
         n_kv_layers=_kv_layers(md, arch, n_layer), recurrent_state_bytes=_recurrent_state(md, arch, n_layer),
-        n_nextn_layers=n_nextn,
+        n_nextn_layers=n_nextn, n_swa=n_swa, n_swa_layers=len(swa_layers),
+        swa_kv_bytes_per_token=_by_kv_type(swa_elements) if swa_layers else {},
     )
+    at_train = {t: kv_cache_bytes(info, t, info.n_ctx_train) for t in info.kv_bytes_per_token}
+    return info.model_copy(update={"kv_cache_bytes_train_ctx": at_train})
 
 
 def read_tensors(path: Path) -> list[TensorInfo]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from artifacts.model_info import KV_TYPES, ModelInfo, head_bytes
+from artifacts.model_info import KV_TYPES, ModelInfo, head_bytes, kv_cache_bytes, kv_read_bytes
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.search import Candidate, Placement, Prediction
 from tasks.gpu_memory import offload_step
@@ -190,15 +190,19 @@ def _transitions(placement: Placement) -> int:
 def kv_reads(info: ModelInfo, cand: Candidate, depth: float) -> tuple[float, float]:
     """(host, GPU) bytes of KV cache one decoded token reads at ``depth`` tokens of context.
 
-    Each sequence reads its own cells: a device's share of the KV cache in proportion to the depth. A
-    candidate without a per-device KV budget (hand-made) reads it where its layers are.
+    Each sequence reads its own cells: a device's share of the KV cache in proportion to the cells it holds at
+    that depth (a sliding-window layer's at most its window-sized cache). A candidate without a per-device KV
+    budget (hand-made) reads it where its layers are.
     """
     p = cand.params
     if not cand.kv_bytes:
-        per_tok = info.kv_bytes_per_token.get(p.type_k, 0) * depth
+        per_tok = kv_read_bytes(info, p.type_k, depth, p.n_ubatch)
         on_cpu = not any(d != "CPU" for d in cand.placement.layer_device) or not p.offload_kqv
         return (per_tok, 0.0) if on_cpu else (0.0, per_tok)
     scale = min(depth, p.n_ctx) / (p.n_ctx * max(1, p.n_seq_max))
+    if info.n_swa:
+        scale = kv_read_bytes(info, p.type_k, min(depth, p.n_ctx), p.n_ubatch) / max(1, kv_cache_bytes(
+            info, p.type_k, p.n_ctx, max(1, p.n_seq_max), p.n_ubatch))
     cpu = cand.kv_bytes.get("CPU", 0) * scale
     return cpu, sum(b for d, b in cand.kv_bytes.items() if d != "CPU") * scale
 

@@ -18,7 +18,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from artifacts.model_info import ModelInfo
+from artifacts.model_info import DEFAULT_UBATCH, ModelInfo, kv_cache_bytes
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.plan import PlanRequest
 from artifacts.records.search import Candidate, Placement, PlacementSpace
@@ -57,7 +57,6 @@ def host_budget(hw: HardwareReport, reserve_percent: float) -> int:
 
 def resolve_context(info: ModelInfo, hw: HardwareReport, req: PlanRequest, reserve_percent: float) -> tuple[int, bool]:
     """Tokens per sequence: the request, else the trained context capped by what RAM can hold."""
-    kv_tok = info.kv_bytes_per_token[req.kv] * req.concurrency
     trained = info.n_ctx_train or 4096
     room = (host_budget(hw, reserve_percent) - info.weight_bytes - compute_bytes(info, 512, 4096, True)
             - info.recurrent_state_bytes * req.concurrency)  # a hybrid's fixed state, whatever the context
@@ -66,11 +65,14 @@ def resolve_context(info: ModelInfo, hw: HardwareReport, req: PlanRequest, reser
             raise ImpossiblePlan(f"--ctx {req.ctx} exceeds the model's trained context {trained}",
                                  f"use --ctx {trained} or less")
         return req.ctx, False
-    fit = max(0, room // max(kv_tok, 1))
-    if fit >= trained:
+    kv_trained = kv_cache_bytes(info, req.kv, trained, req.concurrency)
+    if kv_trained <= room:
         return trained, False
+    # past their window the sliding-window layers' cache stops growing: each token costs the full layers' bytes
+    full_tok = (info.kv_bytes_per_token[req.kv] - info.swa_kv_bytes_per_token.get(req.kv, 0)) * req.concurrency
+    fit = max(0, (room - (kv_trained - full_tok * trained)) // max(full_tok, 1))
     if fit < 256:
-        need = (info.weight_bytes + 256 * kv_tok) / GIB
+        need = (info.weight_bytes + kv_cache_bytes(info, req.kv, 256, req.concurrency)) / GIB
         raise ImpossiblePlan(f"RAM cannot hold the weights plus a 256-token KV cache (needs {need:.1f} GiB, "
                              f"{host_budget(hw, reserve_percent) / GIB:.1f} GiB usable)",
                              "lower host_reserve_percent, use a smaller quant, or --allow-storage-streaming")
@@ -110,7 +112,7 @@ def _memory(info: ModelInfo, p: Placement, params: EngineParams, n_seq: int,
     weights = {d: int(res) for d, (_, res) in layer_bytes(info, p).items()}
     kv: dict[str, int] = {}
     for dev in kv_placement(p, params, gpus):
-        kv[dev] = kv.get(dev, 0) + int(kv_layer_bytes(info, params.type_k, params.n_ctx, n_seq))
+        kv[dev] = kv.get(dev, 0) + int(kv_layer_bytes(info, params.type_k, params.n_ctx, n_seq, params.n_ubatch))
     comp = {"CPU": compute_bytes(info, params.n_ubatch, params.n_ctx, params.flash_attn)}
     for d in p.gpus():
         comp[d] = compute_bytes(info, params.n_ubatch, params.n_ctx, params.flash_attn)
@@ -127,15 +129,17 @@ def modelled_load(info: ModelInfo, params: EngineParams, device: str, experts_on
     return weights.get(device, 0) + kv.get(device, 0) + comp.get(device, 0)
 
 
-def kv_at(info: ModelInfo, n_ctx: int, n_seq: int = 1, kv_type: str = "f16") -> float:
+def kv_at(info: ModelInfo, n_ctx: int, n_seq: int = 1, kv_type: str = "f16", n_ubatch: int = DEFAULT_UBATCH) -> float:
     """KV cache bytes of every layer holding ``n_ctx`` tokens for each of ``n_seq`` sequences."""
-    return kv_layer_bytes(info, kv_type, n_ctx, n_seq) * info.n_layer
+    return kv_layer_bytes(info, kv_type, n_ctx, n_seq, n_ubatch) * info.n_layer
 
 
-def kv_layer_bytes(info: ModelInfo, kv_type: str, n_ctx: int, n_seq: int) -> float:
+def kv_layer_bytes(info: ModelInfo, kv_type: str, n_ctx: int, n_seq: int, n_ubatch: int = DEFAULT_UBATCH) -> float:
     """KV cache bytes of one layer holding ``n_ctx`` tokens for each of ``n_seq`` sequences (a hybrid model's
-    fixed recurrent state included, spread over the layers like its KV cache)."""
-    return (info.kv_bytes_per_token[kv_type] * n_ctx + info.recurrent_state_bytes) * n_seq / max(1, info.n_layer)
+    fixed recurrent state included, a sliding-window model's window-sized layers too, spread over the layers like
+    its KV cache)."""
+    kv = kv_cache_bytes(info, kv_type, n_ctx, n_seq, n_ubatch)
+    return (kv + info.recurrent_state_bytes * n_seq) / max(1, info.n_layer)
 
 
 def kv_placement(p: Placement, params: EngineParams, gpus: list[str]) -> list[str]:
@@ -287,7 +291,7 @@ def _weight_room(info: ModelInfo, req: PlanRequest, per_gpu: list[int], n_ctx: i
                  n_ubatch: int = SIZING_UBATCH) -> tuple[list[int], list[int]]:
     """Weights' room on each GPU beside a ``n_ubatch``-token micro-batch's compute buffer: with the KV cache on the
     host, then with it on the GPUs in their runs' shares."""
-    kv_total = kv_at(info, n_ctx, req.concurrency, req.kv)
+    kv_total = kv_at(info, n_ctx, req.concurrency, req.kv, n_ubatch)
     on_host = [max(0, b - gpu_overhead(info, n_ctx, 0.0, m, n_ubatch)) for b, m in zip(per_gpu, margins, strict=True)]
     shares = [b / sum(on_host) for b in on_host] if sum(on_host) else [1 / len(on_host)] * len(on_host)
     return on_host, [max(0, int(b - kv_total * sh)) for b, sh in zip(on_host, shares, strict=True)]

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from artifacts.model_info import ModelInfo
+from artifacts.model_info import ModelInfo, kv_cache_bytes
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.plan import PlanRequest
 from tasks.errors import ImpossiblePlan
@@ -73,7 +73,7 @@ def gpu_limits(hw: HardwareReport, req: PlanRequest) -> list[int]:
 def no_placement_fits(info: ModelInfo, req: PlanRequest, rejected: dict[str, int], limits: dict[str, int],
                       n_ctx: int) -> ImpossiblePlan:
     """The refusal when no candidate fits: the weights beyond RAM, else every limit against what they hold."""
-    kv = info.kv_bytes_per_token[req.kv] * n_ctx * req.concurrency
+    kv = kv_cache_bytes(info, req.kv, n_ctx, req.concurrency)
     host = limits["CPU"]
     if info.weight_bytes > host and not req.allow_storage_streaming:
         return ImpossiblePlan(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from artifacts.model_info import ModelInfo, block_bytes, expert_bytes, head_bytes
+from artifacts.model_info import ModelInfo, block_bytes, expert_bytes, head_bytes, kv_cache_bytes
 from artifacts.records.hardware import GpuMemoryFit, HardwareReport
 from artifacts.records.search import Candidate
 from engine_bridge.params import EngineParams, ExpertSplit, TensorOverride
@@ -158,7 +158,7 @@ def smallest_moe_budget(info: ModelInfo, n_ctx: int, n_seq: int, kv_type: str, h
     the output head and the KV cache of ``n_ctx`` x ``n_seq`` tokens (shared out over the GPUs' layer runs), a
     512-token micro-batch's compute buffer and this machine's correction (the experts can all stay on the
     host; these cannot, on the GPU path Flux plans)."""
-    kv = (info.kv_bytes_per_token.get(kv_type, 0) * n_ctx + info.recurrent_state_bytes) * n_seq
+    kv = kv_cache_bytes(info, kv_type, n_ctx, n_seq, SIZING_UBATCH) + info.recurrent_state_bytes * n_seq
     return int((block_bytes(info) + head_bytes(info) + kv) / max(1, n_gpus)
                + compute_bytes(info, SIZING_UBATCH, n_ctx, True) + correction(hw, device, True, SIZING_UBATCH))
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from artifacts.model_info import model_info, read_tensors, tensor_layer
+from artifacts.model_info import kv_cache_bytes, model_info, read_tensors, tensor_layer
 from artifacts.records.evidence import MeasureSummary
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.plan import DraftTrial, PlanRequest
@@ -88,7 +88,7 @@ def draft_bytes(d: Drafting, target: EngineParams, model: str | None = None) -> 
     if d.model is None:
         return 0
     info = model_info(Path(d.model))
-    kv = info.kv_bytes_per_token.get(target.type_k, 0) * target.n_ctx * target.n_seq_max
+    kv = kv_cache_bytes(info, target.type_k, target.n_ctx, target.n_seq_max, target.n_ubatch)
     return info.file_bytes + int(kv) + DRAFT_COMPUTE_BYTES
 
 
