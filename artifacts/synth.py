@@ -256,6 +256,10 @@ def _metadata(spec: SynthSpec, name: str, quant: Quant, seed: int) -> list[bytes
     if spec.arch == "minicpm":  # MiniCPMModel writes no head_dim keys (its config has none): n_embd / n_head
         for key in ("attention.key_length", "attention.value_length", "rope.dimension_count"):
             del hparams[key]
+    if spec.arch == "gemma3":  # Gemma3Model writes no rope.dimension_count (llama.cpp: head_dim), and the window
+        del hparams["rope.dimension_count"]
+        if spec.n_swa:
+            hparams["attention.sliding_window"] = spec.n_swa
     if spec.n_expert:
         hparams |= {"expert_count": spec.n_expert, "expert_used_count": spec.n_expert_used}
     if spec.arch in ("qwen3moe", *HYBRID_ARCHES):
@@ -271,6 +275,7 @@ def _metadata(spec: SynthSpec, name: str, quant: Quant, seed: int) -> list[bytes
         kv("general.quantization_version", u32, 2),
         *(kv(f"{a}.{key}", u32, value) for key, value in hparams.items()),
         kv(f"{a}.rope.freq_base", f32, spec.rope_base),
+        *([kv(f"{a}.rope.freq_base_swa", f32, spec.rope_base_swa)] if spec.rope_base_swa else []),
         kv(f"{a}.attention.layer_norm_rms_epsilon", f32, spec.eps),
         *_layer_arrays(spec),
         *_mup_scales(spec),

@@ -10,6 +10,10 @@ from artifacts.synth_presets import SynthSpec, conditioned
 _QWEN3: dict[str, Any] = {"arch": "qwen3moe", "rope_base": 1e6, "eps": 1e-6}
 _QWEN3NEXT: dict[str, Any] = {"arch": "qwen3next", "rope_base": 1e7, "eps": 1e-6}
 _QWEN35MOE: dict[str, Any] = {"arch": "qwen35moe", "rope_base": 1e7, "eps": 1e-6, "n_ff": 0}
+_GEMMA3: dict[str, Any] = {
+    "arch": "gemma3", "rope_base": 1e6, "rope_base_swa": 1e4, "eps": 1e-6, "tied": True, "n_swa": 512,
+    "n_ctx_train": 32768,
+}
 _MINICPM4: dict[str, Any] = {
     "arch": "minicpm", "rope_base": 1e4, "eps": 1e-6, "scale_emb": 12.0, "scale_depth": 1.4, "dim_model_base": 256,
     "longrope": True,
@@ -106,6 +110,33 @@ PRESETS: dict[str, SynthSpec] = {
         n_ff=16384,
         n_vocab=73448,
         n_ctx_train=32768,
+    ),
+    # google/gemma-3-270m config.json (docs/twins.md): Gemma3ForCausalLM (llama.cpp arch gemma3), hidden_size 640,
+    # num_hidden_layers 18, layer_types 5 x sliding_attention + full_attention (llama.cpp's default pattern of 6),
+    # sliding_window 512, num_attention_heads 4, num_key_value_heads 1, head_dim 256, intermediate_size 2048,
+    # vocab_size 262144, max_position_embeddings 32768, rope_theta 1e6, rope_local_base_freq 1e4, rms_norm_eps
+    # 1e-6, tie_word_embeddings true, no softcapping. Keys and tensors as conversion/gemma.py's Gemma3Model
+    # writes them.
+    "gemma3-270m": conditioned(
+        **_GEMMA3,
+        n_layer=18,
+        n_embd=640,
+        n_head=4,
+        n_head_kv=1,
+        head_dim=256,
+        n_ff=2048,
+        n_vocab=262144,
+    ),
+    # google/gemma-3-1b-it config.json: the same with hidden_size 1152, 26 layers, intermediate_size 6912.
+    "gemma3-1b": conditioned(
+        **_GEMMA3,
+        n_layer=26,
+        n_embd=1152,
+        n_head=4,
+        n_head_kv=1,
+        head_dim=256,
+        n_ff=6912,
+        n_vocab=262144,
     ),
     # Llama-3.1-8B
     "llama3-8b": conditioned(
@@ -231,6 +262,18 @@ PRESETS: dict[str, SynthSpec] = {
         n_ff=512,
         n_vocab=512,
         n_ctx_train=4096,
+    ),
+    # A gemma3-shaped CI twin: Gemma 3's sliding window (512) and pattern (layers 0-4, 6, 7 local; 5 global), one
+    # kv head, tied output, its 32768-token context, at 8 layers.
+    "tiny-gemma3": conditioned(
+        **_GEMMA3,
+        n_layer=8,
+        n_embd=256,
+        n_head=4,
+        n_head_kv=1,
+        head_dim=64,
+        n_ff=512,
+        n_vocab=512,
     ),
     # A qwen35moe-shaped CI twin: tiny-qwen3next's shapes with Qwen3.5's separate alpha/beta projections and
     # interleaved rope sections in Qwen3.6-35B-A3B's proportions (11:11:10 of the rotated pairs -> 3:3:2 of 8).

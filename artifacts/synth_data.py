@@ -71,7 +71,10 @@ def write_data(
             write_all(f, memoryview(pass_first(t).tobytes()))
         else:
             shape = t.shape[::-1]
-            data = rng.normal(0.0, t.std, size=shape) if t.fill == "normal" else np.full(shape, _CONST[t.fill])
+            if t.fill == "normal":
+                data = rng.normal(0.0, t.std, size=shape)
+            else:
+                data = np.full(shape, t.std if t.fill == "const" else _CONST[t.fill])
             if router is not None:
                 data = router(t.name, data)
             write_all(f, memoryview(data.astype("<f4").tobytes()))

@@ -36,7 +36,8 @@ class PlannedTensor(NamedTuple):
     name: str
     shape: tuple[int, ...]
     ggml_type: Q
-    fill: Literal["ones", "neg_ones", "normal", "blocks", "pass_first"]  # pass_first: artifacts.synth_data
+    # pass_first: artifacts.synth_data; const: every value is `std`
+    fill: Literal["ones", "neg_ones", "normal", "const", "blocks", "pass_first"]
     std: float
 
     @property
@@ -56,7 +57,7 @@ def plan_tensors(spec: SynthSpec, quant: Quant) -> list[PlannedTensor]:
     e, v = spec.n_embd, spec.n_vocab
     plan = [
         _planned("token_embd.weight", (e, v), ot if spec.tied else wt, spec.embd_std),
-        _planned("output_norm.weight", (e,), None, 0.0),
+        _output_norm(spec),
     ]
     if not spec.tied:
         plan.append(_planned("output.weight", (e, v), ot, spec.logit_std / float(np.sqrt(e))))
@@ -67,6 +68,15 @@ def plan_tensors(spec: SynthSpec, quant: Quant) -> list[PlannedTensor]:
     for i in range(spec.n_layer, spec.n_layer + spec.n_mtp):
         plan += _mtp_block(spec, f"blk.{i}.", wt)
     return plan
+
+
+def _output_norm(spec: SynthSpec) -> PlannedTensor:
+    """The final norm: ones, but a tied gemma3's brings the logits to logit_std (its output is the embedding, whose
+    std conditioned() sets for the residual stream, not for the logits)."""
+    if spec.arch == "gemma3" and spec.tied:
+        gain = spec.logit_std / (spec.embd_std * spec.n_embd**0.5)
+        return PlannedTensor("output_norm.weight", (spec.n_embd,), Q.F32, "const", float(f"{gain:.4g}"))
+    return _planned("output_norm.weight", (spec.n_embd,), None, 0.0)
 
 
 def _mtp_block(spec: SynthSpec, b: str, wt: Q) -> list[PlannedTensor]:
@@ -127,6 +137,38 @@ def _routed_experts(spec: SynthSpec, b: str, wt: Q) -> list[_Raw]:
         (b + "ffn_down_exps.weight", (ff, e, nx), wt, spec.down_std or w),
         (b + "ffn_up_exps.weight", (e, ff, nx), wt, w),
     ]
+
+
+# gemma3's q and k are RMS-normed before rope, so attention logits have a fixed scale: with norm weights of 1 a
+# twin's attention spreads evenly over the context and no single position counts; 2 (Gemma's trained 1 + w are
+# of this size) makes it pick positions, so the cache's content shows in the next token (a reused prefix whose
+# window is incomplete changes it).
+GEMMA_QK_NORM = 2.0
+
+
+def _gemma3_layer(spec: SynthSpec, b: str, i: int, wt: Q) -> list[PlannedTensor]:
+    """One gemma3 block as the converter writes it: attention with q/k norms and a norm after it, a GELU FFN with a
+    norm after it. The norms are ones (the converter stores Gemma's 1 + weight), so each layer adds a unit-rms
+    update whatever its weights' scale (conditioned() scales the embedding to match); the q/k norms are
+    GEMMA_QK_NORM."""
+    e, hd, w = spec.n_embd, spec.head_dim, spec.weight_std
+    qk = [PlannedTensor(b + f"attn_{x}_norm.weight", (hd,), Q.F32, "const", GEMMA_QK_NORM) for x in ("q", "k")]
+    raw: list[_Raw] = [
+        (b + "attn_norm.weight", (e,), None, 0.0),
+        (b + "attn_q.weight", (e, spec.n_head * hd), wt, w),
+        (b + "attn_k.weight", (e, spec.n_head_kv * hd), wt, w),
+        (b + "attn_v.weight", (e, spec.n_head_kv * hd), wt, w),
+        (b + "attn_output.weight", (spec.n_head * hd, e), wt, w),
+    ]
+    after: list[_Raw] = [
+        (b + "post_attention_norm.weight", (e,), None, 0.0),
+        (b + "ffn_norm.weight", (e,), None, 0.0),
+        (b + "ffn_gate.weight", (e, spec.n_ff), wt, w),
+        (b + "ffn_up.weight", (e, spec.n_ff), wt, w),
+        (b + "ffn_down.weight", (spec.n_ff, e), wt, spec.down_std or w),
+        (b + "post_ffw_norm.weight", (e,), None, 0.0),
+    ]
+    return [_planned(*r) for r in raw] + qk + [_planned(*r) for r in after]
 
 
 # std of the delta-net's depthwise conv weights: PyTorch's Conv1d init for a 4-tap kernel, U(-0.5, 0.5)
@@ -196,6 +238,7 @@ _LAYERS: dict[Arch, Callable[[SynthSpec, str, int, Q], list[PlannedTensor]]] = {
     "qwen3next": _hybrid_layer,
     "qwen35moe": _hybrid_layer,
     "minicpm": _transformer_layer,
+    "gemma3": _gemma3_layer,
 }
 
 

@@ -18,7 +18,7 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Arch = Literal["llama", "qwen3moe", "qwen3next", "qwen35moe", "minicpm"]
+Arch = Literal["llama", "qwen3moe", "qwen3next", "qwen35moe", "minicpm", "gemma3"]
 Quant = Literal["F16", "Q8_0", "Q4_0", "Q4_K"]
 QUANTS: tuple[Quant, ...] = ("F16", "Q8_0", "Q4_0", "Q4_K")
 
@@ -112,6 +112,11 @@ class SynthSpec(BaseModel):
     `arch="minicpm"` is a dense llama-like transformer with MiniCPM's muP scales (`scale_emb`, `scale_depth`,
     `dim_model_base`, written as llama.cpp's embedding, residual and logit scales) and, with `longrope`, the
     LongRoPE factor tensors.
+
+    `arch="gemma3"` is Gemma 3's dense transformer: q/k norms, a norm after attention and after the GELU FFN,
+    the embedding scaled by sqrt(n_embd) and tied to the output. With `n_swa` > 0 five of every six layers
+    (llama.cpp's gemma3 pattern: layer i is global iff i % 6 == 5) attend to the last `n_swa` positions only,
+    with their own rope base `rope_base_swa`, and llama.cpp keeps a window-sized KV cache for them.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -171,6 +176,15 @@ class SynthSpec(BaseModel):
     # qwen35moe: next-token (MTP) blocks after the trunk (mtp_num_hidden_layers; llama.cpp runs one), written as
     # the converter writes them without --no-mtp; 0: left out, as with --no-mtp
     n_mtp: int = Field(default=0, ge=0, le=1)
+    # gemma3: sliding_window (0: every layer attends to the whole context) and rope_local_base_freq, the rope base
+    # of the sliding-window layers (written as rope.freq_base_swa); 0 elsewhere
+    n_swa: int = Field(default=0, ge=0)
+    rope_base_swa: float = Field(default=0.0, ge=0)
+
+    def is_swa(self, layer: int) -> bool:
+        """True when `layer` attends to a sliding window, as llama.cpp's gemma3 loader decides (its default
+        sliding_window_pattern of 6, which the converter does not write: every sixth layer is global)."""
+        return self.arch == "gemma3" and self.n_swa > 0 and layer % GEMMA3_SWA_PATTERN < GEMMA3_SWA_PATTERN - 1
 
     def is_recurrent(self, layer: int) -> bool:
         """True when `layer` is a linear-attention (recurrent) layer, as llama.cpp's hybrid loaders decide."""
@@ -203,6 +217,8 @@ class SynthSpec(BaseModel):
             raise ValueError("arch minicpm needs scale_emb, scale_depth and dim_model_base > 0")
         if self.arch == "minicpm" and self.n_expert:
             raise ValueError("arch minicpm twins are dense: set n_expert 0")
+        if self.arch == "gemma3" and self.n_expert:
+            raise ValueError("arch gemma3 twins are dense: set n_expert 0")
         return self
 
 
@@ -218,7 +234,10 @@ ARCH_FIELDS: dict[str, tuple[Arch, ...]] = {
     "rope_sections": ("qwen35moe",),
     "n_mtp": ("qwen35moe",),
     **dict.fromkeys(("scale_emb", "scale_depth", "dim_model_base", "longrope"), ("minicpm",)),
+    **dict.fromkeys(("n_swa", "rope_base_swa"), ("gemma3",)),
 }
+# llama.cpp's gemma3 loader: load_swa_pattern(ml, 6), layer i is sliding-window iff i % 6 < 5
+GEMMA3_SWA_PATTERN = 6
 
 
 def _check_hybrid(spec: SynthSpec) -> None:
@@ -258,7 +277,24 @@ def conditioned(**spec: Any) -> SynthSpec:
         else:
             down = per_layer / (0.5 * base.n_ff**0.5)
         base = base.model_copy(update={"down_std": float(f"{down:.3g}"), "attn_out_std": DEEP_ATTN_OUT})
+    if base.arch == "gemma3":
+        return _gemma_embedding(base)
     return _undo_mup(base) if base.arch == "minicpm" else base
+
+
+# gemma3's norms after attention and after the FFN (weights 1 in a twin) make every layer add a unit-rms update to
+# the residual stream, whatever its weights' scale; the embedding the graph scales by sqrt(n_embd) gets this share
+# of those updates' rms. A tied output scores every token by its embedding against the last hidden state: were the
+# token's own embedding a large part of it, the twin would repeat its input; a small one lets the layers, attention
+# included, decide the next token.
+GEMMA_EMBD_SHARE = 0.1
+
+
+def _gemma_embedding(spec: SynthSpec) -> SynthSpec:
+    """A gemma3 spec whose embedding, scaled by sqrt(n_embd) in the graph, has GEMMA_EMBD_SHARE of the rms of the
+    layers' 2 x n_layer unit updates (the output norm then brings the logits to logit_std: synth_layout)."""
+    embd = GEMMA_EMBD_SHARE * (2 * spec.n_layer) ** 0.5 / spec.n_embd**0.5
+    return spec.model_copy(update={"embd_std": float(f"{embd:.3g}")})
 
 
 def _undo_mup(spec: SynthSpec) -> SynthSpec:
