@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 
 from artifacts.config import Settings, default_toml, settings_toml
+from artifacts.gguf_header import read_header
 from artifacts.logs import console
 from artifacts.model_info import model_info
 from engine_bridge import ops
 from engine_bridge.backend import backend_info
+from engine_bridge.bos import with_bos
 from engine_bridge.client import WorkerClient
 from engine_bridge.params import EngineParams
 
@@ -107,11 +109,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
             con.print(f"[dim]{usage.get('prompt_tokens')} prompt + {usage.get('completion_tokens')} "
                       f"completion tokens; load {load.load_ms:.0f} ms[/]")
             return 0
-        prompt = w.tokenize(args.prompt)
+        # as the server tokenizes a text prompt: BOS first where the model wants it (the measuring load's
+        # tokenize adds none)
+        prompt = with_bos(read_header(args.model).metadata, w.tokenize(args.prompt))
         out = w.request(ops.GREEDY, ops.GreedyArgs(prompt=prompt, n_gen=args.max_tokens, stop_eog=False))
         timing = w.request(ops.TIMED_RUN, ops.TimedRunArgs(prompt=prompt, n_gen=args.max_tokens))
     con.print(args.prompt + out.text, markup=False)
-    con.print(f"[dim]{len(out.tokens)} tokens; prefill {timing.prompt_tokens} tok in "
+    ids = ", ".join(map(str, prompt[:8])) + (", ..." if len(prompt) > 8 else "")
+    con.print(f"[dim]{len(out.tokens)} tokens; prompt {len(prompt)} tokens ({ids}); prefill {timing.prompt_tokens} tok in "
               f"{timing.prompt_ms:.1f} ms, decode {timing.gen_tokens} tok in {timing.gen_ms:.1f} ms; "
               f"load {load.load_ms:.0f} ms[/]")
     return 0
