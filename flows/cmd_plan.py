@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.table import Table
 
 from artifacts.config import Settings
 from artifacts.errors import FluxError
@@ -188,16 +187,11 @@ def load_plan(settings: Settings, prefix: str) -> Plan:
 
 
 def cmd_plans(args: argparse.Namespace) -> int:
-    """List saved plans, newest last."""
-    t = Table(show_edge=False)
-    for col in ("plan", "created", "model", "prefill tok/s", "decode tok/s", "ctx", "kv"):
-        t.add_column(col)
+    """List saved plans, newest last, in the richest layout that fits the terminal."""
+    from flows.show import print_plans
+
     plans, unreadable = Records.at(args.settings.data_dir).readable(PLAN)
-    for plan in plans:
-        m = plan.measured
-        t.add_row(plan.id[:12], plan.created_at, plan.model_name, f"{m.prefill_tps or 0:.1f}",
-                  f"{m.decode_tps or 0:.1f}", str(plan.candidate.params.n_ctx), plan.request.kv)
-    console().print(t)
+    print_plans(plans, console())
     for pid, why in unreadable:  # one stale record must not hide the others
         console(stderr=True).print(f"note: plan {pid[:12]} is not listed: {why}", markup=False, soft_wrap=True)
     return 0
@@ -205,13 +199,14 @@ def cmd_plans(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     """Print one plan."""
-    from flows.show import print_plan
+    from flows.show import plan_trials, print_plan
 
     plan = load_plan(args.settings, args.plan)
     if args.json:
         console().print_json(plan.model_dump_json())
     else:
-        print_plan(plan, reserve_percent=args.settings.host_reserve_percent)
+        print_plan(plan, reserve_percent=args.settings.host_reserve_percent,
+                   trials=plan_trials(args.settings.data_dir, plan))
     return 0
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -15,6 +17,7 @@ from artifacts.records.kinds import TRIALS_TABLE
 from artifacts.records.plan import Plan
 from artifacts.records.search import Prediction
 from artifacts.store import Store
+from flows.fit import first_fitting
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -165,9 +168,9 @@ def plan_markdown(plan: Plan) -> str:
     """The plan as markdown (Prefect artifact, docs)."""
     m, v = plan.measured, plan.validation
     rows = "\n".join(
-        f"| {s.candidate_id}{' (chosen)' if s.candidate_id == plan.candidate.id else ''} | {s.workload_s or 0:.2f} | "
-        f"{'' if s.workload_iqr is None else f'{s.workload_iqr:.2f}'} | {s.prefill_tps or 0:.1f} | "
-        f"{s.decode_tps or 0:.1f} | {_rate(p, 'prefill_tps')} | {_rate(p, 'decode_tps')} | {s.error or ''} |"
+        f"| {s.candidate_id}{' (chosen)' if s.candidate_id == plan.candidate.id else ''} | {_num(s.workload_s, 2)} | "
+        f"{'' if s.workload_iqr is None else f'{s.workload_iqr:.2f}'} | {_num(s.prefill_tps, 1)} | "
+        f"{_num(s.decode_tps, 1)} | {_rate(p, 'prefill_tps')} | {_rate(p, 'decode_tps')} | {s.error or ''} |"
         for s, p in _paired(plan))
     return (f"# Plan {plan.id[:12]}\n\nModel **{plan.model_name}** ({plan.model_hash[:12]}), hardware "
             f"{plan.hardware_fingerprint[:12]}, backend {plan.backend_build}\n\n"
@@ -220,17 +223,7 @@ def print_plan(plan: Plan, con: Console | None = None, reserve_percent: float = 
         con.print(line, markup=False)
     for note in plan.notes:
         con.print(f"note: {note}", markup=False)
-    t = Table(title="finalists: predicted vs measured", show_edge=False)
-    for col in ("candidate", "workload s", "spread", "pred prefill", "meas prefill", "pred decode", "meas decode",
-                "pred GPU GiB", "meas GPU GiB", "rounds", "error"):
-        t.add_column(col, justify="left" if col in ("candidate", "error") else "right")
-    for s, p in _paired(plan):
-        mark = "*" if s.candidate_id == plan.candidate.id else ""
-        t.add_row(s.candidate_id + mark, f"{s.workload_s or 0:.2f}", "" if s.workload_iqr is None else
-                  f"{s.workload_iqr:.2f}", _rate(p, "prefill_tps"), f"{s.prefill_tps or 0:.1f}", _rate(p, "decode_tps"),
-                  f"{s.decode_tps or 0:.1f}", _gib(s.predicted_gpu_bytes), _gib(s.gpu_bytes), str(s.n_rounds),
-                  s.error or "")
-    con.print(t)
+    print_finalists(plan, con)
     if plan.stage_seconds:
         order = ("probe", "route", "enumerate", "prune", "reference", "measure", "validate", "total")
         stages = sorted(plan.stage_seconds.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 99)
@@ -249,3 +242,129 @@ def print_plan(plan: Plan, con: Console | None = None, reserve_percent: float = 
 
 def _gib(n: int | None) -> str:
     return f"{n / GIB:.2f}" if n else ""
+
+
+def _narrow_box(narrow: bool) -> dict[str, Any]:
+    """A narrow layout's table: columns apart by two spaces, no rules between them (a character each)."""
+    return {"box": box.SIMPLE_HEAD, "pad_edge": False, "collapse_padding": True} if narrow else {}
+
+
+def _num(x: float | None, digits: int) -> str:
+    """A measured figure, or a dash where the finalist was not measured (never 0.00)."""
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+class FinalistsLayout(NamedTuple):
+    """How much of the finalists' table a width holds; what a narrower layout leaves out is printed below it."""
+
+    short_headers: bool  # two-line headers ("pred" over "prefill")
+    errors_inline: bool  # else each error is a line under the table, whole
+    gpu: Literal["all", "measured", "none"]  # the GPU memory columns: always, when a finalist has a figure, never
+    spread_rounds: bool
+
+
+# richest first: the first whose natural width fits the console is printed (flows.fit)
+FINALISTS_LAYOUTS = (FinalistsLayout(False, True, "all", True), FinalistsLayout(True, False, "measured", True),
+                     FinalistsLayout(True, False, "none", True), FinalistsLayout(True, False, "none", False))
+
+
+def _finalist_columns(plan: Plan, lay: FinalistsLayout) -> list[tuple[str, str, Callable[[MeasureSummary,
+                                                                                          Prediction | None], str]]]:
+    """(header, short header, cell) of each column ``lay`` shows."""
+    gpu = lay.gpu == "all" or (lay.gpu == "measured" and any(s.gpu_bytes or s.predicted_gpu_bytes for s in plan.finalists))
+    chosen = plan.candidate.id
+    cols: list[tuple[str, str, Callable[[MeasureSummary, Prediction | None], str]]] = [
+        ("candidate", "candidate", lambda s, p: s.candidate_id + ("*" if s.candidate_id == chosen else "")),
+        ("workload s", "workload\ns", lambda s, p: _num(s.workload_s, 2)),
+        ("spread", "spread\ns", lambda s, p: "" if s.workload_iqr is None else f"{s.workload_iqr:.2f}"),
+        ("pred prefill", "pred\nprefill", lambda s, p: _rate(p, "prefill_tps")),
+        ("meas prefill", "meas\nprefill", lambda s, p: _num(s.prefill_tps, 1)),
+        ("pred decode", "pred\ndecode", lambda s, p: _rate(p, "decode_tps")),
+        ("meas decode", "meas\ndecode", lambda s, p: _num(s.decode_tps, 1)),
+        ("pred GPU GiB", "pred GPU\nGiB", lambda s, p: _gib(s.predicted_gpu_bytes)),
+        ("meas GPU GiB", "meas GPU\nGiB", lambda s, p: _gib(s.gpu_bytes)),
+        ("rounds", "rounds", lambda s, p: str(s.n_rounds)),
+        ("error", "error", lambda s, p: s.error or ""),
+    ]
+    drop = ({"pred GPU GiB", "meas GPU GiB"} if not gpu else set()) | (set() if lay.errors_inline else {"error"}) | (
+        set() if lay.spread_rounds else {"spread", "rounds"})
+    return [c for c in cols if c[0] not in drop]
+
+
+def finalists_table(plan: Plan, lay: FinalistsLayout) -> Table:
+    """The finalists' predicted and measured figures in layout ``lay``."""
+    t = Table(title="finalists: predicted vs measured", show_edge=False, **_narrow_box(lay.short_headers))
+    cols = _finalist_columns(plan, lay)
+    for name, short, _ in cols:
+        text = name in ("candidate", "error")
+        t.add_column(short if lay.short_headers else name, justify="left" if text else "right",
+                     no_wrap=not text, overflow="fold")
+    for s, p in _paired(plan):
+        t.add_row(*(cell(s, p) for _, _, cell in cols))
+    return t
+
+
+def finalists_below(plan: Plan, lay: FinalistsLayout) -> list[str]:
+    """What ``lay`` leaves out of the table, as lines under it: each error whole, GPU memory, spread and rounds."""
+    pairs = [s for s, _ in _paired(plan)]
+    lines = [] if lay.errors_inline else [f"  {s.candidate_id}: {s.error}" for s in pairs if s.error]
+    if lay.gpu == "none" and any(s.gpu_bytes or s.predicted_gpu_bytes for s in pairs):
+        lines.append("  GPU GiB predicted / measured: " + ", ".join(
+            f"{s.candidate_id} {_gib(s.predicted_gpu_bytes) or '-'} / {_gib(s.gpu_bytes) or '-'}" for s in pairs))
+    if not lay.spread_rounds:
+        lines.append("  spread s / rounds: " + ", ".join(
+            f"{s.candidate_id} {_num(s.workload_iqr, 2)} / {s.n_rounds}" for s in pairs))
+    return lines
+
+
+def print_finalists(plan: Plan, con: Console) -> None:
+    """The finalists' table in the richest layout that fits ``con`` (numbers never cut), what it leaves out below."""
+    lay, table = first_fitting(con, FINALISTS_LAYOUTS, lambda lay: finalists_table(plan, lay))
+    con.print(table)
+    for line in finalists_below(plan, lay):
+        con.print(line, markup=False)
+
+
+class PlansLayout(NamedTuple):
+    """How much of `flux plans` a width holds: the creation time's precision, the speeds' headers, ctx and kv."""
+
+    created: Literal["iso", "minute", "day"]
+    short_headers: bool
+    ctx_kv: bool
+
+
+PLANS_LAYOUTS = (PlansLayout("iso", False, True), PlansLayout("minute", True, True), PlansLayout("minute", True, False),
+                 PlansLayout("day", True, False))
+
+
+def _created(iso: str, how: str) -> str:
+    """A plan's creation time (ISO, UTC) at ``how``'s precision: whole, to the minute, or month-day and minute."""
+    if how == "iso" or len(iso) < 16:
+        return iso
+    return f"{iso[:10] if how == 'minute' else iso[5:10]} {iso[11:16]}"
+
+
+def plans_table(plans: list[Plan], lay: PlansLayout) -> Table:
+    """`flux plans` in layout ``lay``: ids at 12 characters (what `flux show` takes) and model names whole (they wrap
+    rather than being cut to stubs that all look alike)."""
+    t = Table(show_edge=False, caption="speeds in tok/s; times UTC" if lay.short_headers else None,
+              **_narrow_box(lay.short_headers))
+    t.add_column("plan", no_wrap=True)
+    t.add_column("created", no_wrap=True)
+    t.add_column("model", overflow="fold")
+    for name in ("prefill", "decode"):
+        t.add_column(name if lay.short_headers else f"{name} tok/s", justify="right", no_wrap=True)
+    if lay.ctx_kv:
+        t.add_column("ctx", justify="right", no_wrap=True)
+        t.add_column("kv", no_wrap=True)
+    for plan in plans:
+        m = plan.measured
+        row = [plan.id[:12], _created(plan.created_at, lay.created), plan.model_name, _num(m.prefill_tps, 1),
+               _num(m.decode_tps, 1)]
+        t.add_row(*row, *((str(plan.candidate.params.n_ctx), plan.request.kv) if lay.ctx_kv else ()))
+    return t
+
+
+def print_plans(plans: list[Plan], con: Console) -> None:
+    """`flux plans`: every plan, newest last, in the richest layout that fits ``con``."""
+    con.print(first_fitting(con, PLANS_LAYOUTS, lambda lay: plans_table(plans, lay))[1])
