@@ -19,7 +19,7 @@ from artifacts.model_info import ModelInfo
 from artifacts.records.kinds import PLAN
 from artifacts.records.plan import Plan, PlanRequest
 from artifacts.records.store import Records
-from flows.request import check_for_model, flow_params
+from flows.request import check_for_model, flow_params, gpu_budget_unused
 from flows.request_flags import add_plan_flags, request_from_args
 
 if TYPE_CHECKING:
@@ -82,6 +82,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else default_model(settings)
     con = console(stderr=True)
     req = request_from_args(settings, args, model)
+    if req.gpu_mem_budget_gib:  # said at once, not only in the plan's notes after the whole run
+        from artifacts.records.machine import machine_facts
+
+        unused = gpu_budget_unused(req, len(machine_facts().gpus))
+        if unused:
+            con.print(f"note: {unused}", markup=False)
     t0 = time.monotonic()
     info = read_model(req, settings)
     check_for_model(req, info.n_ctx_train)

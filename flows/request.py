@@ -171,6 +171,17 @@ def check_for_model(req: PlanRequest, n_ctx_train: int | None) -> None:
                              f"use --ctx {n_ctx_train} or less")
 
 
+def gpu_budget_unused(req: PlanRequest, n_gpus: int) -> str | None:
+    """What to say, before anything is measured, of a ``--gpu-mem-budget`` on a machine with ``n_gpus`` GPUs (NVML's
+    count; Flux's backend builds are CPU or CUDA): nothing unless there is none. Such a budget is left out of the
+    plan's key (:func:`artifacts.records.keys.plan_key`), so the plan of the same request without it is reused."""
+    if not req.gpu_mem_budget_gib or n_gpus:
+        return None
+    given = ",".join(f"{b:g}" for b in req.gpu_mem_budget_gib)
+    return (f"--gpu-mem-budget {given}: this machine has no GPU, so the plan runs on the CPU and the budget is not "
+            "used (a saved plan of the same request without it is the same plan)")
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 

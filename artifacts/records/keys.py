@@ -64,9 +64,12 @@ def plan_key(model_hash: str, hw: HardwareReport, backend_build: str, req: PlanR
 
     ``routing``: the id of the routing trace that chose a per-expert placement's experts; another workload
     routes differently and is another plan. ``code``: the planner's code id
-    (:func:`artifacts.code_id.code_id`): a planner that changed makes new plans.
+    (:func:`artifacts.code_id.code_id`): a planner that changed makes new plans. ``--gpu-mem-budget`` on a machine
+    where llama.cpp sees no GPU shapes nothing: it is left out, so the plan of the same request without it is found.
     """
     flags = req.model_dump(exclude={"model"})
+    if not any(d.get("kind") == "gpu" for d in hw.ggml_devices):
+        flags["gpu_mem_budget_gib"] = None
     if flags["workload"] == "agent":  # the default before there was a choice: plans saved then still match
         del flags["workload"]
     for name in ("host_mem_budget_gib", "rpc", "rpc_mem_budget_gib", "prefer_engine"):  # unset: plans saved before them still match
