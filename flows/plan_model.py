@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.states import Completed
 
 from artifacts.config import load_settings
 from flows import stages
@@ -21,8 +22,8 @@ from tasks import pipeline as p
 @flow(name="plan-model", log_prints=False, persist_result=False)
 @flow_signature
 def plan_model(**flags: Any) -> str:
-    """Plan a model on this machine and return the plan id: one keyword per ``flux plan`` flag (the fields of
-    :class:`artifacts.records.plan.PlanRequest`, ``model`` required)."""
+    """Plan a model on this machine and return the plan id (the run's final state says "plan <id>"): one keyword
+    per ``flux plan`` flag (the fields of :class:`artifacts.records.plan.PlanRequest`, ``model`` required)."""
     settings = load_settings()
     log = get_run_logger()
     req = plan_request(settings, flags.pop("model"), **flags)
@@ -34,7 +35,7 @@ def plan_model(**flags: Any) -> str:
         if existing:
             log.info("plan %s matches this model, machine, build and flags: reused (--replan measures again)",
                      existing[:12])
-            return existing
+            return Completed(message=f"plan {existing}", data=existing)  # type: ignore[return-value]
     hw = stages.run(p.PROBE, ctx_)
     reference = stages.start(p.REFERENCE, ctx_, hw)
     routing = stages.run(p.ROUTE, ctx_, hw)
@@ -44,4 +45,6 @@ def plan_model(**flags: Any) -> str:
     measured = stages.run(p.MEASURE, ctx_, hw, finalists, ref)
     report = stages.run(p.VALIDATE, ctx_, hw, finalists, measured, ref)
     plan = stages.run(p.PERSIST, ctx_, hw, space, finalists, measured, report, routing)
-    return str(plan.id)
+    log.info("plan %s", plan.id)  # `prefect deployment run --watch` shows the run's logs, not its result
+    # the run's state message carries the id too (the UI, `prefect flow-run inspect`); a caller gets the id
+    return Completed(message=f"plan {plan.id}", data=str(plan.id))  # type: ignore[return-value]

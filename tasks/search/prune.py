@@ -46,12 +46,20 @@ def _report(ctx: PlanContext, log: Any, fin: Finalists, hw: HardwareReport, spac
                  for c, p in zip(fin.finalists, fin.predictions, strict=True)))
 
 
+def _labels(c: Candidate) -> tuple[str, str]:
+    """(where the KV cache lives, how host weights are laid out) for the UI: a CPU-only candidate has no GPU to hold
+    either, and its weights are repacked unless --no-repack (llama.cpp's offload flags mean nothing there)."""
+    if kv_label(c) == "cpu-only":
+        return "cpu", "repacked" if c.params.repack else "plain"
+    return ("gpu" if c.params.offload_kqv else "host"), ("repacked" if c.params.no_host else "gpu-host")
+
+
 def _artifact(fin: Finalists) -> Artifact:
     return Artifact(key="finalists", description="Finalists and their predicted speed", table=[
-        {"candidate": c.id, "family": c.family, "ctx": c.params.n_ctx, "kv": "gpu" if c.params.offload_kqv else "host",
+        {"candidate": c.id, "family": c.family, "ctx": c.params.n_ctx, "kv": _labels(c)[0],
          "threads": f"{c.params.n_threads}/{c.params.n_threads_batch}",
          "ubatch": c.params.n_ubatch, "flash_attn": c.params.flash_attn, "load": c.params.load_mode,
-         "host": "repacked" if c.params.no_host else "gpu-host",
+         "host": _labels(c)[1],
          "hot_experts": sum(len(h.experts) for h in c.params.expert_split.layers) if c.params.expert_split else 0,
          "pred_workload_s": round(p.score_s, 3), "pred_prefill_tps": round(p.prefill_tps, 1),
          "pred_decode_tps": round(p.decode_tps, 1)}
