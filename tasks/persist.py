@@ -25,8 +25,13 @@ from artifacts.records.search import Candidate, Finalists, PlacementSpace
 from artifacts.records.store import Records
 from artifacts.store import Store
 from engine_bridge.engines.spec import EngineSpec
+from tasks.probe import load_words, taken_under_load
 
 log = logging.getLogger(__name__)
+# A first round this many times faster than the cost model's time for it means the probe it priced with was slow:
+# on a machine as quiet as when probed, visits ran within 2x of their prediction (run 9: up to 1.9x slower); issue
+# 56's probe, taken at a load average of ~9, predicted 1.4 tok/s where 10.3 were measured (7x).
+PROBE_DISAGREES = 3.0
 
 
 def find_plan(records: Records, key: dict[str, Any]) -> Plan | None:
@@ -49,6 +54,42 @@ def prediction_error(finalists: Finalists, summaries: list[MeasureSummary], leng
     errs = [abs(pred[s.candidate_id] - s.workload_s) / s.workload_s for s in summaries
             if s.workload_s and s.candidate_id in pred]
     return statistics.median(errs) if errs else None
+
+
+def first_round_speedup(finalists: Finalists, trials: pa.Table) -> float | None:
+    """Median over the finalists timed in the first round of the cost model's time for that visit's prompts and
+    generated tokens over the measured time (above 1: faster than predicted); None when none was timed. A finalist
+    on another engine (``c028@llama-server``) is priced as its placement."""
+    preds = {p.candidate_id: p for p in finalists.predictions}
+    pred_s: dict[str, float] = {}
+    meas_s: dict[str, float] = {}
+    for r in trials.to_pylist():
+        p = preds.get(r["candidate_id"]) or preds.get(str(r["candidate_id"]).split("@")[0])
+        if r.get("round") != 0 or r.get("error") or p is None or not r.get("prompt_ms") or not r.get("gen_ms"):
+            continue
+        cid = r["candidate_id"]
+        pred_s[cid] = pred_s.get(cid, 0.0) + (r["prompt_tokens"] / max(p.prefill_tps, 1e-9)
+                                              + r["gen_tokens"] / max(p.decode_tps, 1e-9))
+        meas_s[cid] = meas_s.get(cid, 0.0) + (r["prompt_ms"] + r["gen_ms"]) / 1e3
+    ratios = [pred_s[c] / meas_s[c] for c in pred_s if meas_s[c] > 0]
+    return statistics.median(ratios) if ratios else None
+
+
+def load_notes(hw: HardwareReport, finalists: Finalists, trials: pa.Table) -> list[str]:
+    """What a plan should say when it was made from a probe of a busy machine: the probe recorded the load
+    (:func:`tasks.probe.taken_under_load`), or the first round ran PROBE_DISAGREES times faster than the probe's
+    speeds predicted."""
+    notes = []
+    if taken_under_load(hw):
+        notes.append(f"made on a busy machine: {load_words(hw, 'while it was probed')}, so "
+                     "the probe's speeds, the cost model's predictions and the budget's sizing are a busy machine's; "
+                     "`flux plan --replan --reprobe` on a quiet machine measures both again")
+    speedup = first_round_speedup(finalists, trials)
+    if speedup is not None and speedup > PROBE_DISAGREES:
+        notes.append(f"the first round ran {speedup:.1f}x faster than the cost model predicted from the probe: the "
+                     f"probe was likely taken while the machine was busy ({load_words(hw)}); `flux plan --reprobe` "
+                     "measures the machine again")
+    return notes
 
 
 def decode_by_depth(trials: pa.Table, candidate_id: str) -> list[tuple[int, float]]:

@@ -4,7 +4,8 @@
 figures from :mod:`tasks.probe_host`, copy bandwidth from :mod:`tasks.probe_gpu`; ggml devices and kernel
 timings come from engine workers (only the worker links llama.cpp). The fingerprint
 (:func:`artifacts.records.keys.hardware_fingerprint`) covers the stable facts only, so a plan keyed by it
-survives a reboot but not a RAM, GPU or driver change.
+survives a reboot but not a RAM, GPU or driver change. The report also records what other processes took of the
+CPUs while it measured (:func:`taken_under_load`): a probe of a busy machine predicts a slow one.
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ from tasks import gpu_memory
 from tasks.enumerate import modelled_load
 from tasks.expert_hot import split_bytes
 from tasks.probe_gpu import host_to_device_bandwidth
-from tasks.probe_host import ram_read_bandwidth, storage_read_speed, usable_cpus
+from tasks.probe_host import (
+    ContentionMeter,
+    cpu_contention,
+    ram_read_bandwidth,
+    storage_read_speed,
+    usable_cpus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +54,15 @@ PROMPT_TEXT = (
     "left and the cargo they carried, and the clerk wrote every figure into a ledger that nobody would "
     "read until the inquiry, three winters later, asked why the lighthouse had been dark that night."
 )
+# The probe times the model's kernels with one thread per physical core, and llama.cpp's threads meet at a barrier
+# after every op, so a step is as slow as its most preempted thread: on the 2-core development machine one
+# busy-looping process made the probe's CPU decode 34-47x slower (2.8 -> 96-133 ms/token), two of them 2.5-6x, and
+# issue 56's probe at a load average of ~9 predicted 1.4 tok/s where 10.3 were measured. A probe is taken under load
+# when other processes kept busy, on average, more than this many CPUs beyond those its threads leave free (the CPUs
+# Flux may use less the kernels' threads: the hyperthread siblings of an SMT machine, none on the 2-core one); less is
+# the background every machine has. Not the load average: it lags a minute behind and counts the probe's own threads.
+BUSY_MARGIN_CPUS = 0.5
+QUIET_SAMPLE_S = 1.0  # how long a stored busy probe's machine is watched before it is measured again
 
 
 def _with_copy_bandwidth(gpus: list[GpuInfo], bus_ids: list[str]) -> list[GpuInfo]:
@@ -224,17 +240,54 @@ def probe(model_path: Path, model_hash: str, settings: Settings, backend_build: 
     facts = machine_facts().model_copy(update={"rpc": list(rpc_servers)})
     cpu = facts.cpu
     vm = psutil.virtual_memory()
+    meter = ContentionMeter()
     ram = ram_read_bandwidth(int(vm.available), threads=usable_cpus())
     storage = storage_read_speed(model_path)
     nvml = nvml_inventory()
     gpus = _with_copy_bandwidth(nvml.gpus, nvml.bus_ids) if nvml.gpus else []
     devices, kernels, fits = engine_probe(model_path, info, cpu.physical_cores, settings)
+    load = meter.read()
     report = HardwareReport(
         fingerprint=facts_fingerprint(facts), cpu=cpu,
         ram_total=facts.ram_total, ram_available=int(vm.available), ram_read_gbs=ram.gbs,
         ram_read_gbs_1thread=ram.gbs_1thread, storage_read_gbs=storage.gbs, storage_method=storage.method,
         gpus=gpus, driver=facts.driver, ggml_devices=devices, kernels=kernels, model_hash=model_hash,
-        backend_build=backend_build, gpu_memory=fits, rpc_servers=[rpc.measure(r) for r in rpc_servers])
-    log.info("probe: fingerprint %s (%s, %d cores, %d GiB, %d GPU(s))", report.fingerprint[:12], cpu.model,
-             cpu.logical_cores, round(vm.total / GIB), len(gpus))
+        backend_build=backend_build, gpu_memory=fits, rpc_servers=[rpc.measure(r) for r in rpc_servers],
+        others_cpus=round(load.others_cpus, 3), load_avg_1m=load.load_avg_1m, usable_cpus=usable_cpus())
+    log.info("probe: fingerprint %s (%s, %d cores, %d GiB, %d GPU(s)); %s", report.fingerprint[:12], cpu.model,
+             cpu.logical_cores, round(vm.total / GIB), len(gpus), load_words(report))
     return report
+
+
+def spare_cpus(hw: HardwareReport) -> int:
+    """CPUs the probe's CPU kernels left free: those Flux could use less the kernels' threads."""
+    threads = max((k.n_threads for k in hw.kernels if k.device == "CPU"), default=hw.cpu.physical_cores)
+    return max(0, (hw.usable_cpus or hw.cpu.logical_cores) - threads)
+
+
+def busy_limit(hw: HardwareReport) -> float:
+    """Other processes' CPUs above which ``hw``'s machine was busy (see BUSY_MARGIN_CPUS)."""
+    return spare_cpus(hw) + BUSY_MARGIN_CPUS
+
+
+def taken_under_load(hw: HardwareReport) -> bool:
+    """Whether the probe was taken while other processes kept more CPUs busy than its threads left free (False for
+    a probe stored before this was measured: unknown)."""
+    return hw.others_cpus is not None and hw.others_cpus > busy_limit(hw)
+
+
+def load_words(hw: HardwareReport, during: str = "while it ran") -> str:
+    """What other processes took of the CPUs while ``hw`` was probed, for people (``during``: how the sentence
+    names the probe)."""
+    if hw.others_cpus is None:
+        return "the CPUs' use by other processes was not measured (a probe stored by an older Flux)"
+    avg = f", at a load average of {hw.load_avg_1m:.1f}" if hw.load_avg_1m is not None else ""
+    return (f"other processes kept {hw.others_cpus:.1f} of {hw.usable_cpus or hw.cpu.logical_cores} CPUs busy "
+            f"{during}{avg}")
+
+
+def quiet_now(hw: HardwareReport, seconds: float = QUIET_SAMPLE_S) -> tuple[bool, float]:
+    """(whether other processes now keep no more CPUs busy than ``hw``'s busy limit, the CPUs they keep busy),
+    watched for ``seconds``."""
+    others = cpu_contention(seconds).others_cpus
+    return others <= busy_limit(hw), others

@@ -1,5 +1,5 @@
-"""Host measurements of the probe stage: RAM read bandwidth, storage read speed (the CPU's identity and ISA are
-machine facts: :mod:`artifacts.records.machine`).
+"""Host measurements of the probe stage: RAM read bandwidth, storage read speed, and the CPU time other processes
+took while the probe ran (the CPU's identity and ISA are machine facts: :mod:`artifacts.records.machine`).
 
 Everything here is measured or read from the kernel on the machine at hand; nothing is looked up
 from a table of known parts.
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+import psutil
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,62 @@ def usable_cpus() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return os.cpu_count() or 1
+
+
+# -- other processes' CPU -------------------------------------------------------------------------------
+class CpuContention(NamedTuple):
+    """What other processes took of the CPUs this process may run on while something was measured."""
+
+    others_cpus: float  # their CPU seconds (steal included) over the wall seconds: CPUs kept busy on average
+    load_avg_1m: float | None  # the 1-minute load average when the measurement started (it lags: a figure for people)
+    seconds: float
+
+
+def _busy_seconds(cpus: set[int]) -> float:
+    """CPU seconds the kernel counts as busy (user, nice, system, interrupts, stolen by a hypervisor) on ``cpus``."""
+    per = psutil.cpu_times(percpu=True)
+    fields = ("user", "nice", "system", "irq", "softirq", "steal")
+    return sum(sum(getattr(t, f, 0.0) for f in fields) for i, t in enumerate(per) if not cpus or i in cpus)
+
+
+def _own_seconds() -> float:
+    """CPU seconds of this process, its reaped children and its live descendants (the probe's workers)."""
+    me = psutil.Process()
+    t = me.cpu_times()
+    total = t.user + t.system + t.children_user + t.children_system
+    for child in me.children(recursive=True):
+        try:
+            c = child.cpu_times()
+        except psutil.Error:  # ended between the listing and the read: its time is its parent's now
+            continue
+        total += c.user + c.system
+    return total
+
+
+class ContentionMeter:
+    """Measures :class:`CpuContention` from its creation to :meth:`read`: every busy second of the CPUs this process
+    may run on, less this process tree's own. A process that started and ended meanwhile (a compiler, a test) is
+    counted, which a walk of the process table would miss."""
+
+    def __init__(self) -> None:
+        self._cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
+        self._load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        self._t0 = time.monotonic()
+        self._busy0 = _busy_seconds(self._cpus)
+        self._own0 = _own_seconds()
+
+    def read(self) -> CpuContention:
+        """Other processes' CPU use since the meter started."""
+        wall = max(time.monotonic() - self._t0, 1e-3)
+        others = (_busy_seconds(self._cpus) - self._busy0) - (_own_seconds() - self._own0)
+        return CpuContention(others_cpus=max(0.0, others / wall), load_avg_1m=self._load, seconds=wall)
+
+
+def cpu_contention(seconds: float = 1.0) -> CpuContention:
+    """Other processes' CPU use over the next ``seconds`` (this process sleeps meanwhile)."""
+    meter = ContentionMeter()
+    time.sleep(seconds)
+    return meter.read()
 
 
 # -- RAM -----------------------------------------------------------------------------------------------

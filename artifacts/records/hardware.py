@@ -135,3 +135,8 @@ class HardwareReport(Record):
         "per GPU, the memory model's correction measured by the probe (none: the fixed margin)"))
     rpc_servers: list[RpcServer] = Field(default_factory=list, description=(
         "the RPC servers the plan may use, with their links measured"))
+    others_cpus: float | None = Field(None, description=(
+        "CPUs other processes kept busy on average while the probe ran (their CPU seconds over its wall seconds, on "
+        "the CPUs Flux could use); None: probed before this was measured"))
+    load_avg_1m: float | None = Field(None, description="the 1-minute load average when the probe started")
+    usable_cpus: int | None = Field(None, description="the CPUs Flux could run on when probed (its affinity mask)")

@@ -10,7 +10,7 @@ from artifacts.ids import content_id
 from artifacts.records.evidence import MeasureResults, ValidationReport
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.keys import plan_key
-from artifacts.records.kinds import MODEL_PATH, PLAN, PROBE, ROUTING_PROFILE, TRIALS_RAW_TABLE, TRIALS_TABLE
+from artifacts.records.kinds import MODEL_PATH, PLAN, ROUTING_PROFILE, TRIALS_RAW_TABLE, TRIALS_TABLE
 from artifacts.records.plan import ModelPath, Plan
 from artifacts.records.routing import RoutingProfile
 from artifacts.records.search import Finalists, PlacementSpace
@@ -20,7 +20,7 @@ from tasks.costmodel import all_gpu_decode, roofline_decode
 from tasks.engines import engine_notes, spec_of
 from tasks.gpu_budget import budget_notes
 from tasks.measurement.speculation import draft_trials, drafted, mtp_note, speculation_notes
-from tasks.persist import find_plan, persist, plan_notes
+from tasks.persist import find_plan, load_notes, persist, plan_notes
 from tasks.probing import probe as probe_stage
 from tasks.probing import route as route_stage
 from tasks.remote import rpc_notes
@@ -38,10 +38,9 @@ def _plan_key(ctx: PlanContext, hw: HardwareReport, routing: str | None) -> dict
 
 def existing_plan(ctx: PlanContext) -> str | None:
     """Id of a stored plan whose key matches, if the probe report (and routing trace) for it are stored."""
-    pid = content_id(probe_stage.STAGE.key_of(ctx))
-    if not ctx.records.has(PROBE, pid):
+    hw = probe_stage.stored_probe(ctx)  # the newest (a re-probe is another link of its chain), busy or not
+    if hw is None:
         return None
-    hw = ctx.records.get(PROBE, pid)
     routing: str | None = None
     if route_stage.traces_routing(ctx, hw):
         rid = content_id(route_stage.STAGE.key_of(ctx, hw))
@@ -76,7 +75,7 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport, space: PlacementSpace, 
                    notes=plan_notes(space, fin, measured, report, ctx.req.prefer_engine) + rpc_notes(hw, winner) + engine_notes(
                        {s.candidate_id: s for s in measured.summaries}, ctx.engines, winner)
                        + speculation_notes(drafts, winner) + (mtp_note(ctx.info.n_nextn_layers, ctx.req.engines) if ctx.req.speculation else [])
-                       + budget_notes(hw, ctx.req),
+                       + budget_notes(hw, ctx.req) + load_notes(hw, fin, trials),
                    speculation=drafts,
                    engine=None if winner.engine == NATIVE else spec_of(ctx.engines, winner.engine),
                    stage_seconds=ctx.clock.record())
