@@ -21,19 +21,20 @@ from engine_bridge.ops import GenerateArgs
 from engine_bridge.worker.grammar import GrammarSampler
 from engine_bridge.worker.sampling import new_text_decoder
 
-__all__ = ["MIN_PARK_TOKENS", "PARK_BELOW_KEEP_SHARE", "FinishReason", "Sink", "Tokens", "_Request", "_Slot"]
+__all__ = ["MIN_PARK_TOKENS", "FinishReason", "Sink", "Tokens", "_Request", "_Slot"]
 
 FinishReason = Literal["stop", "length", "cancelled"]
 # Below this many tokens recomputing beats moving state: a prompt that drops fewer cached tokens from
 # a slot does not park them, a parked state (or a partly matching slot) sharing fewer is not reused, and a
 # parked state is restored only when it saves this many tokens more than the best slot.
 MIN_PARK_TOKENS = 32
-# A slot is parked before it is trimmed only when the new prompt keeps less than this share of it (llama-server's
-# rule for saving a slot to its prompt cache: f_keep < 0.5). Parking copies the WHOLE state (a 4.7k-token
-# conversation of a 30B MoE is ~460 MB, ~300 ms out of the GPU) on the new request's way to its first token: a
-# prompt that keeps most of the slot (the same prompt again, the next turn of the conversation, a turn whose
-# template drops the last reply's thinking) loses only its tail, which nobody is likely to send again.
-PARK_BELOW_KEEP_SHARE = 0.5
+# Parking copies the WHOLE state (a 4.7k-token conversation of a 30B MoE is ~460 MB, ~300 ms out of a GPU) on the
+# new request's way to its first token, so a slot is parked only when the new prompt leaves the slot's own last
+# prompt (another conversation, or another branch of it): one that keeps all of it but its last MIN_PARK_TOKENS
+# tokens (where a template closes the turn) is the same conversation going on (the same prompt again, the next
+# turn, a turn whose template drops the last reply's thinking) and loses only the last reply's tail, which nobody
+# sends again. (llama-server saves a slot only when the new prompt keeps less than half of it, f_keep < 0.5: that
+# would drop, unparked, the tail of a conversation that another one shares a long system prompt with.)
 
 
 class Sink(Protocol):
@@ -103,6 +104,7 @@ class Tokens:
 class _Slot:
     seq: int
     tokens: Tokens = field(default_factory=Tokens)  # exactly the tokens whose KV this sequence holds
+    prompt_n: int = 0  # tokens of the last prompt admitted here (what the same conversation going on keeps)
     last_used: int = 0
     conversation: str | None = None
     req: _Request | None = None

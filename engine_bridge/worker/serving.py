@@ -7,9 +7,9 @@ Then each request whose logits came back samples through its own llama.cpp sampl
 the token to the :class:`Sink`. A slot keeps the KV of a finished request: a later prompt that starts
 with the same tokens reuses it, and costs only its new tokens (at least its last one, whose logits give the
 first token); a prompt that replaces a conversation parks the old state in RAM
-(:mod:`engine_bridge.worker.parking`) so a return to it skips the prefix. A prompt that keeps most of a slot
-(the same prompt again, the conversation's next turn) trims the slot's tail without parking it: parking copies
-the whole state, which would cost a long conversation hundreds of milliseconds before its first token. With a
+(:mod:`engine_bridge.worker.parking`) so a return to it skips the prefix. A prompt that keeps the slot's last
+prompt (the same prompt again, the conversation's next turn) trims the old reply without parking it: parking
+copies the whole state, which would cost a long conversation hundreds of milliseconds before its first token. With a
 plan's drafting settings, a greedy request's decode step feeds its token and a draft's proposals and keeps what
 the model itself would have chosen (:mod:`engine_bridge.worker.serve_draft`).
 
@@ -39,7 +39,6 @@ from engine_bridge.worker.parking import ParkingLot, capture, common_prefix, res
 from engine_bridge.worker.sampling import Vocab, build_chain, log_softmax, token_logprobs
 from engine_bridge.worker.sequences import (
     MIN_PARK_TOKENS,
-    PARK_BELOW_KEEP_SHARE,
     FinishReason,
     Sink,
     Tokens,
@@ -116,7 +115,7 @@ class ServeEngine:
         slot, cached = self._place(prompt, free)
         slot.req = _Request(key=key, args=args, chain=build_chain(args, self.vocab.n_vocab),
                             pending=args.prompt[cached:], cached=cached, grammar=grammar, t0=t0)
-        slot.last_used, slot.conversation = next(self._clock), args.conversation
+        slot.last_used, slot.conversation, slot.prompt_n = next(self._clock), args.conversation, len(prompt)
         self._by_rid[args.rid] = slot
         self.counters["prefix_hits"] += cached > 0
         self.counters["cached_tokens"] += cached
@@ -197,10 +196,10 @@ class ServeEngine:
         return keep
 
     def _worth_parking(self, slot: _Slot, keep: int) -> bool:
-        """Park ``slot`` before it keeps only ``keep`` tokens: when it drops MIN_PARK_TOKENS or more, keeps less than
-        PARK_BELOW_KEEP_SHARE of itself, and no parked state already holds it."""
-        n = len(slot.tokens)
-        return (n - keep >= MIN_PARK_TOKENS and keep < PARK_BELOW_KEEP_SHARE * n
+        """Park ``slot`` before it keeps only ``keep`` tokens: when it drops MIN_PARK_TOKENS or more, the new prompt
+        leaves the slot's last prompt (not the same conversation going on: see sequences.py), and no parked state
+        already holds it."""
+        return (len(slot.tokens) - keep >= MIN_PARK_TOKENS and keep < slot.prompt_n - MIN_PARK_TOKENS
                 and not self.lot.covers(slot.tokens.array))
 
     # -- stepping -------------------------------------------------------------------------------------

@@ -387,6 +387,25 @@ def test_a_prompt_that_keeps_most_of_a_sequence_trims_it_without_parking(ctx_mod
     engine.close()
 
 
+def test_another_conversation_sharing_a_long_prefix_still_parks_the_first(ctx_model: Path) -> None:
+    """Two agents with one long system prompt: the second keeps most of the first's sequence but leaves its prompt,
+    so the first is parked (not trimmed away), and its return restores it (into the empty sequence)."""
+    engine, rec = make(ctx_model, n_ctx=1024, n_seq_max=2)
+    shared = engine.vocab.tokenize(text(24, 150))
+    a = shared + engine.vocab.tokenize(text(25, 40))
+    b = shared + engine.vocab.tokenize(text(26, 40))
+    assert len(shared) > 2 * (len(a) - len(shared)) > 4 * MIN_PARK_TOKENS
+    run(engine, 1, a, n=8)
+    run(engine, 2, b, n=8)
+    assert rec.results[2]["cached_tokens"] >= len(shared) and engine.stats()["parked"]["parked_total"] == 1
+    run(engine, 3, a, n=8)
+    assert rec.results[3]["cached_tokens"] == len(a) - 1 and engine.stats()["parked"]["hits"] == 1
+    assert rec.tokens(3) == rec.tokens(1)
+    run(engine, 4, b, n=8)
+    assert rec.results[4]["cached_tokens"] == len(b) - 1, "each conversation now has a sequence of its own"
+    engine.close()
+
+
 def test_a_parked_state_is_restored_only_when_it_saves_enough(ctx_model: Path) -> None:
     """A restore copies a whole state in: it must save MIN_PARK_TOKENS more than the sequence already holds, else
     the few tokens are computed. The lot knows what it holds, so nothing is copied out twice."""
