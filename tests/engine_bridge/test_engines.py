@@ -64,7 +64,7 @@ def test_the_default_engines_leave_the_plan_key_as_it_was() -> None:
     req = PlanRequest(model="/m.gguf")
     flags = req.model_dump(exclude={"model"})
     assert flags["engines"] == ["native"] and flags["prefer_engine"] is None
-    hw = HardwareReport.model_construct(fingerprint="f", driver=None)
+    hw = HardwareReport.model_construct(fingerprint="f", driver=None, ggml_devices=[])
     key = plan_key("h", hw, "b", req, {})
     assert "engines" not in key["flags"] and "prefer_engine" not in key["flags"]
     other = plan_key("h", hw, "b", req.model_copy(update={"engines": ["native", "llama-server"]}), {})
