@@ -17,7 +17,7 @@ from artifacts.records.kinds import TRIALS_TABLE
 from artifacts.records.plan import Plan
 from artifacts.records.search import Prediction
 from artifacts.store import Store
-from flows.fit import first_fitting
+from flows.fit import first_fitting, whole_table
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -254,6 +254,9 @@ def _num(x: float | None, digits: int) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+ERROR_WIDTH = 30  # an error beside its row wraps in lines of at least this many characters, or moves under the table
+
+
 class FinalistsLayout(NamedTuple):
     """How much of the finalists' table a width holds; what a narrower layout leaves out is printed below it."""
 
@@ -263,7 +266,7 @@ class FinalistsLayout(NamedTuple):
     spread_rounds: bool
 
 
-# richest first: the first whose natural width fits the console is printed (flows.fit)
+# richest first: the first that fits the console is printed (flows.fit)
 FINALISTS_LAYOUTS = (FinalistsLayout(False, True, "all", True), FinalistsLayout(True, False, "measured", True),
                      FinalistsLayout(True, False, "none", True), FinalistsLayout(True, False, "none", False))
 
@@ -293,15 +296,11 @@ def _finalist_columns(plan: Plan, lay: FinalistsLayout) -> list[tuple[str, str, 
 
 def finalists_table(plan: Plan, lay: FinalistsLayout) -> Table:
     """The finalists' predicted and measured figures in layout ``lay``."""
-    t = Table(title="finalists: predicted vs measured", show_edge=False, **_narrow_box(lay.short_headers))
     cols = _finalist_columns(plan, lay)
-    for name, short, _ in cols:
-        text = name in ("candidate", "error")
-        t.add_column(short if lay.short_headers else name, justify="left" if text else "right",
-                     no_wrap=not text, overflow="fold")
-    for s, p in _paired(plan):
-        t.add_row(*(cell(s, p) for _, _, cell in cols))
-    return t
+    heads = [short if lay.short_headers else name for name, short, _ in cols]
+    return whole_table(heads, [[cell(s, p) for _, _, cell in cols] for s, p in _paired(plan)], left=("candidate", "error"),
+                       wraps={"error": ERROR_WIDTH}, title="finalists: predicted vs measured", show_edge=False,
+                       **_narrow_box(lay.short_headers))
 
 
 def finalists_below(plan: Plan, lay: FinalistsLayout) -> list[str]:
@@ -331,10 +330,12 @@ class PlansLayout(NamedTuple):
     created: Literal["iso", "minute", "day"]
     short_headers: bool
     ctx_kv: bool
+    model_width: int  # the model's name is whole up to this many characters; longer, it folds over lines
 
 
-PLANS_LAYOUTS = (PlansLayout("iso", False, True), PlansLayout("minute", True, True), PlansLayout("minute", True, False),
-                 PlansLayout("day", True, False))
+PLANS_LAYOUTS = (PlansLayout("iso", False, True, 40), PlansLayout("minute", True, True, 40),
+                 PlansLayout("minute", True, False, 40), PlansLayout("day", True, False, 40),
+                 PlansLayout("day", True, False, 12))
 
 
 def _created(iso: str, how: str) -> str:
@@ -347,22 +348,14 @@ def _created(iso: str, how: str) -> str:
 def plans_table(plans: list[Plan], lay: PlansLayout) -> Table:
     """`flux plans` in layout ``lay``: ids at 12 characters (what `flux show` takes) and model names whole (they wrap
     rather than being cut to stubs that all look alike)."""
-    t = Table(show_edge=False, caption="speeds in tok/s; times UTC" if lay.short_headers else None,
-              **_narrow_box(lay.short_headers))
-    t.add_column("plan", no_wrap=True)
-    t.add_column("created", no_wrap=True)
-    t.add_column("model", overflow="fold")
-    for name in ("prefill", "decode"):
-        t.add_column(name if lay.short_headers else f"{name} tok/s", justify="right", no_wrap=True)
-    if lay.ctx_kv:
-        t.add_column("ctx", justify="right", no_wrap=True)
-        t.add_column("kv", no_wrap=True)
-    for plan in plans:
-        m = plan.measured
-        row = [plan.id[:12], _created(plan.created_at, lay.created), plan.model_name, _num(m.prefill_tps, 1),
-               _num(m.decode_tps, 1)]
-        t.add_row(*row, *((str(plan.candidate.params.n_ctx), plan.request.kv) if lay.ctx_kv else ()))
-    return t
+    heads = ["plan", "created", "model", *(f"{n}{'' if lay.short_headers else ' tok/s'}" for n in ("prefill", "decode")),
+             *(("ctx", "kv") if lay.ctx_kv else ())]
+    rows = [[plan.id[:12], _created(plan.created_at, lay.created), plan.model_name, _num(plan.measured.prefill_tps, 1),
+             _num(plan.measured.decode_tps, 1), *((str(plan.candidate.params.n_ctx), plan.request.kv) if lay.ctx_kv
+                                                  else ())] for plan in plans]
+    return whole_table(heads, rows, left=("plan", "created", "model", "kv"), wraps={"model": lay.model_width},
+                       show_edge=False, caption="speeds in tok/s; times UTC" if lay.short_headers else None,
+                       **_narrow_box(lay.short_headers))
 
 
 def print_plans(plans: list[Plan], con: Console) -> None:
