@@ -16,12 +16,14 @@ first token seen by this client (one kept-alive connection, from sending the req
 role chunk) and the server's own (``ttft_ms`` of its access log: from the request's arrival to the worker's first
 token), with the prompt tokens, the cached tokens and the tokens computed (prompt - cached) the server reported.
 
-Without a plan id it serves a tiny MoE twin with a 65,536-token trained context from a throwaway home (a stored
-hand-built plan: CPU, ``--n-ctx`` tokens per sequence, two sequences), so it runs anywhere; with one it serves
-that plan from the user's own store (lengths that do not fit the plan's context are skipped).
+Without a plan id it serves a twin (``--twin``, tiny-moe by default) with a 65,536-token trained context from a
+throwaway home (a stored hand-built plan: ``--n-ctx`` tokens per sequence, two sequences, on the CPU, or wholly on
+the GPU with ``--gpu``), so it runs anywhere; with one it serves that plan from the user's own store (lengths that
+do not fit the plan's context are skipped).
 
-    python3 scripts/bench_cached_ttft.py [PLAN_ID] [--lengths 1024,4096,16384,32768] [--runs 5] [--cold-runs 5]
+    python3 scripts/bench_cached_ttft.py [PLAN_ID] [--lengths 1024,4096,16384,32768] [--runs 5] [--cold-runs 1]
                                          [--ext 32] [--max-tokens 64] [--port 8098] [--json out.json]
+    python3 scripts/bench_cached_ttft.py --twin qwen3-30b-a3b --gpu --workdir /dev/shm/cttft   # a GPU machine
 """
 
 from __future__ import annotations
@@ -134,8 +136,10 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def twin_plan(root: Path, n_ctx: int, threads: int) -> tuple[str, dict[str, str]]:
-    """A throwaway home holding a tiny MoE twin (65,536-token trained context) and a plan for it."""
+def twin_plan(root: Path, twin: str, model: Path | None, n_ctx: int, threads: int,
+              gpu: bool) -> tuple[str, dict[str, str]]:
+    """A throwaway home holding a plan for ``model`` (else a twin with a 65,536-token trained context, written there):
+    on the CPU, or with every layer on the GPU (flash attention)."""
     from artifacts.config import load_settings
     from artifacts.synth import synthesize
     from engine_bridge.params import EngineParams
@@ -146,11 +150,14 @@ def twin_plan(root: Path, n_ctx: int, threads: int) -> tuple[str, dict[str, str]
     (root / "flux.toml").write_text(TWIN_TOML)
     env.update({"HOME": str(root / "home"), "XDG_DATA_HOME": str(root / "data"), "XDG_CACHE_HOME": str(root / "cache"),
                 "XDG_CONFIG_HOME": str(root / "config"), "FLUX_CONFIG": str(root / "flux.toml"),
-                "PYTHONPATH": str(REPO)})
-    model = root / "tiny-moe-64k.gguf"
-    synthesize("tiny-moe", model, quant="Q4_0", overrides={"n_ctx_train": "65536"})
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))})
+    if model is None:
+        model = root / f"{twin}-64k.gguf"
+        if not model.exists():
+            synthesize(twin, model, quant="Q4_0", overrides={"n_ctx_train": "65536"})
+    placement: dict[str, Any] = {"n_gpu_layers": 999, "flash_attn": True} if gpu else {}
     params = EngineParams(n_ctx=n_ctx, n_seq_max=2, n_batch=512, n_ubatch=512, n_threads=threads,
-                          n_threads_batch=threads)
+                          n_threads_batch=threads, **placement)
     plan = stored_plan(load_settings(env), model, params)
     return plan.id, env
 
@@ -237,6 +244,9 @@ def main() -> int:
     ap.add_argument("--ext", type=int, default=32, help="tokens the extended prompt adds")
     ap.add_argument("--max-tokens", type=int, default=64, help="reply length of every request")
     ap.add_argument("--port", type=int, default=8098)
+    ap.add_argument("--twin", default="tiny-moe", help="the twin's preset (flux synth) without a plan id")
+    ap.add_argument("--model", type=Path, help="without a plan id: serve this GGUF instead of writing a twin")
+    ap.add_argument("--gpu", action="store_true", help="the twin's plan puts every layer on the GPU")
     ap.add_argument("--n-ctx", type=int, default=33792, help="the twin's context per sequence")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the twin's CPU threads")
     ap.add_argument("--seed", type=int, default=0)
@@ -251,7 +261,7 @@ def main() -> int:
         if args.plan:
             plan_id, env = args.plan, dict(os.environ)
         else:
-            plan_id, env = twin_plan(root, args.n_ctx, args.threads)
+            plan_id, env = twin_plan(root, args.twin, args.model, args.n_ctx, args.threads, args.gpu)
         log = root / "serve.log"
         proc = start(plan_id, args.port, env, log)
         try:
