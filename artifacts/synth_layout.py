@@ -71,11 +71,15 @@ def plan_tensors(spec: SynthSpec, quant: Quant) -> list[PlannedTensor]:
 
 
 def _output_norm(spec: SynthSpec) -> PlannedTensor:
-    """The final norm: ones, but a tied gemma3's brings the logits to logit_std (its output is the embedding, whose
-    std conditioned() sets for the residual stream, not for the logits)."""
+    """The final norm: ones, but a tied gemma3's is drawn around 0 with the std that gives the logits logit_std.
+
+    Tied, the output scores each token by its embedding against the last hidden state, which the current token's
+    embedding dominates (as in every twin: the layers' updates are small next to it); with a norm of ones the
+    twin would repeat its input. Gains of either sign make a token's score against its own embedding no larger
+    than against another's, as an untied twin's output matrix does."""
     if spec.arch == "gemma3" and spec.tied:
-        gain = spec.logit_std / (spec.embd_std * spec.n_embd**0.5)
-        return PlannedTensor("output_norm.weight", (spec.n_embd,), Q.F32, "const", float(f"{gain:.4g}"))
+        std = spec.logit_std / (spec.embd_std * spec.n_embd**0.5)
+        return PlannedTensor("output_norm.weight", (spec.n_embd,), Q.F32, "normal", float(f"{std:.4g}"))
     return _planned("output_norm.weight", (spec.n_embd,), None, 0.0)
 
 
@@ -139,36 +143,38 @@ def _routed_experts(spec: SynthSpec, b: str, wt: Q) -> list[_Raw]:
     ]
 
 
-# gemma3's q and k are RMS-normed before rope, so attention logits have a fixed scale: with norm weights of 1 a
-# twin's attention spreads evenly over the context and no single position counts; 2 (Gemma's trained 1 + w are
-# of this size) makes it pick positions, so the cache's content shows in the next token (a reused prefix whose
-# window is incomplete changes it).
-GEMMA_QK_NORM = 2.0
-
-
 def _gemma3_layer(spec: SynthSpec, b: str, i: int, wt: Q) -> list[PlannedTensor]:
     """One gemma3 block as the converter writes it: attention with q/k norms and a norm after it, a GELU FFN with a
-    norm after it. The norms are ones (the converter stores Gemma's 1 + weight), so each layer adds a unit-rms
-    update whatever its weights' scale (conditioned() scales the embedding to match); the q/k norms are
-    GEMMA_QK_NORM."""
+    norm after it.
+
+    The norm after each part sets the rms of what it adds to the residual stream, whatever the part's weights: its
+    gain is the rms the spec's scales give the other twins' updates (attention: attn_out_std over the n_head x
+    head_dim values, each of rms weight_std x sqrt(n_embd); FFN: down_std over n_ff, a gated output row of rms
+    0.5 x sqrt(width) x std), so
+    gemma3 twins are conditioned like them (small updates next to the embedding: rounding in one layer, such as
+    an 8-bit activation block flipping a step, stays small instead of being normed up to a unit update).
+    """
     e, hd, w = spec.n_embd, spec.head_dim, spec.weight_std
-    qk = [PlannedTensor(b + f"attn_{x}_norm.weight", (hd,), Q.F32, "const", GEMMA_QK_NORM) for x in ("q", "k")]
+    attn_gain = spec.attn_out_std * (spec.n_head * hd) ** 0.5 * w * e**0.5
+    ffn_gain = 0.5 * (spec.down_std or w) * spec.n_ff**0.5
+    post = {x: PlannedTensor(b + f"post_{x}_norm.weight", (e,), Q.F32, "const", float(f"{g:.4g}"))
+            for x, g in (("attention", attn_gain), ("ffw", ffn_gain))}
     raw: list[_Raw] = [
         (b + "attn_norm.weight", (e,), None, 0.0),
         (b + "attn_q.weight", (e, spec.n_head * hd), wt, w),
         (b + "attn_k.weight", (e, spec.n_head_kv * hd), wt, w),
         (b + "attn_v.weight", (e, spec.n_head_kv * hd), wt, w),
         (b + "attn_output.weight", (spec.n_head * hd, e), wt, w),
+        (b + "attn_q_norm.weight", (hd,), None, 0.0),
+        (b + "attn_k_norm.weight", (hd,), None, 0.0),
     ]
-    after: list[_Raw] = [
-        (b + "post_attention_norm.weight", (e,), None, 0.0),
+    ffn: list[_Raw] = [
         (b + "ffn_norm.weight", (e,), None, 0.0),
         (b + "ffn_gate.weight", (e, spec.n_ff), wt, w),
         (b + "ffn_up.weight", (e, spec.n_ff), wt, w),
-        (b + "ffn_down.weight", (spec.n_ff, e), wt, spec.down_std or w),
-        (b + "post_ffw_norm.weight", (e,), None, 0.0),
+        (b + "ffn_down.weight", (spec.n_ff, e), wt, w),
     ]
-    return [_planned(*r) for r in raw] + qk + [_planned(*r) for r in after]
+    return [_planned(*r) for r in raw] + [post["attention"]] + [_planned(*r) for r in ffn] + [post["ffw"]]
 
 
 # std of the delta-net's depthwise conv weights: PyTorch's Conv1d init for a 4-tap kernel, U(-0.5, 0.5)

@@ -278,23 +278,14 @@ def conditioned(**spec: Any) -> SynthSpec:
             down = per_layer / (0.5 * base.n_ff**0.5)
         base = base.model_copy(update={"down_std": float(f"{down:.3g}"), "attn_out_std": DEEP_ATTN_OUT})
     if base.arch == "gemma3":
-        return _gemma_embedding(base)
+        return _undo_gemma_scale(base)
     return _undo_mup(base) if base.arch == "minicpm" else base
 
 
-# gemma3's norms after attention and after the FFN (weights 1 in a twin) make every layer add a unit-rms update to
-# the residual stream, whatever its weights' scale; the embedding the graph scales by sqrt(n_embd) gets this share
-# of those updates' rms. A tied output scores every token by its embedding against the last hidden state: were the
-# token's own embedding a large part of it, the twin would repeat its input; a small one lets the layers, attention
-# included, decide the next token.
-GEMMA_EMBD_SHARE = 0.1
-
-
-def _gemma_embedding(spec: SynthSpec) -> SynthSpec:
-    """A gemma3 spec whose embedding, scaled by sqrt(n_embd) in the graph, has GEMMA_EMBD_SHARE of the rms of the
-    layers' 2 x n_layer unit updates (the output norm then brings the logits to logit_std: synth_layout)."""
-    embd = GEMMA_EMBD_SHARE * (2 * spec.n_layer) ** 0.5 / spec.n_embd**0.5
-    return spec.model_copy(update={"embd_std": float(f"{embd:.3g}")})
+def _undo_gemma_scale(spec: SynthSpec) -> SynthSpec:
+    """A gemma3 spec whose embedding is divided by the sqrt(n_embd) llama.cpp's gemma3 graph multiplies it by, so
+    that its residual stream starts at embd_std like the other twins' (synth_layout sets the norms that write to it)."""
+    return spec.model_copy(update={"embd_std": float(f"{spec.embd_std / spec.n_embd**0.5:.3g}")})
 
 
 def _undo_mup(spec: SynthSpec) -> SynthSpec:
