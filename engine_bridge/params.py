@@ -20,6 +20,11 @@ KV_TYPE_IDS: dict[str, int] = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0":
 LoadMode = Literal["mmap", "load", "mlock"]
 _CLI_LOAD_MODES: dict[str, str] = {"mmap": "mmap", "load": "none", "mlock": "mlock"}  # llama.cpp's -lm names
 _DEVICE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # what FLUX_MOE_SPLIT can carry between its | ; : , separators
+# Sliding-window layers (Gemma 2/3, gpt-oss, ...) keep a window-sized KV cache (the window plus one micro-batch,
+# artifacts.model_info.kv_cache_bytes), as llama-server and llama-bench allocate it by default (their swa_full is
+# false, so cli_args needs no flag); llama.cpp's C default (llama_context_default_params) and llama-cpp-python's
+# Llama give those layers the whole context. The worker's context sets it (engine_bridge.worker.load).
+SWA_FULL = False
 MAPPED_TOKENS_DEFAULT = 4  # patch 0006's FLUX_MOE_MAPPED_MAX_TOKENS default
 # The pinned llama.cpp's CUDA mul_mat_id takes its vector kernels (patched to skip a negative expert id) up to
 # this many tokens per type on Turing and newer (ggml-cuda/mmvq.cu: get_mmvq_mmid_max_batch_turing_plus); other

@@ -5,8 +5,9 @@ EngineParams and nothing else: the placement (``n_gpu_layers``, split mode, tens
 as ``-ot`` does, ``--no-host``, the plan's expert split), the context (sizes, threads, flash attention, KV
 types and placement, op offload) and the load mode. :class:`~engine_bridge.worker.native.NativeModel`
 (measuring, one sequence) and :class:`~engine_bridge.worker.serving.ServeEngine` (serving, several) both
-load through it, so a plan is measured exactly as it is served. :class:`SeqBatch` is a ``llama_batch`` over
-numpy arrays. ``-ot`` and the expert split need the ggml device functions declared here.
+load through it, so a plan is measured exactly as it is served; sliding-window layers get a window-sized cache
+(``SWA_FULL``), and :func:`keep_prefix` says whether a cut-back cache still serves its prefix. :class:`SeqBatch` is
+a ``llama_batch`` over numpy arrays. ``-ot`` and the expert split need the ggml device functions declared here.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from artifacts.model_info import model_info
 from engine_bridge.errors import EngineError, ExpertSplitMismatch
 from engine_bridge.expert_split import check_expert_split
 from engine_bridge.ops import Device
-from engine_bridge.params import KV_TYPE_IDS, EngineParams
+from engine_bridge.params import KV_TYPE_IDS, SWA_FULL, EngineParams
 
 _SPLIT_MODES = {"none": llama_cpp.LLAMA_SPLIT_MODE_NONE, "layer": llama_cpp.LLAMA_SPLIT_MODE_LAYER,
                 "row": llama_cpp.LLAMA_SPLIT_MODE_ROW}
@@ -327,7 +328,29 @@ def _context_params(p: EngineParams, perf: bool = False) -> Any:
                           else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
     cp.type_k, cp.type_v = KV_TYPE_IDS[p.type_k], KV_TYPE_IDS[p.type_v]
     cp.offload_kqv, cp.op_offload, cp.kv_unified, cp.no_perf = p.offload_kqv, p.op_offload, False, not perf
+    cp.swa_full = SWA_FULL  # llama.cpp's C default is a full-size cache for sliding-window layers too
     return cp
+
+
+def keep_prefix(ctx: Any, seq: int, keep: int) -> bool:
+    """Cut sequence ``seq``'s cache to its first ``keep`` positions; False when what is left cannot serve them, and
+    the caller must clear the sequence and prefill it again.
+
+    A partial removal can fail (a recurrent model's state). And a sliding-window model's window layers keep only
+    their window plus a micro-batch (``swa_full`` false), a parked state only the window: when the cells of the
+    last window before ``keep`` are gone, the next token at ``keep`` would attend to a partial window and decode a
+    different token, silently. llama.cpp keeps each sequence's window cells in position order, so the lowest
+    position the cache still holds tells (llama-server's test too).
+    """
+    mem = llama_cpp.llama_get_memory(ctx)
+    if not llama_cpp.llama_memory_seq_rm(mem, seq, keep, -1):
+        return False
+    window = int(llama_cpp.llama_model_n_swa(llama_cpp.llama_get_model(ctx)))
+    if not window or keep == 0:
+        return True
+    # the token at `keep` attends to positions keep - window + 1 ... keep - 1 (none held: -1, -1)
+    low, high = (int(f(mem, seq)) for f in (llama_cpp.llama_memory_seq_pos_min, llama_cpp.llama_memory_seq_pos_max))
+    return high == keep - 1 and 0 <= low <= max(0, keep - window + 1)
 
 
 def load_model_and_context(path: Path, p: EngineParams, eval_callback: Any = None,
