@@ -22,7 +22,7 @@ from engine_bridge.drafting import Drafting, draft_params, ngram_proposals
 from engine_bridge.errors import EngineError
 from engine_bridge.ops import GenerateArgs
 from engine_bridge.params import EngineParams
-from engine_bridge.worker.load import SeqBatch, load_model_and_context
+from engine_bridge.worker.load import SeqBatch, keep_prefix, load_model_and_context
 from engine_bridge.worker.parking import common_prefix
 
 Want = tuple[int, list[int], int]  # (sequence, its tokens with the next one last, proposals wanted)
@@ -91,7 +91,7 @@ class ModelDrafter:
         """Bring ``seq``'s cache to ``hist`` (its common prefix kept); the draft's token after it."""
         held = self.held.get(seq, [])
         keep = min(common_prefix(np.asarray(held, np.int32), np.asarray(hist, np.int32)), len(hist) - 1)
-        if keep < len(held) and not llama_cpp.llama_memory_seq_rm(self.mem, seq, keep, -1):
+        if keep < len(held) and not keep_prefix(self.ctx, seq, keep):
             keep = 0
             llama_cpp.llama_memory_seq_rm(self.mem, seq, -1, -1)
         b, n_batch = self._batch, self.params.n_batch

@@ -34,7 +34,7 @@ from engine_bridge.errors import EngineCode, EngineError
 from engine_bridge.ops import GenerateArgs
 from engine_bridge.params import EngineParams
 from engine_bridge.worker.grammar import GrammarSampler
-from engine_bridge.worker.load import SeqBatch, SmallBatchThreads, load_model_and_context
+from engine_bridge.worker.load import SeqBatch, SmallBatchThreads, keep_prefix, load_model_and_context
 from engine_bridge.worker.parking import ParkingLot, capture, common_prefix, restore
 from engine_bridge.worker.sampling import Vocab, build_chain, log_softmax, token_logprobs
 from engine_bridge.worker.sequences import (
@@ -189,8 +189,8 @@ class ServeEngine:
             entry = capture(self.ctx, slot.seq, slot.tokens.array, slot.conversation, self.lot.limit)
             if entry is not None:
                 self.lot.put(entry)
-        if keep < len(slot.tokens) and not llama_cpp.llama_memory_seq_rm(self.mem, slot.seq, keep, -1):
-            keep = 0  # a partial removal can fail (recurrent models); a whole one cannot
+        if keep < len(slot.tokens) and not keep_prefix(self.ctx, slot.seq, keep):
+            keep = 0  # a partial removal can fail (recurrent state, a window model's lost window)
             llama_cpp.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
         slot.tokens.truncate(keep)
         return keep
