@@ -33,6 +33,7 @@ from pydantic import BaseModel
 from engine_bridge import ops
 from engine_bridge.errors import EngineError, ProtocolMismatch, WorkerDied, WorkerTimeout, from_wire
 from engine_bridge.protocol import PROTOCOL_VERSION, decode, encode, packed
+from engine_bridge.worker_log import last_words
 
 A = TypeVar("A", bound=BaseModel)
 R = TypeVar("R", bound=BaseModel)
@@ -176,13 +177,7 @@ class AsyncWorkerClient:
     def last_words(self) -> str:
         """This worker's last words in its log: the assertion or error that ended it when it left one, else its
         last line ("" without a log). For the server's log, not for a client's error."""
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        with self.log_path.open("rb") as f:
-            f.seek(max(self._log_start, f.seek(0, os.SEEK_END) - 65536))
-            lines = f.read().decode("utf-8", errors="replace").strip().splitlines()
-        fatal = [x for x in lines if "GGML_ASSERT(" in x or "GGML_ABORT" in x or ": error: " in x]
-        return (fatal or lines or [""])[-1].strip()
+        return last_words(self.log_path, self._log_start)
 
     def _send(self, rid: int, op: str, args: Mapping[str, Any] | None) -> None:
         """Write one request (no await: small writes go to the transport's buffer at once).

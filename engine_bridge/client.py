@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from engine_bridge import ops
 from engine_bridge.errors import EngineError, ProtocolMismatch, WorkerDied, WorkerTimeout, from_wire
 from engine_bridge.protocol import PROTOCOL_VERSION, decode, encode
+from engine_bridge.worker_log import last_words
 
 A = TypeVar("A", bound=BaseModel)
 R = TypeVar("R", bound=BaseModel)
@@ -144,13 +145,7 @@ class WorkerClient:
     def _log_tail(self) -> str:
         """This worker's last words: the assertion or error that ended it when it left one (a backtrace follows
         ggml's), else its last line."""
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        with self.log_path.open("rb") as f:
-            f.seek(max(self._log_start, f.seek(0, os.SEEK_END) - 65536))
-            lines = f.read().decode("utf-8", errors="replace").strip().splitlines()
-        fatal = [x for x in lines if "GGML_ASSERT(" in x or "GGML_ABORT" in x or ": error: " in x]
-        return (fatal or lines or [""])[-1].strip()
+        return last_words(self.log_path, self._log_start)
 
     def stream(self, op: str, args: Mapping[str, Any] | None = None,
                timeout: float = 120.0) -> Iterator[dict[str, Any]]:
