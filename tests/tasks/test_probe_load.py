@@ -5,8 +5,11 @@ than its probe predicted, says so in `flux show`."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -51,14 +54,18 @@ def cpu_report(others: float | None, cpus: int = 2, threads: int = 2) -> Hardwar
 
 @contextmanager
 def busy_loops(n: int) -> Iterator[None]:
-    """``n`` processes spinning on a CPU each, ended (by their ids) on the way out."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    """``n`` processes spinning on a CPU each, ended (by their ids) on the way out. They are started through a shell
+    that leaves them behind, so they are no children of this process: the probe runs in it here, and it leaves its
+    own process tree out of what others took."""
+    loop = f"{sys.executable} -c 'while True: pass' > /dev/null 2>&1 < /dev/null & echo $!"
+    pids = [int(subprocess.run(["sh", "-c", loop], capture_output=True, text=True, check=True).stdout)
+            for _ in range(n)]
     try:
         yield
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture()
