@@ -216,6 +216,9 @@ class ServeLoadArgs(_Msg):
     params: EngineParams
     park_bytes: int = Field(0, ge=0, description="host memory for parked conversations' KV cache")
     drafting: Drafting | None = Field(None, description="greedy requests are drafted this way (the plan's draft)")
+    routing_every: int = Field(0, ge=0, description=(
+        "count a MoE model's expert picks on one decode step in this many (0: never; serve_routing reports them)"))
+    routing_window: int = Field(256, ge=1, description="sampled tokens in serve_routing's recent window")
 
 
 class ServeInfo(_Open):
@@ -307,6 +310,28 @@ class ServeStats(_Open):
     """Counters and memory of the serving engine."""
 
 
+class ServeRouting(_Msg):
+    """The expert picks a serving engine counted on its sampled decode steps (``serve_routing``).
+
+    ``hot``/``picks``: picks of experts with a copy on the plan's device (``EngineParams.expert_split``) and all
+    picks, over every layer; ``window_*``: the same over the last ``routing_window`` sampled tokens."""
+
+    architecture: str
+    n_layer: int = Field(ge=0)
+    n_expert: int = Field(ge=0)
+    n_expert_used: int = Field(ge=0)
+    every: int = Field(ge=0, description="one decode step in this many is counted (0: counting is off)")
+    steps: int = Field(0, ge=0, description="decode steps counted")
+    tokens: int = Field(0, ge=0, description="tokens of the counted steps")
+    counts: tuple[tuple[int, ...], ...] = Field((), description="[n_layer][n_expert] picks")
+    hot: int = Field(0, ge=0)
+    picks: int = Field(0, ge=0)
+    window_tokens: int = Field(0, ge=0)
+    window_hot: int = Field(0, ge=0)
+    window_picks: int = Field(0, ge=0)
+    error: str | None = Field(None, description="why the counts stopped (an unreadable routing tensor)")
+
+
 # -- routing traces -------------------------------------------------------------------------------
 class RoutingRequest(_Msg):
     """Arguments of the worker op ``routing_counts``."""
@@ -375,9 +400,10 @@ GENERATE = OpSpec("generate", GenerateArgs, GenerateResult, stream=True)
 CANCEL = OpSpec("cancel", CancelArgs, CancelResult)
 SERVE_STATS = OpSpec("serve_stats", NoArgs, ServeStats)
 ROUTING_COUNTS = OpSpec("routing_counts", RoutingRequest, RoutingCounts)
+SERVE_ROUTING = OpSpec("serve_routing", NoArgs, ServeRouting)
 ABORT = OpSpec("abort", NoArgs, Empty)
 SHUTDOWN = OpSpec("shutdown", NoArgs, Empty)
 
 OPS: dict[str, OpSpec[Any, Any]] = {s.name: s for s in (
     HELLO, DEVICES, LOAD, CHECK_STRUCTURE, TOKENIZE, DETOKENIZE, TIMED_RUN, GREEDY, SPEC_GREEDY, LOGPROBS, CHAT, SERVE_LOAD, GENERATE, CANCEL,
-    SERVE_STATS, ROUTING_COUNTS, ABORT, SHUTDOWN)}
+    SERVE_STATS, SERVE_ROUTING, ROUTING_COUNTS, ABORT, SHUTDOWN)}

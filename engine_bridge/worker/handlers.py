@@ -132,11 +132,13 @@ def chat(w: Worker, a: ops.ChatArgs) -> ops.ChatResult:
 
 def serve_load(w: Worker, a: ops.ServeLoadArgs) -> ops.ServeInfo:
     """Load a model for serving: one context with n_seq_max sequences of n_ctx tokens each."""
+    from engine_bridge.worker.serve_routing import ServeRoutingCounter
     from engine_bridge.worker.serving import ServeEngine
 
     w.unload()
+    routing = ServeRoutingCounter(a.routing_every, a.routing_window) if a.routing_every else None
     with w.engine_lock:
-        w.engine = ServeEngine(Path(a.model), a.params, a.park_bytes, w, a.drafting)
+        w.engine = ServeEngine(Path(a.model), a.params, a.park_bytes, w, a.drafting, routing)
     return ops.ServeInfo.model_validate(w.engine.info())
 
 
@@ -153,6 +155,14 @@ def cancel(w: Worker, a: ops.CancelArgs) -> ops.CancelResult:
 def serve_stats(w: Worker, a: ops.NoArgs) -> ops.ServeStats:
     """Counters and memory of the serving engine."""
     return ops.ServeStats.model_validate(w.need_engine().stats())
+
+
+def serve_routing(w: Worker, a: ops.NoArgs) -> ops.ServeRouting:
+    """The expert picks the serving engine counted on its sampled decode steps (all zero when it counts none)."""
+    counter = w.need_engine().routing
+    if counter is None:
+        return ops.ServeRouting(architecture="", n_layer=0, n_expert=0, n_expert_used=0, every=0)
+    return counter.report()
 
 
 def routing_counts(w: Worker, a: ops.RoutingRequest) -> ops.RoutingCounts:
@@ -179,7 +189,7 @@ HANDLERS: dict[str, tuple[ops.OpSpec[Any, Any], Handler]] = {spec.name: (spec, f
     (ops.DETOKENIZE, detokenize), (ops.TIMED_RUN, timed_run), (ops.GREEDY, greedy), (ops.SPEC_GREEDY, spec_greedy),
     (ops.LOGPROBS, logprobs),
     (ops.CHAT, chat), (ops.SERVE_LOAD, serve_load), (ops.CANCEL, cancel), (ops.SERVE_STATS, serve_stats),
-    (ops.ROUTING_COUNTS, routing_counts), (ops.ABORT, abort))}
+    (ops.SERVE_ROUTING, serve_routing), (ops.ROUTING_COUNTS, routing_counts), (ops.ABORT, abort))}
 STREAM_HANDLERS: dict[str, tuple[ops.OpSpec[Any, Any], StreamHandler]] = {ops.GENERATE.name: (ops.GENERATE, generate)}
 
 

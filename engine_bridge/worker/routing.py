@@ -74,11 +74,14 @@ class TopkRecorder:
         self.last: dict[int, NDArray[np.bool_]] = {}  # per layer: the last token's picks, as a mask
         self.picks: list[dict[int, list[NDArray[np.int32]]]] | None = [] if keep_picks else None
         self.error: str | None = None
+        self.asking = True  # False: ask for nothing (a serving engine samples some steps only)
         # Kept on the object: the C side holds only the function pointer, which must outlive the context.
         self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._eval)
 
     def _eval(self, tensor: int, ask: bool, _user_data: int | None) -> bool:
         """ggml's eval callback: with ask, say whether we want `tensor`; without, read it (True: go on)."""
+        if not self.asking:  # first: a step not sampled pays one Python call per graph node, no more
+            return not ask
         name = libggml.ggml_get_name(tensor) or b""
         layer = name[len(_TOPK_PREFIX) :]
         if not name.startswith(_TOPK_PREFIX) or not layer.isdigit():  # not e.g. "ffn_moe_topk-3 (cont)"
@@ -91,17 +94,22 @@ class TopkRecorder:
             self.error = self.error or f"{name.decode(errors='replace')}: {e}"
         return True
 
-    def _record(self, tensor: int, layer: int) -> None:
-        """Copy the (possibly strided) id tensor out of its backend buffer and add up its ids."""
+    @staticmethod
+    def _ids(tensor: int) -> NDArray[np.int32]:
+        """Copy the (possibly strided) id tensor out of its backend buffer."""
         head = _TensorHead.from_address(tensor)
         if head.type != _GGML_TYPE_I32:
             raise ValueError(f"expected int32 expert ids, got ggml type {head.type}")
         nbytes = int(libggml.ggml_nbytes(tensor))
         raw = np.empty(nbytes, dtype=np.uint8)
         libggml.ggml_backend_tensor_get(tensor, raw.ctypes.data, 0, nbytes)
-        ids = np.ndarray(
+        return np.ndarray(
             shape=tuple(reversed(head.ne)), dtype=np.int32, buffer=raw, strides=tuple(reversed(head.nb))
         )
+
+    def _record(self, tensor: int, layer: int) -> None:
+        """Add up the ids of one layer's selection, and its repeats of the previous token's picks."""
+        ids = self._ids(tensor)
         n_layer, n_expert = self.counts.shape
         if not 0 <= layer < n_layer or ids.size and not 0 <= ids.min() <= ids.max() < n_expert:
             raise ValueError(f"layer {layer} or expert ids out of range for {n_layer}x{n_expert}")

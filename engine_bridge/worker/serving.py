@@ -53,6 +53,7 @@ from engine_bridge.worker.serve_draft import (
     verify_row,
     with_drafts,
 )
+from engine_bridge.worker.serve_routing import ServeRoutingCounter
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +61,13 @@ class ServeEngine:
     """One model, one context, ``n_seq_max`` sequence slots, continuous batching."""
 
     def __init__(self, model_path: Path, params: EngineParams, park_bytes: int, sink: Sink,
-                 drafting: Drafting | None = None) -> None:
+                 drafting: Drafting | None = None, routing: ServeRoutingCounter | None = None) -> None:
         t0 = time.perf_counter()
-        self.params, self.sink = params, sink
-        self.model, self.ctx, self._keep = load_model_and_context(model_path, params)
+        self.params, self.sink, self.routing = params, sink, routing
+        self.model, self.ctx, self._keep = load_model_and_context(
+            model_path, params, routing.callback if routing is not None else None)
+        if routing is not None:
+            routing.loaded(self.model, params)
         self._threads = SmallBatchThreads(self.ctx, params.n_threads, params.n_threads_batch)
         self.load_ms = (time.perf_counter() - t0) * 1e3
         self.mem = llama_cpp.llama_get_memory(self.ctx)
@@ -257,7 +261,11 @@ class ServeEngine:
             if complete:
                 outputs.append((slot, last))
         b.raw.n_tokens = b.n
+        if self.routing is not None:  # a step of decode tokens alone may be counted (serve_routing.py)
+            self.routing.before(all(req.t_first is not None for _, req, _ in plan), b.n)
         rc = llama_cpp.llama_decode(self.ctx, b.raw)
+        if self.routing is not None:
+            self.routing.after(rc == 0)
         if rc != 0:
             self._abort([s for s, _, _ in plan], "decode_failed", f"llama_decode returned {rc} for {b.n} tokens")
             return
