@@ -33,6 +33,7 @@ from engine_bridge.drafting import Drafting
 from engine_bridge.errors import EngineCode, EngineError
 from engine_bridge.ops import GenerateArgs
 from engine_bridge.params import EngineParams
+from engine_bridge.worker.checkpoints import Checkpoints, needs_checkpoints
 from engine_bridge.worker.grammar import GrammarSampler
 from engine_bridge.worker.load import SeqBatch, SmallBatchThreads, keep_prefix, load_model_and_context
 from engine_bridge.worker.parking import ParkingLot, capture, common_prefix, restore
@@ -77,6 +78,8 @@ class ServeEngine:
         self.n_ctx, self.n_seq_max, self.n_batch = params.n_ctx, params.n_seq_max, params.n_batch
         self.slots = [_Slot(seq=i) for i in range(self.n_seq_max)]
         self.lot = ParkingLot(park_bytes)
+        # a hybrid/recurrent model rewinds through checkpoints of its recurrent state (a quarter of the parking budget)
+        self.checkpoints = Checkpoints(self.ctx, park_bytes // 4) if needs_checkpoints(self.model) else None
         self._batch = SeqBatch(self.n_batch, self.n_seq_max)
         self._clock = itertools.count(1)
         self._by_rid: dict[str, _Slot] = {}
@@ -194,8 +197,12 @@ class ServeEngine:
             if entry is not None:
                 self.lot.put(entry)
         if keep < len(slot.tokens) and not keep_prefix(self.ctx, slot.seq, keep):
-            keep = 0  # a partial removal can fail (recurrent state, a window model's lost window)
-            llama_cpp.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
+            # a partial removal can fail (recurrent state: rewound to a checkpoint; a window model's lost window)
+            keep = self.checkpoints.rewind(slot.seq, keep) if self.checkpoints is not None else 0
+            if keep == 0:
+                llama_cpp.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
+        elif self.checkpoints is not None:
+            self.checkpoints.forget(slot.seq, keep)
         slot.tokens.truncate(keep)
         return keep
 
@@ -278,6 +285,8 @@ class ServeEngine:
             del req.pending[:len(chunk)]
             if req.t_first is None:
                 self.counters["prefill_tokens"] += len(chunk)
+                if self.checkpoints is not None:
+                    self.checkpoints.after_prefill(slot.seq, len(slot.tokens), len(chunk), not req.pending)
                 if req.args.progress and req.pending:
                     total = len(req.args.prompt)
                     self.sink.event(req.key, {"type": "prefill", "done": total - len(req.pending), "total": total})
@@ -380,6 +389,8 @@ class ServeEngine:
             req = self._release(slot)
             llama_cpp.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
             slot.tokens.truncate(0)
+            if self.checkpoints is not None:
+                self.checkpoints.forget(slot.seq)
             if req is not None:
                 self.sink.fail(req.key, code, message)
 
@@ -412,6 +423,8 @@ class ServeEngine:
         kv = sum(int(llama_cpp.llama_state_seq_get_size(self.ctx, s.seq)) for s in self.slots if s.tokens)
         return {"n_ctx": self.n_ctx, "n_seq_max": self.n_seq_max, "active": sum(s.req is not None for s in self.slots),
                 "queued": 0, **self.counters, "parked": self.lot.stats(), "kv_bytes": kv,
+                **({**self.checkpoints.counters, "checkpoint_bytes": self.checkpoints.bytes}
+                   if self.checkpoints is not None else {}),
                 "slots": [{"seq": s.seq, "tokens": len(s.tokens), "busy": s.req is not None,
                            "conversation": s.conversation} for s in self.slots]}
 
