@@ -57,6 +57,16 @@ class WorkerTimeouts(_Section):
     write_s: float = Field(30.0, gt=0)
 
 
+class RoutingWatch(_Section):
+    """``[serve.routing]``: how ``flux serve`` watches a MoE model's routing (docs/serving.md, Routing watch)."""
+
+    sample_every: int = Field(8, ge=0, description="count the expert picks of one decode step in this many (0: off)")
+    window_tokens: int = Field(256, ge=1, description="sampled tokens of the recent share the warning reads")
+    warn_points: float = Field(15.0, gt=0, le=100, description=(
+        "warn once when the recent share of picks served by the plan's GPU copies is this many points below the plan's"))
+    check_s: float = Field(30.0, gt=0, description="seconds between looks at the counts (and saves of the trace)")
+
+
 class ServeSettings(_Section):
     """``[serve]``: the OpenAI-compatible server."""
 
@@ -82,6 +92,7 @@ class ServeSettings(_Section):
         "what-if for the serve-time shortfall check: treat these devices ('CUDA0', 'CPU') as having this many "
         "bytes free instead of what they report"))
     worker_timeouts: WorkerTimeouts = WorkerTimeouts()
+    routing: RoutingWatch = RoutingWatch()
 
 
 class EngineSettings(_Section):

@@ -41,6 +41,7 @@ class Snapshot:
     requests: Mapping[str, int]
     errors: Mapping[str, int]  # error responses by HTTP status
     worker: Mapping[str, Any] | None  # the worker's serve_stats (None while it is down)
+    routing: Mapping[str, Any] | None = None  # server.routing_watch.RoutingWatch.report()
 
 
 class _ServiceCollector(Collector):
@@ -80,6 +81,22 @@ class _ServiceCollector(Collector):
         for status, n in sorted(s.errors.items()):
             errors.add_metric([status], n)
         yield errors
+        yield from _routing(s.routing or {})
+
+
+def _routing(r: Mapping[str, Any]) -> Iterator[Metric]:
+    """The routing watch's gauges: shares only where the plan has per-expert GPU copies (else no series)."""
+    if "sampled_tokens" in r:
+        yield _counter("flux_routing_sampled_tokens", "Decode tokens whose expert picks were counted",
+                       r["sampled_tokens"])
+    shares = GaugeMetricFamily("flux_routing_hot_share", "Share of expert picks served by the plan's GPU copies: "
+                               "the plan's (its planning trace), live (every counted pick), window (recent)",
+                               labels=["source"])
+    for source in ("plan", "live", "window"):
+        value = r.get(f"{source}_share")
+        if isinstance(value, float):
+            shares.add_metric([source], value)
+    yield shares
 
 
 def _counter(name: str, doc: str, value: float) -> Metric:

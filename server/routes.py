@@ -20,6 +20,7 @@ from litestar.params import FromPath, QueryParameter
 from litestar.response import Stream
 from litestar.router import Router
 
+from engine_bridge.serve_trace import PARQUET_MEDIA_TYPE, parquet_bytes
 from server.access import GEN_KEY, RID_KEY
 from server.errors import InvalidRequest, NotFound, Unauthorized
 from server.generation import Generation
@@ -156,6 +157,20 @@ async def flux_stats(request: AnyRequest) -> dict[str, Any]:
     return await _svc(request).stats()
 
 
+@get("/routing")
+async def flux_routing(request: AnyRequest) -> Response[bytes]:
+    """The served routing trace (Parquet): the expert picks counted for this plan, for `flux plan --routing-from`."""
+    svc = _svc(request)
+    await svc.routing.look(svc.engine)
+    table = svc.routing.table()
+    if table is None:
+        raise NotFound("no expert picks counted yet: the server counts a MoE model's decode steps "
+                       "([serve.routing] sample_every) on the native engine", code="routing_not_counted")
+    name = f"{svc.plan.id[:12]}-routing.parquet"
+    return Response(parquet_bytes(table), media_type=PARQUET_MEDIA_TYPE,
+                    headers={"content-disposition": f'attachment; filename="{name}"'})
+
+
 @post("/admission", status_code=200, operation_class=body_operation(AdmissionRequest))
 async def flux_admission(request: AnyRequest) -> dict[str, Any]:
     """Override the host memory reserve until the server restarts."""
@@ -199,5 +214,5 @@ def routers(api_key: str | None) -> list[Any]:
     guard = api_key_guard(api_key)
     v1 = Router(path="/v1", route_handlers=[chat_completions, completions, list_models, get_model, request_events,
                                             cancel_request], guards=[guard])
-    flux = Router(path="/flux", route_handlers=[flux_stats, flux_admission], guards=[guard])
+    flux = Router(path="/flux", route_handlers=[flux_stats, flux_routing, flux_admission], guards=[guard])
     return [v1, flux, Router(path="/", route_handlers=[metrics], guards=[guard]), health, openapi_json]

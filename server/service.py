@@ -8,6 +8,7 @@ which render and tokenize the prompt, check that it fits the context with room f
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import re
@@ -39,6 +40,7 @@ from server.generation import GenContext, Generation, GenSpec, SamplingArgs
 from server.journal import Journal, RequestIdInUse
 from server.metrics import Metrics, Snapshot
 from server.prompts import prompt_tokens, reply_tokens
+from server.routing_watch import RoutingWatch, counts_routing
 from server.schemas import ChatRequest, CompletionRequest, Sampling, parse_body
 from server.stats import Counters, memory_by_use
 from server.supervisor import Admission, EngineInfo, LoadSpec, Ticket, WorkerSupervisor
@@ -61,13 +63,17 @@ def park_budget(reserve_percent: float) -> int:
 
 
 def load_spec(settings: Settings, plan: Plan, model_path: Path | None = None) -> LoadSpec:
-    """How the plan's worker is started and loaded (n_seq_max = the concurrency the plan was made for)."""
+    """How the plan's worker is started and loaded (n_seq_max = the concurrency the plan was made for; a MoE
+    model's picks counted on the native worker, :mod:`server.routing_watch`)."""
     params = plan.candidate.params.model_copy(update={"n_seq_max": plan.request.concurrency})
     t = settings.serve.worker_timeouts
-    return LoadSpec(model=str(model_path or plan.model_path), params=params, park_bytes=park_budget(settings.host_reserve_percent),
+    path = model_path or Path(plan.model_path)
+    watch = settings.serve.routing
+    every = watch.sample_every if counts_routing(plan, path) else 0
+    return LoadSpec(model=str(path), params=params, park_bytes=park_budget(settings.host_reserve_percent),
                     log_path=settings.logs_dir / "serve-worker.log", env=params.environment(),
                     hello_s=t.hello_s, load_s=t.load_s, rpc_s=t.rpc_s, write_s=t.write_s, engine=plan.engine,
-                    drafting=plan.candidate.draft)
+                    drafting=plan.candidate.draft, routing_every=every, routing_window=watch.window_tokens)
 
 
 class FluxService:
@@ -91,6 +97,8 @@ class FluxService:
         self._set_template(ChatTemplate(self.template.source, self.template.bos_text or "",
                                         self.template.eos_text or ""))
         self.engine = WorkerSupervisor(load_spec(settings, plan, self.model_path))
+        self.routing = RoutingWatch(settings.serve.routing, plan, settings.data_dir, self.model_path)
+        self._routing_task: asyncio.Task[None] | None = None
         self.admission = Admission(plan.request.concurrency, serve.queue_max, serve.queue_wait_s)
         self.started = time.time()
         self.model_id = plan.model_name
@@ -105,6 +113,9 @@ class FluxService:
             eos = await self._token_text(info.raw.get("eos", self.template.eos_id))
             self._set_template(ChatTemplate(self.template.source, bos, eos))
         log.info("chat template: %s tool calls; %s", self.tool_format.name, self.chat_template.caps)
+        if self.engine.spec.routing_every:
+            self.routing.resume()
+            self._routing_task = asyncio.create_task(self.routing.run(self.engine), name="routing-watch")
         return info
 
     def _set_template(self, template: ChatTemplate) -> None:
@@ -117,7 +128,11 @@ class FluxService:
         return await self.engine.detokenize([tid], self.settings.serve.queue_wait_s, special=True)
 
     async def close(self) -> None:
-        """Stop the worker."""
+        """Save the served routing trace, then stop the worker."""
+        if self._routing_task is not None:
+            self._routing_task.cancel()
+            with contextlib.suppress(Exception):  # the trace is a report: stopping goes on without it
+                await self.routing.look(self.engine)
         await self.engine.close()
 
     # -- limits ---------------------------------------------------------------------------------------
@@ -375,6 +390,7 @@ class FluxService:
         self.journal.sweep(pressure=vm.available < reserve)
         c = self.candidate_bytes()
         serve = self.settings.serve
+        await self.routing.look(self.engine)
         return {
             "plan_id": self.plan.id, "model": self.model_id, "uptime_s": round(time.time() - self.started, 1),
             "memory": memory_by_use(c["weights"], c["kv"], worker, self.journal.nbytes),
@@ -389,16 +405,18 @@ class FluxService:
                         "ttl_s": self.journal.ttl_s, "evicted": self.journal.evicted},
             "worker": {"alive": self.engine.alive, "pid": self.engine.pid, "restarts": self.engine.restarts,
                        "last_exit": self.engine.last_exit, "serve_stats": worker},
-            "n_ctx": self.n_ctx, "min_reply": self.min_reply,
+            "n_ctx": self.n_ctx, "min_reply": self.min_reply, "routing": self.routing.report(),
         }
 
     async def metrics_text(self) -> bytes:
         """``GET /metrics``: Prometheus text."""
         worker = await self.engine.stats()
+        await self.routing.look(self.engine)
         return self.metrics.render(Snapshot(
             processing=self.admission.active, deferred=self.admission.waiting, worker_up=self.engine.alive,
             restarts=self.engine.restarts, journal_bytes=self.journal.nbytes, journal_requests=len(self.journal),
-            requests=dict(self.counters.requests), errors=dict(self.counters.errors), worker=worker))
+            requests=dict(self.counters.requests), errors=dict(self.counters.errors), worker=worker,
+            routing=self.routing.report()))
 
     def candidate_bytes(self) -> dict[str, dict[str, int]]:
         """Weights and KV per device as the plan measured them."""

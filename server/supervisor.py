@@ -52,6 +52,8 @@ class LoadSpec:
     write_s: float = 30.0
     engine: EngineSpec | None = None  # the plan's engine; None: the native worker
     drafting: Drafting | None = None  # how the native worker drafts greedy requests (the plan's draft)
+    routing_every: int = 0  # the native worker counts a MoE model's picks on one decode step in this many (0: off)
+    routing_window: int = 256  # sampled tokens of the worker's recent routing window
 
     def argv(self) -> tuple[str, ...]:
         """What runs behind the worker protocol: the native worker, or the host of the plan's engine."""
@@ -104,7 +106,8 @@ class WorkerSupervisor:
         try:
             await worker.start()
             got = await worker.request(ops.SERVE_LOAD, ops.ServeLoadArgs(
-                model=s.model, params=s.params, park_bytes=s.park_bytes, drafting=s.drafting), timeout=s.load_s)
+                model=s.model, params=s.params, park_bytes=s.park_bytes, drafting=s.drafting,
+                routing_every=s.routing_every, routing_window=s.routing_window), timeout=s.load_s)
         except BaseException as exc:
             worker.kill()
             if isinstance(exc, WorkerDied):  # its stderr is for this log, not for the error's message
@@ -237,6 +240,16 @@ class WorkerSupervisor:
             return
         with contextlib.suppress(EngineError):
             await worker.request(ops.CANCEL, ops.CancelArgs(rid=rid), timeout=self.spec.rpc_s)
+
+    async def routing(self) -> ops.ServeRouting | None:
+        """The picks the worker counted (``serve_routing``); None while it is down or when it counts none."""
+        if not self.spec.routing_every or not self.alive or self._worker is None:
+            return None
+        try:
+            return await self._worker.request(ops.SERVE_ROUTING, timeout=self.spec.rpc_s)
+        except EngineError as exc:
+            log.warning("serve_routing failed: %s", exc)
+            return None
 
     async def stats(self) -> dict[str, Any] | None:
         """The worker's serve_stats; None while it is down."""
