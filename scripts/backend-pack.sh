@@ -4,6 +4,7 @@
 #   scripts/backend-pack.sh pack DIR        # the current build (~/.cache/flux/backend/current) -> DIR/backend-<key>.tar.xz.NN
 #   scripts/backend-pack.sh pack-stock DIR  # the stock llama-bench (backend/stock, FLUX_STOCK=1) -> DIR/stock-<key>.tar.xz.NN
 #   scripts/backend-pack.sh unpack DIR      # DIR's pieces of either kind -> the backend cache; build-backend.sh then hits it
+#                                           # (a tarball of scripts/package.sh in DIR, flux-*-<key>.tar.gz, too)
 #
 # A CUDA build takes 5-8 minutes of a lent GPU machine's time: packing it once (gpu-e2e.sh with
 # FLUX_PACK_BACKEND=1) and carrying the pieces back (.carry/backend/) lets the next session skip the build.
@@ -40,6 +41,21 @@ unpack() {
   echo "backend-pack: $kind $keys unpacked into $CACHE" >&2
 }
 
+# unpack_package: the backend of DIR's scripts/package.sh tarball (flux-<version>-<key>.tar.gz, whole or cut by
+# `split -b 15M -d -a 2` into .tar.gz.NN pieces for a transfer limit) into the cache, through the tarball's own
+# install.sh --backend-only; 1 when DIR holds none
+unpack_package() {
+  local whole=("$dir"/flux-*.tar.gz) pieces=("$dir"/flux-*.tar.gz.[0-9][0-9]) tmp
+  [ $((${#whole[@]} + ${#pieces[@]})) -gt 0 ] || return 1
+  [ ${#whole[@]} -le 1 ] && { [ ${#whole[@]} = 0 ] || [ ${#pieces[@]} = 0 ]; } \
+    && [ "$(printf '%s\n' "${pieces[@]}" | sed 's/\.[0-9][0-9]$//' | sort -u | grep -c .)" -le 1 ] \
+    || { echo "backend-pack: several package tarballs in $dir: ${whole[*]} ${pieces[*]}" >&2; exit 2; }
+  tmp=$(mktemp -d)
+  cat "${whole[@]}" "${pieces[@]}" | tar -xzf - -C "$tmp"
+  "$tmp"/flux-*/install.sh --backend-only
+  rm -rf "$tmp"
+}
+
 case "$cmd" in
   pack) pack backend current build.json ;;
   pack-stock) pack stock stock bin/llama-bench ;;
@@ -48,7 +64,8 @@ case "$cmd" in
     found=0
     unpack backend build.json && found=1
     unpack stock bin/llama-bench && found=1
-    [ "$found" = 1 ] || { echo "backend-pack: no backend-*.tar.xz.NN or stock-*.tar.xz.NN pieces in $dir" >&2; exit 2; }
+    unpack_package && found=1
+    [ "$found" = 1 ] || { echo "backend-pack: no backend-*.tar.xz.NN or stock-*.tar.xz.NN pieces or flux-*.tar.gz in $dir" >&2; exit 2; }
     ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
