@@ -36,6 +36,8 @@ from artifacts.ids import canonical_json
 from artifacts.model_info import tensor_layer
 from artifacts.synth_catalog import PRESETS
 from artifacts.synth_data import padded, write_all, write_data
+from artifacts.synth_domains import Domains
+from artifacts.synth_domains import check as check_domains
 from artifacts.synth_layout import PlannedTensor, plan_tensors, vocab
 from artifacts.synth_locality import Locality
 from artifacts.synth_locality import check as check_locality
@@ -134,11 +136,12 @@ def synthesize(
     plan = plan_tensors(spec, quant)
     header, sizes = _layout(spec, plan, name, quant, seed)
     total = len(header) + _data_bytes(plan)
-    locality = None
-    if spec.routing == "local":
+    locality: Locality | Domains | None = None
+    if spec.routing in ("local", "domains"):
+        check = check_locality if spec.routing == "local" else check_domains
         for qt in {t.ggml_type for t in plan if t.fill == "blocks" and t.name != "output.weight"}:
-            check_locality(spec, qt)
-        locality = Locality(spec, seed)
+            check(spec, qt)
+        locality = Locality(spec, seed) if spec.routing == "local" else Domains(spec, seed)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
@@ -214,6 +217,8 @@ def _spec_record(spec: SynthSpec) -> dict[str, Any]:
             record.pop(key)
     if spec.routing != "local":
         record.pop("routing_repeat")
+    if spec.routing != "domains":
+        record.pop("routing_overlap")
     for key, arches in ARCH_FIELDS.items():
         if spec.arch not in arches:
             record.pop(key)

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import io
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, quants
@@ -15,13 +15,20 @@ from numpy.typing import NDArray
 
 from artifacts.synth_blocks import BLOCK_MAKERS
 from artifacts.synth_layout import PlannedTensor
-from artifacts.synth_locality import Locality
 from artifacts.synth_routing import RouterTransform
 
 ALIGN = 32
 _POOL_BYTES = 64 << 20  # random blocks per (type, std) pool
 _CHUNK_BYTES = 16 << 20  # one write, taken from a random block offset of a pool
 _CONST = {"ones": 1.0, "neg_ones": -1.0}  # constant f32 fills (norm weights; a delta-net's ssm_a)
+
+
+class TensorEditor(Protocol):
+    """A routing profile that writes structure into some drawn block tensors (the local and domains profiles)."""
+
+    def claims(self, name: str) -> bool: ...
+
+    def edit(self, t: PlannedTensor, data: NDArray[np.uint8]) -> None: ...
 
 
 def padded(n: int) -> int:
@@ -37,13 +44,13 @@ def write_all(f: BinaryIO | io.BytesIO, data: memoryview) -> None:
 
 def write_data(
     f: BinaryIO, plan: list[PlannedTensor], sizes: list[int], rng: np.random.Generator,
-    router: RouterTransform | None, locality: Locality | None = None,
+    router: RouterTransform | None, locality: TensorEditor | None = None,
 ) -> None:
     """Write every tensor's data, block tensors streamed from per-(type, std) random pools.
 
     ``router`` reshapes the drawn f32 tensors of a routing profile (router rows), after the same draw as a
-    uniform twin's: the two twins differ only in those tensors. ``locality`` (the local profile) also writes its
-    structure into the drawn blocks of the embedding and the attention tensors.
+    uniform twin's: the two twins differ only in those tensors. ``locality`` (the local and domains profiles) also
+    writes its structure into the drawn blocks of the embedding and the attention tensors it claims.
     """
     need: dict[tuple[Q, float], int] = {}
     for t in plan:

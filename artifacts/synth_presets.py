@@ -153,10 +153,13 @@ class SynthSpec(BaseModel):
     # Routing profile (artifacts.synth_routing): "uniform" keeps the random router; "skewed" scales its rows so
     # the busiest half of each layer's experts gets about routing_top_half of the picks; "local" is skewed and
     # has temporal locality: about routing_repeat of a token's picks were the previous token's too
-    # (artifacts.synth_locality, qwen3moe twins).
-    routing: Literal["uniform", "skewed", "local"] = "uniform"
+    # (artifacts.synth_locality, qwen3moe twins); "domains" steers the prompts of each corpus domain (code, prose,
+    # log, chat) to its own expert subset, two subsets' Jaccard index about routing_overlap, skewed within
+    # (artifacts.synth_domains, qwen3moe twins).
+    routing: Literal["uniform", "skewed", "local", "domains"] = "uniform"
     routing_top_half: float = Field(default=0.9, gt=0.5, lt=1.0)
     routing_repeat: float = Field(default=0.45, gt=0.0, lt=0.6)
+    routing_overlap: float = Field(default=0.05, ge=0.0, lt=1.0)
     # Hybrid (qwen3next, qwen35moe) shapes; 0 everywhere else, and then left out of flux.synth.spec.
     n_rot: int = Field(default=0, ge=0)  # rotated dims per head (partial rope); 0: head_dim
     n_ff_shexp: int = Field(default=0, ge=0)  # shared expert width (shared_expert_intermediate_size)

@@ -35,10 +35,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--quant", default="Q4_0", choices=QUANTS, help="weight type (default Q4_0)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a shape field, e.g. --set n_layer=4 (repeatable)")
-    p.add_argument("--routing", choices=("uniform", "skewed", "local"), default="uniform",
+    p.add_argument("--routing", choices=("uniform", "skewed", "local", "domains"), default="uniform",
                    help="expert popularity: uniform (a random router), skewed (per layer, 90%% of picks in the "
-                        "busiest half of the experts, as published for Qwen3-30B-A3B) or local (skewed, and about "
-                        "45%% of a token's picks repeat on the next token, qwen3moe twins; see docs/routing.md)")
+                        "busiest half of the experts, as published for Qwen3-30B-A3B), local (skewed, and about "
+                        "45%% of a token's picks repeat on the next token) or domains (each corpus domain, code, "
+                        "prose, log, chat, has its own skewed expert subset; qwen3moe twins; see docs/routing.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", type=Path, required=True, help="the .gguf file to write")
     p.set_defaults(handler=cmd_synth)

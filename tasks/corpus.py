@@ -241,6 +241,41 @@ def conversation_text(conv: Conversation, template: str | None = None) -> str:
     return _render_template(template, conv.messages)
 
 
+# -- domains -----------------------------------------------------------------------------------------
+# The corpus's domains: groups of its prompt kinds whose text differs enough for a domain-routed twin (``flux synth
+# --routing domains``) to tell them apart, and the coding-agent conversations as "chat". A domain's prompts are
+# what ``--domains`` times and traces, and what the twin's vocabulary groups are counted on.
+DOMAINS: dict[str, tuple[str, ...]] = {
+    "code": ("code", "config"),
+    "prose": ("prose", "doc", "qa", "math"),
+    "log": ("log",),
+    "chat": ("conversation",),
+}
+
+
+class UnknownDomain(ValueError):
+    """A domain name that is not one of :data:`DOMAINS` (a user error: the message names the known ones)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"unknown domain {name!r}; known domains: {', '.join(DOMAINS)}")
+
+
+def domain_texts(domain: str, split: str | None = None) -> list[str]:
+    """The corpus text of one domain: its kinds' prompts (of ``split``, or all), or the conversations as ChatML."""
+    if domain not in DOMAINS:
+        raise UnknownDomain(domain)
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}: use one of {SPLITS} or None")
+    if DOMAINS[domain] == ("conversation",):
+        convs = load_conversations()
+        # the conversations have no split: the first half tunes, the rest is held out
+        half = (len(convs) + 1) // 2
+        picked = {"tune": convs[:half], "held_out": convs[half:], None: convs}[split]
+        return [conversation_text(c) for c in picked]
+    return [p.text for p in load_prompts(split) if p.kind in DOMAINS[domain]]
+
+
 # -- sized prompts -----------------------------------------------------------------------------------
 def _joined(
     texts: Sequence[str],
@@ -280,6 +315,7 @@ def sized_prompts(
     lengths: list[int],
     split: str | None = "tune",
     seed: int = 0,
+    domains: Sequence[str] = (),
 ) -> list[list[int]]:
     """Token sequences of exactly the requested lengths, cut from corpus prompts.
 
@@ -293,24 +329,25 @@ def sized_prompts(
         lengths: Requested token counts, each at least 1.
         split: Which prompts to draw from (``"tune"``, ``"held_out"``, or None for all).
         seed: Selects the prompts; the same seed, tokenizer and lengths give the same tokens.
+        domains: Draw from these :data:`DOMAINS` only (their prompts of ``split``); empty: every prompt.
 
     Returns:
         One token list per requested length, in order, each exactly that long.
 
     Raises:
         ValueError: a length is below 1, the split is unknown, or the tokenizer yields no tokens.
+        UnknownDomain: a domain is not one of :data:`DOMAINS`.
     """
     bad = [n for n in lengths if n < 1]
     if bad:
         raise ValueError(f"prompt lengths must be at least 1 token, got {bad}")
-    prompts = load_prompts(split)
-    texts = [p.text for p in prompts]
+    texts = [t for d in domains for t in domain_texts(d, split)] if domains else [p.text for p in load_prompts(split)]
     encoded = [tokenize(t) for t in texts]
     counts = [len(toks) for toks in encoded]
     if not any(counts):  # also what keeps _joined from looping forever
         raise ValueError("the tokenizer returns no tokens for the corpus text")
     rng = random.Random(seed)
-    order = list(range(len(prompts)))
+    order = list(range(len(texts)))
     rng.shuffle(order)
     used: set[int] = set()
     out: list[list[int]] = []
