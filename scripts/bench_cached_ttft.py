@@ -7,7 +7,11 @@ tokenizer included, as an agent's turns arrive):
 1. ``cold``: a prompt nobody sent before (new random words: every token is computed);
 2. ``same``: that prompt again (all but its last token are cached: llama.cpp computes the last one for its logits);
 3. ``ext``: that prompt with about ``--ext`` tokens more at the end of its user turn (the prefix is cached, the new
-   tokens and the template's closing tokens are computed).
+   tokens and the template's closing tokens are computed);
+4. ``turn``: the conversation's next turn as a coding agent sends it: the prompt, the last reply written otherwise
+   (other words, as an agent that drops the reply's thinking re-templates it) and a new user turn of about
+   ``--ext`` tokens. The prompt is cached; on a hybrid model (``--twin tiny-qwen3next``) its recurrent state is
+   rewound to the checkpoint at the prompt's end (docs/serving.md, "Hybrid and recurrent models").
 
 Each cold prompt is followed by ``--runs`` ``same`` requests, then ``--runs`` ``ext`` ones (each with new words, so
 that none can come back whole from a parked state); every reply runs to ``--max-tokens`` (or its end), so the
@@ -87,12 +91,15 @@ class Bench:
     samples: list[Sample] = field(default_factory=list)
     n: int = 0
 
-    def ask(self, kind: str, length: int, content: str, max_tokens: int) -> Sample:
-        """Send one streamed chat request; its timings and usage."""
+    def ask(self, kind: str, length: int, content: str, max_tokens: int,
+            then: tuple[str, str] | None = None) -> Sample:
+        """Send one streamed chat request (``then``: an assistant reply and the next user turn after ``content``);
+        its timings and usage."""
         self.n += 1
         rid = f"cttft-{os.getpid()}-{self.n}"
+        more = [{"role": "assistant", "content": then[0]}, {"role": "user", "content": then[1]}] if then else []
         body = {"messages": [{"role": "system", "content": "You are a terse assistant."},
-                             {"role": "user", "content": content}],
+                             {"role": "user", "content": content}, *more],
                 "max_tokens": max_tokens, "temperature": 0.7, "seed": self.n, "stream": True,
                 "stream_options": {"include_usage": True}}
         first: float | None = None
@@ -216,12 +223,15 @@ def run(bench: Bench, lengths: list[int], n_ctx: int, args: argparse.Namespace) 
                 bench.ask("same", length, text, args.max_tokens)
             for _ in range(args.runs):  # new words each time: an extension sent before could come back parked whole
                 bench.ask("ext", length, f"{text} {words(rng, ext_words)}", args.max_tokens)
+            for _ in range(args.runs):  # the next turn after a reply written otherwise; `same` first leaves the
+                bench.ask("same", length, text, args.max_tokens)  # sequence holding the prompt and its own reply
+                bench.ask("turn", length, text, args.max_tokens, (words(rng, 24), words(rng, ext_words)))
         report(bench.samples, length)
 
 
 def report(samples: list[Sample], length: int) -> None:
     """One line per kind at ``length``: medians."""
-    for kind in ("cold", "same", "ext"):
+    for kind in ("cold", "same", "ext", "turn"):
         got = [s for s in samples if s.length == length and s.kind == kind]
         if not got:
             continue

@@ -7,11 +7,13 @@ the reply's thinking, or renders its tool calls otherwise) diverges inside the c
 checkpoint the whole conversation is prefilled again (llama.cpp #25592: a 38.5k-token turn, 40.8 s).
 
 This module keeps, per sequence, copies of the recurrent part of its state alone
-(``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``: the attention layers' KV is not copied; it can be cut back in place) at
-the end of every prompt and every :data:`INTERVAL` prompt tokens within a long one. A cut-back that llama.cpp
-refuses restores the newest checkpoint at or before the cut (:meth:`Checkpoints.rewind`), cuts the attention
-KV to it, and the request prefills only from there. The prompt-end checkpoint is the one a re-templated turn
-uses: the previous prompt is the new prompt's prefix, and what follows it (the reply) is what changed.
+(``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``: the attention layers' KV is not copied; it can be cut back in place)
+before the last token of every prompt and every :data:`INTERVAL` prompt tokens within a long one. A cut-back that
+llama.cpp refuses restores the newest checkpoint at or before the cut (:meth:`Checkpoints.rewind`), cuts the
+attention KV to it, and the request prefills only from there. The prompt-end checkpoint serves both reuses a
+conversation makes: the same prompt again (which computes its last token again for the logits) and the next turn
+with the last reply re-templated (the previous prompt is its prefix; the reply after it is what changed). The
+serving engine feeds a prompt's last token in a step of its own to take it (:func:`split_last`).
 
 Checkpoints are held within a byte budget (a share of the engine's parking budget); when a new one does not fit,
 the oldest are dropped first and logged, never an error. A sequence's checkpoints past a cut, and all of them
@@ -55,6 +57,12 @@ class Checkpoint:
         return len(self.data)
 
 
+def split_last(chunk: list[int], pending: int) -> list[int]:
+    """A prompt chunk that would feed the last of ``pending`` prompt tokens with others stops before it: the
+    checkpoint before the prompt's last token is taken between the two steps."""
+    return chunk[:-1] if 1 < len(chunk) == pending else chunk
+
+
 class Checkpoints:
     """Every sequence's checkpoints, within ``limit`` bytes together."""
 
@@ -70,10 +78,11 @@ class Checkpoints:
         """``seq``'s checkpoints, by increasing ``n``."""
         return list(self._by_seq.get(seq, ()))
 
-    def after_prefill(self, seq: int, n: int, chunk: int, prompt_done: bool) -> None:
-        """Called after a prompt chunk of ``chunk`` tokens took sequence ``seq`` to ``n`` tokens: take a checkpoint
-        at the prompt's end, or when the chunk crossed a multiple of :data:`INTERVAL`."""
-        if prompt_done or (n // INTERVAL) > ((n - chunk) // INTERVAL):
+    def after_prefill(self, seq: int, n: int, chunk: int, left: int) -> None:
+        """Called after a prompt chunk of ``chunk`` tokens took sequence ``seq`` to ``n`` tokens, ``left`` prompt
+        tokens still to feed: take a checkpoint before the prompt's last token, or when the chunk crossed a multiple
+        of :data:`INTERVAL`."""
+        if chunk and (left == 1 or (n // INTERVAL) > ((n - chunk) // INTERVAL)):
             self.take(seq, n)
 
     def take(self, seq: int, n: int) -> Checkpoint | None:

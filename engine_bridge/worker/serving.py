@@ -33,7 +33,7 @@ from engine_bridge.drafting import Drafting
 from engine_bridge.errors import EngineCode, EngineError
 from engine_bridge.ops import GenerateArgs
 from engine_bridge.params import EngineParams
-from engine_bridge.worker.checkpoints import Checkpoints, needs_checkpoints
+from engine_bridge.worker.checkpoints import Checkpoints, needs_checkpoints, split_last
 from engine_bridge.worker.grammar import GrammarSampler
 from engine_bridge.worker.load import SeqBatch, SmallBatchThreads, keep_prefix, load_model_and_context
 from engine_bridge.worker.parking import ParkingLot, capture, common_prefix, restore
@@ -227,6 +227,8 @@ class ServeEngine:
         prefilling = sorted(((s, r) for s, r in running if r.t_first is None), key=lambda t: len(t[1].pending))
         for i, (s, r) in enumerate(prefilling):
             chunk = r.pending[:budget // (len(prefilling) - i)]  # shortest first: what they leave flows on
+            if self.checkpoints is not None:
+                chunk = split_last(chunk, len(r.pending))
             if chunk:
                 plan.append((s, r, chunk))
                 budget -= len(chunk)
@@ -286,7 +288,7 @@ class ServeEngine:
             if req.t_first is None:
                 self.counters["prefill_tokens"] += len(chunk)
                 if self.checkpoints is not None:
-                    self.checkpoints.after_prefill(slot.seq, len(slot.tokens), len(chunk), not req.pending)
+                    self.checkpoints.after_prefill(slot.seq, len(slot.tokens), len(chunk), len(req.pending))
                 if req.args.progress and req.pending:
                     total = len(req.args.prompt)
                     self.sink.event(req.key, {"type": "prefill", "done": total - len(req.pending), "total": total})

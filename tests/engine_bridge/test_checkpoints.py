@@ -1,7 +1,8 @@
 """A hybrid model (the tiny qwen3next twin: three gated delta-net layers, one attention layer) in the serving
-engine: its recurrent state cannot be cut back, so a turn that re-sends the conversation with the last reply
-re-templated diverges inside the cached tokens. The engine rewinds to a checkpoint of the recurrent state (the
-end of the last prompt, or every INTERVAL prompt tokens) and prefills only from there; the reply is the one a
+engine: its recurrent state cannot be cut back, so the same prompt again, or a turn that re-sends the
+conversation with the last reply re-templated, diverges inside the cached tokens. The engine rewinds to a
+checkpoint of the recurrent state (before the last prompt's last token, or every INTERVAL prompt tokens) and
+prefills only from there; the reply is the one a
 cold engine gives after prefilling the whole prompt. The twin's greedy tokens hang mostly on the last token, so the
 replies are compared by their tokens' log-probabilities, which a wrong recurrent state moves measurably."""
 
@@ -88,15 +89,18 @@ def test_a_retemplated_turn_rewinds_to_the_prompt_end(hybrid: Path) -> None:
     assert engine.checkpoints is not None, "a hybrid model keeps checkpoints"
     p = _prompt(1, 600)
     _run(engine, 1, p)
-    assert [c.n for c in engine.checkpoints.of(0)] == [len(p)]
+    assert [c.n for c in engine.checkpoints.of(0)] == [len(p) - 1]
+    _run(engine, 2, p)  # the same prompt again: its last token is computed again
+    assert rec.results[2]["cached_tokens"] == len(p) - 1
+    _same(rec, 2, (rec.tokens[1], rec.logprobs[1]))
     # the next turn re-sends the conversation with the reply re-templated (other tokens), then the user's turn
     turn = p + _prompt(2, 12) + _prompt(3, 8)
-    _run(engine, 2, turn)
-    assert rec.results[2]["cached_tokens"] == len(p), "the prompt was reused up to the reply that changed"
+    _run(engine, 3, turn)
+    assert rec.results[3]["cached_tokens"] == len(p) - 1, "the prompt was reused up to the reply that changed"
     stats = engine.stats()
-    assert stats["checkpoint_restores"] == 1 and stats["checkpoint_tokens_reused"] == len(p)
+    assert stats["checkpoint_restores"] == 2 and stats["checkpoint_tokens_reused"] == 2 * (len(p) - 1)
     cold = _cold(hybrid, turn)
-    _same(rec, 2, cold)
+    _same(rec, 3, cold)
     other = _cold(hybrid, p + _prompt(4, 12) + _prompt(3, 8))[1]  # the state after another reply
     assert max(abs(a - b) for a, b in zip(cold[1], other, strict=True)) > 1e-2, "the comparison has power"
     engine.close()
@@ -109,11 +113,11 @@ def test_a_divergence_inside_a_long_prompt_uses_the_interval_checkpoint(hybrid: 
     p = _prompt(5, 900)
     _run(engine, 1, p)
     assert engine.checkpoints is not None
-    assert [c.n for c in engine.checkpoints.of(0)] == [256, 512, 768, 900]  # chunks of n_batch 256
+    assert [c.n for c in engine.checkpoints.of(0)] == [256, 512, 768, 899]  # chunks of n_batch 256
     turn = p[:700] + _prompt(6, 50)  # diverges at 700: the checkpoint at 512 serves
     _run(engine, 2, turn)
     assert rec.results[2]["cached_tokens"] == 512
-    assert [c.n for c in engine.checkpoints.of(0)] == [256, 512, 750], "those past the cut are forgotten"
+    assert [c.n for c in engine.checkpoints.of(0)] == [256, 512, 749], "those past the cut are forgotten"
     _same(rec, 2, _cold(hybrid, turn))
     engine.close()
 
@@ -132,7 +136,7 @@ def test_checkpoints_that_do_not_fit_are_dropped_oldest_first(hybrid: Path, monk
     p = _prompt(7, 900)
     with caplog.at_level("INFO", logger="engine_bridge.worker.checkpoints"):
         _run(engine, 1, p)
-    assert [c.n for c in engine.checkpoints.of(0)] == [768, 900]
+    assert [c.n for c in engine.checkpoints.of(0)] == [768, 899]
     assert engine.stats()["checkpoints_dropped"] == 2
     assert sum("dropped the recurrent checkpoint" in r.getMessage() for r in caplog.records) == 2
     turn = p[:600] + _prompt(8, 30)  # no checkpoint at or before 600 is left: prefilled whole, still right
