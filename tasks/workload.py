@@ -7,11 +7,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+from numpy.typing import NDArray
+from pydantic import BaseModel, ConfigDict
+
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.plan import PlanRequest
 from artifacts.records.search import Candidate, Finalists, Prediction
 from engine_bridge.client import tokenizer
-from tasks.corpus import conversation_text, load_conversations, sized_prompts
+from tasks.corpus import DOMAINS, UnknownDomain, conversation_text, load_conversations, sized_prompts
 from tasks.costmodel import Workload
 from tasks.errors import ImpossiblePlan
 from tasks.measurement.speculation import base_id
@@ -279,10 +283,71 @@ def one_time_scale(predicted_s: float, budget_s: float) -> float:
     return min(1.0, ONE_TIME_SHARE * budget_s / predicted_s)
 
 
-def tune_prompts(model: Path, lengths: list[int], seed: int, log_path: Path) -> list[list[int]]:
-    """Corpus prompts ('tune' split) cut to exactly ``lengths`` tokens of this model's tokenizer."""
+def tune_prompts(model: Path, lengths: list[int], seed: int, log_path: Path,
+                 domains: tuple[str, ...] = ()) -> list[list[int]]:
+    """Corpus prompts ('tune' split; of ``domains`` only, when given) cut to exactly ``lengths`` tokens of this
+    model's tokenizer."""
     with tokenizer(model, log_path) as tok:
-        return sized_prompts(tok, lengths, split="tune", seed=seed)
+        return sized_prompts(tok, lengths, split="tune", seed=seed, domains=domains)
+
+
+class DomainMix(BaseModel):
+    """``--domains TRACE[:MEASURE]``: the corpus domains the routing trace is taken on and those the measured
+    rounds run (the same when MEASURE is left out); each a '+'-joined list of :data:`tasks.corpus.DOMAINS`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    trace: tuple[str, ...]
+    measure: tuple[str, ...]
+
+    @property
+    def shifts(self) -> bool:
+        """True when the measured traffic is not the traced one."""
+        return set(self.trace) != set(self.measure)
+
+
+def parse_domains(text: str) -> DomainMix:
+    """``"code"``, ``"code:prose"`` or ``"code+log:chat"`` as a :class:`DomainMix`.
+
+    Raises:
+        UnknownDomain: a name that is not a corpus domain (the message names the known ones).
+        ValueError: an empty mix or more than one ``:``.
+    """
+    parts = text.split(":")
+    if len(parts) > 2 or not all(parts):
+        raise ValueError(f"--domains {text!r}: expected TRACE[:MEASURE], each domains joined by '+', "
+                         f"e.g. code:prose (known domains: {', '.join(DOMAINS)})")
+    mixes = [tuple(d.strip() for d in part.split("+")) for part in parts]
+    for name in (d for mix in mixes for d in mix):
+        if name not in DOMAINS:
+            raise UnknownDomain(name)
+    return DomainMix(trace=mixes[0], measure=mixes[-1])
+
+
+def hot_sets(counts: NDArray[np.int64], fraction: float) -> list[list[int]]:
+    """Each layer's busiest ``fraction`` of experts in ``counts`` [n_layer, n_expert] (what a split keeps on the GPU
+    from that trace), busiest first."""
+    n = max(1, round(fraction * counts.shape[1]))
+    return [np.argsort(-row, kind="stable")[:n].tolist() for row in counts]
+
+
+def hot_share(counts: NDArray[np.int64], hot: list[list[int]]) -> float:
+    """The share of all picks in ``counts`` [n_layer, n_expert] that hit the ``hot`` experts of their layer."""
+    total = counts.sum()
+    hit = sum(int(counts[layer, experts].sum()) for layer, experts in enumerate(hot))
+    return hit / total if total else 0.0
+
+
+class ShiftedShare(BaseModel):
+    """The hot copies' share of the picks on the traced traffic and on the measured (a domain shift lowers it)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    trace: float
+    measured: float
+
+
+def shifted_share(traced: NDArray[np.int64], measured: NDArray[np.int64], hot: list[list[int]]) -> ShiftedShare:
+    """How much of the picks the ``hot`` experts (chosen on ``traced``) serve on the traced and the measured traffic."""
+    return ShiftedShare(trace=hot_share(traced, hot), measured=hot_share(measured, hot))
 
 
 def validation_prompts(model: Path, n_ctx: int, n_tokens: int, seed: int, log_path: Path,

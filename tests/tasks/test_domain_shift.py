@@ -1,0 +1,70 @@
+"""A workload that shifts: --domains TRACE[:MEASURE], and the hot copies' share of the picks on the measured
+traffic beside the trace's, from real routing traces of the domain twin on the CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from artifacts.synth import synthesize
+from tasks import route
+from tasks import workload as wl
+from tasks.corpus import UnknownDomain
+
+pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
+
+WIDE = {"n_layer": "2", "n_expert": "128", "n_expert_used": "8", "n_ff_exp": "32"}  # as test_routing_trace's
+
+
+def test_a_mix_is_trace_then_measure() -> None:
+    assert wl.parse_domains("code") == wl.DomainMix(trace=("code",), measure=("code",))
+    mix = wl.parse_domains("code+log:chat")
+    assert mix == wl.DomainMix(trace=("code", "log"), measure=("chat",)) and mix.shifts
+    assert not wl.parse_domains("prose:prose").shifts
+
+
+@pytest.mark.parametrize("text", ["rust", "code:rust", "code+rust"])
+def test_an_unknown_domain_is_refused_naming_the_known_ones(text: str) -> None:
+    with pytest.raises(UnknownDomain, match=r"unknown domain 'rust'; known domains: code, prose, log, chat$"):
+        wl.parse_domains(text)
+
+
+@pytest.mark.parametrize("text", ["", "code:", "a:b:c"])
+def test_a_malformed_mix_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="TRACE\\[:MEASURE\\]"):
+        wl.parse_domains(text)
+
+
+def test_hot_share_counts_the_picks_of_the_hot_experts() -> None:
+    counts = np.array([[6, 3, 1, 0], [0, 0, 5, 5]])
+    hot = wl.hot_sets(counts, 0.25)
+    assert hot == [[0], [2]]
+    assert wl.hot_share(counts, hot) == pytest.approx((6 + 5) / 20)
+    shifted = wl.shifted_share(counts, np.array([[1, 1, 1, 1], [0, 5, 5, 0]]), hot)
+    assert shifted.trace == pytest.approx(0.55) and shifted.measured == pytest.approx((1 + 5) / 14)
+
+
+def _traces(model: Path, mix: wl.DomainMix, log: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The route stage's trace on the mix's trace domains and on its measured ones (the CPU, 4 prompts each)."""
+    params = route.trace_params(n_ctx=1024, threads=2)
+    out = []
+    for domains in (mix.trace, mix.measure):
+        prompts = wl.tune_prompts(model, [256, 256, 512, 512], seed=0, log_path=log, domains=domains)
+        out.append(route.trace(model, prompts, params, log, timeout_s=600).array())
+    return out[0], out[1]
+
+
+def test_the_hot_copies_serve_less_of_a_shifted_workload_on_the_domain_twin(tmp_path: Path) -> None:
+    # planned on prose, served chat: a quarter of each layer's experts chosen on the prose trace
+    mix = wl.parse_domains("prose:chat")
+    shares = {}
+    for routing in ("domains", "skewed"):
+        model = synthesize("tiny-moe", tmp_path / f"{routing}.gguf", overrides={**WIDE, "routing": routing}).path
+        traced, measured = _traces(model, mix, tmp_path / "worker.log")
+        shares[routing] = wl.shifted_share(traced, measured, wl.hot_sets(traced, 0.25))
+    d, s = shares["domains"], shares["skewed"]
+    assert d.trace >= 0.8, d  # in domain, the hot quarter serves most picks (skewed within the domain's subset)
+    assert d.measured <= d.trace - 0.3, d  # on another domain it serves far fewer
+    assert abs(s.measured - s.trace) <= 0.05, s  # the skewed twin routes every domain alike
