@@ -91,6 +91,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     info = read_model(req, settings)
     check_for_model(req, info.n_ctx_train)
+    if req.routing_from is not None:  # a served trace: stored, its id keys the plan
+        from flows.routing_from import resolve_routing_from
+
+        req = resolve_routing_from(req, settings, info)
     look_up = not req.replan and not req.reprobe
     if look_up and (info.file_bytes <= HASH_FIRST_BYTES or hashes_remembered(info, settings.cache_dir)):
         if _reused(plan_context(req, settings, info), con):
@@ -205,6 +209,7 @@ def cmd_plans(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     """Print one plan."""
+    from flows.routing_from import refits_of
     from flows.show import plan_trials, print_plan
 
     plan = load_plan(args.settings, args.plan)
@@ -213,6 +218,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     else:
         print_plan(plan, reserve_percent=args.settings.host_reserve_percent,
                    trials=plan_trials(args.settings.data_dir, plan))
+        for refit, tokens in refits_of(args.settings, plan):
+            console().print(f"re-fitted as {refit.id[:12]} from the routing `flux serve` of this plan counted "
+                            f"({tokens} sampled tokens): `flux show {refit.id[:12]}`", markup=False)
     return 0
 
 

@@ -68,6 +68,9 @@ class PlanRequest(Record):
     heads: str | None = Field(None, description=(
         "with --speculation and llama-server among --engines: next-token (MTP) heads (.gguf) grafted onto a model "
         "converted without them, e.g. `flux synth --heads-of`"))
+    routing_from: str | None = Field(None, description=(
+        "plan again with the expert routing `flux serve` counted: the id of a served plan (its saved trace) or a "
+        "trace file from GET /flux/routing; the plan is keyed by that trace"))
     replan: bool = Field(False, exclude=True, description="measure again even if a matching plan exists")
     reprobe: bool = Field(False, exclude=True, description="measure the hardware again")
     finalists: int = Field(6, ge=1, json_schema_extra={"flag": None, "setting": "finalists"})

@@ -21,6 +21,7 @@ class RoutingProfile(Record):
     n_expert_used: int
     counts: tuple[tuple[int, ...], ...]
     repeat: float | None = None  # median over layers: share of a token's picks its predecessor made too
+    note: str | None = None  # what the plan says of its routing (a served trace used, or why not: --routing-from)
 
     def array(self) -> NDArray[np.int64]:
         """The counts as an int64 array [n_layer, n_expert]."""

@@ -14,7 +14,9 @@ from artifacts.records.kinds import ROUTING_PROFILE, ROUTING_TABLE
 from artifacts.records.routing import RoutingProfile
 from engine_bridge.errors import EngineError
 from engine_bridge.expert_split import SPLIT_ARCHITECTURES
-from engine_bridge.routing_trace import routing_table
+from engine_bridge.ops import RoutingCounts
+from engine_bridge.routing_trace import check_routing_table, routing_table
+from engine_bridge.serve_trace import trace_meta
 from tasks import route
 from tasks import workload as wl
 from tasks.gpu_budget import gpu_devices
@@ -23,8 +25,10 @@ from tasks.stage import PlanContext, Stage
 
 def traces_routing(ctx: PlanContext, hw: HardwareReport) -> bool:
     """A routing trace shapes the plan of a MoE model on a machine with a GPU (per-expert placement), for the
-    architectures whose expert path the split supports."""
-    return ctx.info.is_moe and bool(gpu_devices(hw)) and ctx.info.architecture in SPLIT_ARCHITECTURES
+    architectures whose expert path the split supports; a served trace (``--routing-from``) keys such a model's
+    plan on any machine (it costs no tracing)."""
+    return ctx.info.is_moe and ctx.info.architecture in SPLIT_ARCHITECTURES and (
+        bool(gpu_devices(hw)) or ctx.req.routing_from is not None)
 
 
 def _when(ctx: PlanContext, log: Any, hw: HardwareReport) -> bool:
@@ -40,8 +44,9 @@ def _when(ctx: PlanContext, log: Any, hw: HardwareReport) -> bool:
 def route_key(ctx: PlanContext, hw: HardwareReport | None = None) -> dict[str, Any]:
     """The trace's key: the model, the workload, the seed, the tokens traced (:func:`tasks.route.trace_tokens`:
     fewer for a small budget), the build and the code."""
-    return {"stage": "route", "model": ctx.model_hash, "workload": ctx.req.workload, "seed": ctx.req.seed,
-            "tokens": _tokens(ctx, hw), "backend": ctx.backend_build, "code": ctx.code}
+    key = {"stage": "route", "model": ctx.model_hash, "workload": ctx.req.workload, "seed": ctx.req.seed,
+           "tokens": _tokens(ctx, hw), "backend": ctx.backend_build, "code": ctx.code}
+    return key | {"served": ctx.req.routing_from} if ctx.req.routing_from is not None else key
 
 
 def _tokens(ctx: PlanContext, hw: HardwareReport | None) -> int:
@@ -49,6 +54,34 @@ def _tokens(ctx: PlanContext, hw: HardwareReport | None) -> int:
 
 
 def _run(ctx: PlanContext, log: Any, hw: HardwareReport) -> RoutingProfile:
+    served = _served(ctx, log) if ctx.req.routing_from is not None else None
+    if isinstance(served, RoutingProfile):
+        return served
+    prof = _traced(ctx, log, hw)
+    return prof.model_copy(update={"note": served}) if served else prof
+
+
+def _served(ctx: PlanContext, log: Any) -> RoutingProfile | str:
+    """The served trace's profile (``--routing-from``), or why it cannot rank experts (then the bundled trace)."""
+    tid = ctx.req.routing_from or ""
+    table = ctx.store.get_table(ROUTING_TABLE, tid)
+    counts = check_routing_table(table, ctx.model_hash, ctx.info.n_layer, ctx.info.n_expert)
+    meta = trace_meta(table)
+    tokens, source = int(meta.get("n_tokens", 0)), meta.get("plan_id", "")[:12] or "a trace file"
+    if tokens < route.MIN_TRACE_TOKENS:
+        why = (f"the served trace ({source}) holds {tokens} sampled tokens, too few to rank experts (at least "
+               f"{route.MIN_TRACE_TOKENS}): the routing is the bundled workload's trace")
+        log.warning("route: %s", why)
+        return why
+    log.info("route: the routing `flux serve` counted (%s, %d tokens) replaces the workload's trace", source, tokens)
+    rc = RoutingCounts(architecture=meta.get("architecture", ""), n_layer=ctx.info.n_layer,
+                       n_expert=ctx.info.n_expert, n_expert_used=int(meta.get("n_expert_used", 0)), n_tokens=tokens,
+                       counts=tuple(tuple(int(x) for x in row) for row in counts))
+    return route.profile(rc, tid).model_copy(update={"note": (
+        f"re-fitted to the routing `flux serve` counted ({source}, {tokens} sampled tokens, trace {tid[:12]})")})
+
+
+def _traced(ctx: PlanContext, log: Any, hw: HardwareReport) -> RoutingProfile:
     lengths, _ = wl.nominal_lengths(ctx.info.n_ctx_train or 4096, ctx.req)
     prompts = wl.tune_prompts(ctx.model, lengths, ctx.req.seed, ctx.worker_log)
     tokens = _tokens(ctx, hw)
@@ -73,5 +106,5 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport) -> RoutingProfile:
 
 STAGE: Stage[RoutingProfile | None] = Stage(
     name="route", version=1, result=RoutingProfile, run=_run, kind=ROUTING_PROFILE, key=route_key,
-    inputs=("model hash", "workload", "seed", "tokens traced", "backend build", "code"), tables=(ROUTING_TABLE,),
+    inputs=("model hash", "workload", "seed", "tokens traced", "backend build", "code", "served trace"), tables=(ROUTING_TABLE,),
     when=_when, recovers=(EngineError,), recovery="the routing trace failed ({error}); planning without per-expert placement")

@@ -75,7 +75,8 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport, space: PlacementSpace, 
                    notes=plan_notes(space, fin, measured, report, ctx.req.prefer_engine) + rpc_notes(hw, winner) + engine_notes(
                        {s.candidate_id: s for s in measured.summaries}, ctx.engines, winner)
                        + speculation_notes(drafts, winner) + (mtp_note(ctx.info.n_nextn_layers, ctx.req.engines) if ctx.req.speculation else [])
-                       + budget_notes(hw, ctx.req) + load_notes(hw, fin, trials),
+                       + budget_notes(hw, ctx.req) + load_notes(hw, fin, trials)
+                       + ([routing.note] if routing is not None and routing.note else []),
                    speculation=drafts,
                    engine=None if winner.engine == NATIVE else spec_of(ctx.engines, winner.engine),
                    stage_seconds=ctx.clock.record())

@@ -22,7 +22,7 @@ from tasks.testing import h200_report
 # every flag `flux plan --help` listed when its flags were written by hand: none may go missing or be renamed
 FLAGS = ["--ctx", "--concurrency", "--kv", "--budget-s", "--gpu-mem-budget", "--allow-storage-streaming",
          "--workload", "--host-mem-budget", "--rpc", "--rpc-mem-budget", "--engines", "--prefer-engine", "--speculation",
-         "--draft-model", "--heads", "--replan",
+         "--draft-model", "--heads", "--routing-from", "--replan",
          "--reprobe", "--seed"]
 
 
@@ -51,7 +51,7 @@ def test_the_flags_are_the_ones_flux_plan_always_had() -> None:
     assert list(flag_fields()) == ["model", "ctx", "concurrency", "kv", "budget_s", "gpu_mem_budget_gib",
                                    "allow_storage_streaming", "workload", "host_mem_budget_gib", "rpc",
                                    "rpc_mem_budget_gib", "engines", "prefer_engine", "speculation", "draft_model", "heads",
-                                   "replan",
+                                   "routing_from", "replan",
                                    "reprobe", "seed"]
 
 

@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from support import SERVE_TOML, Server, ServeEnv, serve_env, start_server, stop_server
+from support import SERVE_TOML, ServeEnv, Server, serve_env, start_server, stop_server
 
 from artifacts.records.plan import Plan
 from engine_bridge.ops import ServeRouting
