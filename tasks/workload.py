@@ -323,6 +323,16 @@ def parse_domains(text: str) -> DomainMix:
     return DomainMix(trace=mixes[0], measure=mixes[-1])
 
 
+def trace_domains(domains: str | None) -> tuple[str, ...]:
+    """The domains the routing trace is taken on (``--domains`` TRACE; empty: the whole corpus)."""
+    return parse_domains(domains).trace if domains else ()
+
+
+def measured_domains(domains: str | None) -> tuple[str, ...]:
+    """The domains the measured rounds run (``--domains`` MEASURE, else TRACE; empty: the whole corpus)."""
+    return parse_domains(domains).measure if domains else ()
+
+
 def hot_sets(counts: NDArray[np.int64], fraction: float) -> list[list[int]]:
     """Each layer's busiest ``fraction`` of experts in ``counts`` [n_layer, n_expert] (what a split keeps on the GPU
     from that trace), busiest first."""
