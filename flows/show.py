@@ -14,7 +14,7 @@ from rich.table import Table
 from artifacts.logs import console
 from artifacts.records.evidence import MeasureSummary
 from artifacts.records.kinds import TRIALS_TABLE
-from artifacts.records.plan import Plan
+from artifacts.records.plan import Plan, StorageStreaming
 from artifacts.records.search import Prediction
 from artifacts.store import Store
 from flows.fit import first_fitting, whole_table
@@ -183,6 +183,16 @@ def plan_markdown(plan: Plan) -> str:
             "predicted decode | error |\n|---|---:|---:|---:|---:|---:|---:|---|\n" + rows + "\n")
 
 
+def streaming_line(s: StorageStreaming, decode_tps: float | None) -> str:
+    """The drive's decode limit of a plan that reads weights from it, beside the decode measured."""
+    from tasks.streaming import limit_words
+
+    measured = f"measured decode {decode_tps:.2f} tok/s" if decode_tps else "decode not measured"
+    share = f" ({decode_tps / s.decode_limit_tps:.0%} of it)" if decode_tps and s.decode_limit_tps else ""
+    return (f"storage streaming: {s.weights_bytes / GIB:.2f} GiB of mapped weights, {s.ram_for_weights / GIB:.2f} "
+            f"GiB of RAM left to them; {limit_words(s)}; {measured}{share}")
+
+
 def print_plan(plan: Plan, con: Console | None = None, reserve_percent: float = 10.0,
                trials: pa.Table | None = None) -> None:
     """`flux show`: placement, measured speeds with spread, decode by depth and (given the plan's ``trials``,
@@ -203,6 +213,8 @@ def print_plan(plan: Plan, con: Console | None = None, reserve_percent: float = 
         con.print("  " + line, markup=False)
     con.print(f"measured: prefill {m.prefill_tps or 0:.1f} tok/s{_spread(m.prefill_iqr, m.n_rounds)}, decode "
               f"{m.decode_tps or 0:.1f} tok/s{_spread(m.decode_iqr, m.n_rounds)} over {m.n_rounds or m.n_trials} rounds")
+    if plan.storage_streaming is not None:
+        con.print(streaming_line(plan.storage_streaming, m.decode_tps), markup=False, soft_wrap=True)
     con.print(ranking_line(plan))
     for measured in (prefill_line(plan, trials), depth_line(plan)):
         if measured:

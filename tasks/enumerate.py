@@ -26,7 +26,7 @@ from engine_bridge import params as engine_params
 from engine_bridge.params import EngineParams, ExpertSplit, LoadMode, TensorOverride
 from tasks import expert_select, layer_split
 from tasks.costmodel import EXPERT_PARTS, all_on, head_bytes, layer_bytes
-from tasks.errors import ImpossiblePlan
+from tasks.errors import ImpossiblePlan, NeedsStorageStreaming
 from tasks.expert_hot import hot_placement, mapped_bytes, split_bytes
 from tasks.gpu_budget import check_gpu_budgets, gpu_devices, gpu_limits, no_placement_fits
 from tasks.gpu_memory import (
@@ -39,9 +39,13 @@ from tasks.gpu_memory import (
 )
 from tasks.prefill_ubatch import prefill_ubatches, sized_family
 from tasks.remote import remote_candidates, rpc_limits
+from tasks.streaming import whole_model_streaming
 
 log = logging.getLogger(__name__)
 GIB = 2**30
+# with --allow-storage-streaming, the share of the host budget the weights keep as page cache when they exceed it
+# (a default context's KV cache takes at most the rest)
+STREAMING_PAGE_SHARE = 0.75
 PIPELINE_BATCH = 2048  # tokens per llama_decode call when micro-batches are pipelined over GPUs
 
 
@@ -55,11 +59,27 @@ def host_budget(hw: HardwareReport, reserve_percent: float) -> int:
     return int(min(hw.ram_available, hw.ram_total * (1 - reserve_percent / 100)))
 
 
+def plan_host_budget(hw: HardwareReport, req: PlanRequest, reserve_percent: float) -> int:
+    """Host bytes this plan may use: :func:`host_budget`, at most ``--host-mem-budget``."""
+    host = host_budget(hw, reserve_percent)
+    return min(host, int(req.host_mem_budget_gib * GIB)) if req.host_mem_budget_gib is not None else host
+
+
 def resolve_context(info: ModelInfo, hw: HardwareReport, req: PlanRequest, reserve_percent: float) -> tuple[int, bool]:
-    """Tokens per sequence: the request, else the trained context capped by what RAM can hold."""
+    """Tokens per sequence: the request, else the trained context capped by what RAM can hold. Weights beyond RAM
+    are refused with their decode limit from the drive, or with ``--allow-storage-streaming`` keep at most
+    STREAMING_PAGE_SHARE of the budget as page cache (the KV cache is sized from the rest)."""
     trained = info.n_ctx_train or 4096
-    room = (host_budget(hw, reserve_percent) - info.weight_bytes - compute_bytes(info, 512, 4096, True)
-            - info.recurrent_state_bytes * req.concurrency)  # a hybrid's fixed state, whatever the context
+    host = plan_host_budget(hw, req, reserve_percent)
+    # compute buffers and a hybrid's fixed state, whatever the context
+    fixed = compute_bytes(info, 512, 4096, True) + info.recurrent_state_bytes * req.concurrency
+    least = fixed + kv_cache_bytes(info, req.kv, 256, req.concurrency)
+    resident = info.weight_bytes
+    if req.ctx is None and resident + least > host:
+        if not req.allow_storage_streaming:
+            raise NeedsStorageStreaming(info.weight_bytes, host, whole_model_streaming(info, hw, host, least))
+        resident = max(0, min(resident, int(host * STREAMING_PAGE_SHARE), host - least))
+    room = host - resident - fixed
     if req.ctx is not None:
         if req.ctx > trained:
             raise ImpossiblePlan(f"--ctx {req.ctx} exceeds the model's trained context {trained}",
@@ -74,7 +94,7 @@ def resolve_context(info: ModelInfo, hw: HardwareReport, req: PlanRequest, reser
     if fit < 256:
         need = (info.weight_bytes + kv_cache_bytes(info, req.kv, 256, req.concurrency)) / GIB
         raise ImpossiblePlan(f"RAM cannot hold the weights plus a 256-token KV cache (needs {need:.1f} GiB, "
-                             f"{host_budget(hw, reserve_percent) / GIB:.1f} GiB usable)",
+                             f"{host / GIB:.1f} GiB usable)",
                              "lower host_reserve_percent, use a smaller quant, or --allow-storage-streaming")
     return int(fit // 256 * 256), True
 
@@ -344,9 +364,7 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest, 
         ImpossiblePlan: no candidate fits (context too large, weights beyond RAM without streaming).
     """
     n_ctx, capped = resolve_context(info, hw, req, reserve_percent)
-    host = host_budget(hw, reserve_percent)
-    if req.host_mem_budget_gib is not None:
-        host = min(host, int(req.host_mem_budget_gib * GIB))
+    host = plan_host_budget(hw, req, reserve_percent)
     check_gpu_budgets(info, hw, req, min(_contexts(n_ctx, req, len(gpu_devices(hw)))))
     per_gpu = gpu_limits(hw, req)
     gpus = [name for name, _ in gpu_devices(hw)]
@@ -379,14 +397,15 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest, 
             cid = f"c{len(cands):03d}"
             cands.append(Candidate(id=cid, family=shape.family, placement=shape.placement, params=params,
                                    weights_bytes=weights, kv_bytes=kv, compute_bytes=comp, hot_share=list(shape.hot_share),
-                                   needs_storage_streaming=weights.get("CPU", 0) > host and params.load_mode == "mmap"))
+                                   needs_storage_streaming=params.load_mode == "mmap" and (
+                                       weights.get("CPU", 0) + kv.get("CPU", 0) + comp.get("CPU", 0) > host)))
     if hw.rpc_servers:  # runs of the last layers on llama.cpp RPC servers (tasks.remote)
         remote_limits = rpc_limits(hw, req, reserve_percent)
         limits.update(remote_limits)
         cands += remote_candidates(info, hw, req, n_ctx, kv_layer_bytes(info, req.kv, n_ctx, req.concurrency), host,
                                    remote_limits, [hw.cpu.physical_cores], len(cands))
     if not cands:
-        raise no_placement_fits(info, req, rejected, limits, n_ctx)
+        raise no_placement_fits(info, req, rejected, limits, n_ctx, hw)
     log.info("enumerate: %d candidates (%d placements), %d rejected, n_ctx %s", len(cands), len(unique),
              sum(rejected.values()), "/".join(str(c) for c in sorted({s.n_ctx for s in unique.values()}, reverse=True)))
     return PlacementSpace(candidates=cands, rejected=rejected, memory_limits=limits, n_ctx=n_ctx,

@@ -6,8 +6,9 @@ from __future__ import annotations
 from artifacts.model_info import ModelInfo, kv_cache_bytes
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.plan import PlanRequest
-from tasks.errors import ImpossiblePlan
-from tasks.gpu_memory import budget_problem
+from tasks.errors import ImpossiblePlan, NeedsStorageStreaming
+from tasks.gpu_memory import budget_problem, compute_bytes
+from tasks.streaming import whole_model_streaming
 
 GIB = 2**30
 
@@ -71,15 +72,16 @@ def gpu_limits(hw: HardwareReport, req: PlanRequest) -> list[int]:
 
 
 def no_placement_fits(info: ModelInfo, req: PlanRequest, rejected: dict[str, int], limits: dict[str, int],
-                      n_ctx: int) -> ImpossiblePlan:
-    """The refusal when no candidate fits: the weights beyond RAM, else every limit against what they hold."""
+                      n_ctx: int, hw: HardwareReport) -> ImpossiblePlan:
+    """The refusal when no candidate fits: the weights beyond RAM (with the decode limit reading the rest from the
+    drive would set, :mod:`tasks.streaming`), else every limit against what they hold."""
     kv = kv_cache_bytes(info, req.kv, n_ctx, req.concurrency)
     host = limits["CPU"]
-    if info.weight_bytes > host and not req.allow_storage_streaming:
-        return ImpossiblePlan(
-            f"the weights ({info.weight_bytes / GIB:.1f} GiB) exceed usable RAM ({host / GIB:.1f} GiB)",
-            "pass --allow-storage-streaming to read the rest from the drive (decode is then bound by its "
-            "read speed), or use a smaller quant")
+    # the CPU's least compute buffer (its smallest micro-batch, flash attention): beside the KV cache it fits and
+    # the weights do not, so mapping them would fit
+    beside = kv + compute_bytes(info, 128, n_ctx, True)
+    if not req.allow_storage_streaming and beside <= host < info.weight_bytes + beside:
+        return NeedsStorageStreaming(info.weight_bytes, host, whole_model_streaming(info, hw, host, beside))
     return ImpossiblePlan(
         f"no placement fits: weights {info.weight_bytes / GIB:.2f} GiB + KV {kv / GIB:.2f} GiB "
         f"(ctx {n_ctx} x {req.concurrency}) vs limits " +

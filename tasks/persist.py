@@ -19,7 +19,7 @@ from artifacts.ids import content_id
 from artifacts.records.evidence import MeasureResults, MeasureSummary, ValidationReport
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.kinds import PLAN, TRIALS_TABLE
-from artifacts.records.plan import DraftTrial, Plan, PlanRequest, seal
+from artifacts.records.plan import DraftTrial, Plan, PlanRequest, StorageStreaming, seal
 from artifacts.records.routing import RoutingProfile
 from artifacts.records.search import Candidate, Finalists, PlacementSpace
 from artifacts.records.store import Records
@@ -182,7 +182,8 @@ def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: s
             validation: ValidationReport, roofline_decode_tps: float | None, memory_limits: dict[str, int],
             prefill_share: float, notes: list[str], routing: RoutingProfile | None = None,
             all_gpu_decode: tuple[str, float] | None = None, stage_seconds: dict[str, float] | None = None,
-            engine: EngineSpec | None = None, speculation: list[DraftTrial] | None = None) -> Plan:
+            engine: EngineSpec | None = None, speculation: list[DraftTrial] | None = None,
+            storage_streaming: StorageStreaming | None = None) -> Plan:
     """Write the plan and its trials; returns the plan (its id is a content hash of the whole plan)."""
     by_id = {c.id: c for c in finalists.finalists}
     summaries = measured.summaries
@@ -204,6 +205,7 @@ def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: s
         "predictions": [p.model_dump() for p in finalists.predictions],
         "median_prediction_error": prediction_error(finalists, summaries, measured.lengths, measured.n_gen),
         "roofline_decode_tps": roofline_decode_tps,
+        "storage_streaming": storage_streaming.model_dump() if storage_streaming else None,
         "stage_seconds": stage_seconds or {},
         "all_gpu_decode": {"device": all_gpu_decode[0], "decode_tps": all_gpu_decode[1]} if all_gpu_decode else None,
         "memory_budget": memory_limits, "trials_table": trials_id,

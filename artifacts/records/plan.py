@@ -90,6 +90,18 @@ class PlanRequest(Record):
         return "reference" if self.kv in ("f16", "f32") else f"kv-{self.kv}"
 
 
+class StorageStreaming(Record):
+    """Weights read from the drive while decoding (``--allow-storage-streaming``) and the decode limit that sets
+    (:mod:`tasks.streaming`)."""
+
+    weights_bytes: int = Field(description="mapped weights on the host")
+    ram_for_weights: int = Field(description="host memory left to them beside the KV cache and compute buffers")
+    drive_bytes_per_token: float = Field(description="bytes a decoded token reads from the drive")
+    drive_gbs: float = Field(description="the probe's drive read bandwidth, GB/s")
+    storage_method: str = Field("", description="how the probe read the drive")
+    decode_limit_tps: float | None = Field(description="drive bandwidth / drive bytes per token; None: none read")
+
+
 class DraftTrial(Record):
     """One drafting candidate beside its placement without drafting, from the same rounds."""
 
@@ -163,6 +175,8 @@ class Plan(Record):
         "the engine that serves the plan, as it was measured (its command template); None: the native worker"))
     speculation: list[DraftTrial] = Field(default_factory=list, description=(
         "each drafting candidate against its placement without drafting, as measured (--speculation)"))
+    storage_streaming: StorageStreaming | None = Field(None, description=(
+        "the weights the chosen placement reads from the drive and its decode limit (--allow-storage-streaming)"))
 
 
 def plan_id(body: Mapping[str, Any]) -> str:

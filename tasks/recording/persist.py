@@ -26,6 +26,7 @@ from tasks.probing import route as route_stage
 from tasks.remote import rpc_notes
 from tasks.search.prune import workload_for
 from tasks.stage import PlanContext, Stage
+from tasks.streaming import candidate_streaming
 
 
 def _plan_key(ctx: PlanContext, hw: HardwareReport, routing: str | None) -> dict[str, Any]:
@@ -78,6 +79,8 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport, space: PlacementSpace, 
                        + budget_notes(hw, ctx.req) + load_notes(hw, fin, trials)
                        + ([routing.note] if routing is not None and routing.note else []),
                    speculation=drafts,
+                   storage_streaming=candidate_streaming(ctx.info, hw, winner, space.memory_limits["CPU"])
+                   if winner.needs_storage_streaming else None,
                    engine=None if winner.engine == NATIVE else spec_of(ctx.engines, winner.engine),
                    stage_seconds=ctx.clock.record())
 

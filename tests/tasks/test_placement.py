@@ -130,7 +130,11 @@ def test_context_beyond_training_is_refused(moe: ModelInfo) -> None:
 
 
 def test_model_beyond_ram_needs_streaming(moe: ModelInfo) -> None:
-    hw = h200_report(0).model_copy(update={"ram_total": moe.weight_bytes // 2, "ram_available": moe.weight_bytes // 2})
+    from tasks.gpu_memory import compute_bytes
+
+    # half the weights fit beside the KV cache and the least compute buffer: mapping them would fit
+    ram = kv_at(moe, 64) + compute_bytes(moe, 128, 64, True) + moe.weight_bytes // 2
+    hw = h200_report(0).model_copy(update={"ram_total": 2 * ram, "ram_available": ram})
     with pytest.raises(ImpossiblePlan, match="allow-storage-streaming"):
         enumerate_placements(moe, hw, PlanRequest(model="m", ctx=64), 10)
 
