@@ -16,7 +16,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
@@ -60,6 +60,9 @@ class WorkerTimeouts(_Section):
 class RoutingWatch(_Section):
     """``[serve.routing]``: how ``flux serve`` watches a MoE model's routing (docs/serving.md, Routing watch)."""
 
+    count: Literal["split", "moe"] = Field("split", description=(
+        "which plans count their picks: split (those with per-expert GPU copies, whose share is watched) or moe "
+        "(every MoE plan: a trace for flux plan --routing-from); the callback costs every step ~0.4 us per graph node"))
     sample_every: int = Field(8, ge=0, description="count the expert picks of one decode step in this many (0: off)")
     window_tokens: int = Field(256, ge=1, description="sampled tokens of the recent share the warning reads")
     warn_points: float = Field(15.0, gt=0, le=100, description=(

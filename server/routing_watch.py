@@ -7,8 +7,9 @@ each layer's share of picks on its hot experts, as the plan's ``Candidate.hot_sh
 trace), the recent share over the last ``window_tokens`` sampled tokens, and the counts in all. Once that window is
 full and its share is ``warn_points`` or more below the plan's, the server logs one warning naming
 ``flux plan <model> --routing-from <plan>``. A plan without per-expert copies (a dense model, whole expert
-tensors) has no share to watch: it reports ``not applicable`` and still counts a MoE model's picks, whose trace
-can re-fit a plan.
+tensors) has no share to watch: it reports ``not applicable``, and counts a MoE model's picks (whose trace can
+re-fit a plan) only with ``[serve.routing] count = "moe"``: the eval callback, even asking for nothing, costs every
+decode step a Python call per graph node (scripts/bench_serve_routing.py).
 
 The trace (counts over every worker this server started, and over earlier runs of the same plan) is saved on each
 look that found new picks and when the server stops, to ``<data_dir>/served-routing/<plan id>.parquet``
@@ -42,9 +43,12 @@ log = logging.getLogger(__name__)
 NOT_APPLICABLE = "not applicable: the plan keeps no per-expert GPU copies"
 
 
-def counts_routing(plan: Plan, model_path: Path) -> bool:
-    """The server counts picks for a MoE model served by the native worker (another engine has no such op)."""
+def counts_routing(plan: Plan, model_path: Path, count: str = "split") -> bool:
+    """The server counts picks for a MoE model served by the native worker (another engine has no such op): with
+    ``count`` ``split`` only where the plan keeps per-expert GPU copies, with ``moe`` for every MoE plan."""
     if plan.engine is not None and not plan.engine.native:
+        return False
+    if count == "split" and plan.candidate.params.expert_split is None:
         return False
     try:
         return model_info(model_path).is_moe
@@ -72,8 +76,9 @@ def hot_share(counts: NDArray[np.int64], hot: NDArray[np.bool_]) -> float | None
 class RoutingWatch:
     """Counts, shares and the warning of one served plan (owned by the service)."""
 
-    def __init__(self, settings: WatchSettings, plan: Plan, data_dir: Path, model_path: Path) -> None:
-        self.settings, self.plan, self.model_path = settings, plan, model_path
+    def __init__(self, settings: WatchSettings, plan: Plan, data_dir: Path, model_path: Path, every: int) -> None:
+        """``every``: the worker counts one decode step in this many (its load spec's; 0: it counts nothing)."""
+        self.settings, self.plan, self.model_path, self.every = settings, plan, model_path, every
         self.plan_share = plan_hot_share(plan)
         self.path = served_trace_path(data_dir, plan.id)
         self.warned = False
@@ -102,7 +107,7 @@ class RoutingWatch:
 
     async def look(self, engine: WorkerSupervisor) -> None:
         """Ask the worker for its counts, check the warning's rule and save new picks."""
-        if not engine.spec.routing_every:
+        if not self.every:
             return
         self.update(await engine.routing(), engine.restarts)
         self.check()
@@ -177,7 +182,7 @@ class RoutingWatch:
             return None
         steps = self._base_steps + (self.last.steps if self.last else 0)
         return served_table(counts, architecture=self._arch, n_expert_used=self._n_used, tokens=self.tokens(),
-                            steps=steps, sample_every=self.settings.sample_every, model_hash=self.plan.model_hash,
+                            steps=steps, sample_every=self.every, model_hash=self.plan.model_hash,
                             plan_id=self.plan.id)
 
     def save(self) -> Path | None:
@@ -204,7 +209,7 @@ class RoutingWatch:
                 "live_share": live if self.plan_share is not None else NOT_APPLICABLE,
                 "window_share": self.window_share() if self.plan_share is not None else NOT_APPLICABLE,
                 "window_tokens": self.last.window_tokens if self.last else 0,
-                "sampled_tokens": self.tokens(), "sample_every": self.settings.sample_every,
+                "sampled_tokens": self.tokens(), "sample_every": self.every,
                 "warn_points": self.settings.warn_points, "warned": self.warned,
                 "trace": str(self.path) if self.path.is_file() else None,
                 "error": self.last.error if self.last else None}

@@ -69,7 +69,7 @@ def load_spec(settings: Settings, plan: Plan, model_path: Path | None = None) ->
     t = settings.serve.worker_timeouts
     path = model_path or Path(plan.model_path)
     watch = settings.serve.routing
-    every = watch.sample_every if counts_routing(plan, path) else 0
+    every = watch.sample_every if counts_routing(plan, path, watch.count) else 0
     return LoadSpec(model=str(path), params=params, park_bytes=park_budget(settings.host_reserve_percent),
                     log_path=settings.logs_dir / "serve-worker.log", env=params.environment(),
                     hello_s=t.hello_s, load_s=t.load_s, rpc_s=t.rpc_s, write_s=t.write_s, engine=plan.engine,
@@ -97,7 +97,8 @@ class FluxService:
         self._set_template(ChatTemplate(self.template.source, self.template.bos_text or "",
                                         self.template.eos_text or ""))
         self.engine = WorkerSupervisor(load_spec(settings, plan, self.model_path))
-        self.routing = RoutingWatch(settings.serve.routing, plan, settings.data_dir, self.model_path)
+        self.routing = RoutingWatch(settings.serve.routing, plan, settings.data_dir, self.model_path,
+                                    self.engine.spec.routing_every)
         self._routing_task: asyncio.Task[None] | None = None
         self.admission = Admission(plan.request.concurrency, serve.queue_max, serve.queue_wait_s)
         self.started = time.time()
@@ -113,7 +114,7 @@ class FluxService:
             eos = await self._token_text(info.raw.get("eos", self.template.eos_id))
             self._set_template(ChatTemplate(self.template.source, bos, eos))
         log.info("chat template: %s tool calls; %s", self.tool_format.name, self.chat_template.caps)
-        if self.engine.spec.routing_every:
+        if self.routing.every:
             self.routing.resume()
             self._routing_task = asyncio.create_task(self.routing.run(self.engine), name="routing-watch")
         return info

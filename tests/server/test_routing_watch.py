@@ -57,10 +57,14 @@ def split_server(wenv: ServeEnv, split_plan: Plan) -> Iterator[Server]:
     stop_server(srv)
 
 
-def _complete(srv: Server, prompt: str, n: int) -> None:
+def _complete(srv: Server, prompt: str, n: int) -> int:
+    """Tokens the reply's decode steps fed (its first token came from the prompt's step; a reply cut by max_tokens
+    never feeds its last, one that stopped fed its last to get the end-of-generation token)."""
     r = httpx.post(f"{srv.base}/v1/completions", json={"prompt": prompt, "max_tokens": n, "temperature": 0,
                                                        "ignore_eos": True}, timeout=120)
     assert r.status_code == 200, r.text
+    body = r.json()
+    return int(body["usage"]["completion_tokens"]) - (body["choices"][0]["finish_reason"] == "length")
 
 
 def test_served_picks_below_the_plans_share_warn_once(wenv: ServeEnv, split_plan: Plan, split_server: Server) -> None:
@@ -110,12 +114,25 @@ def test_the_trace_is_saved_on_shutdown_and_resumed(wenv: ServeEnv, split_plan: 
     assert int(meta["n_tokens"]) == after, "the server's last look was saved when it stopped"
 
 
-def test_a_plan_without_per_expert_copies_counts_but_has_no_share(server: Server) -> None:
+def test_a_plan_without_per_expert_copies_has_no_share(wenv: ServeEnv, tiny_moe: Path, server: Server,
+                                                        plan_maker: Callable[..., Plan]) -> None:
+    """By default (count = "split") it counts nothing: the callback would cost its every step; with count = "moe"
+    it counts (a trace for --routing-from) and still has no share to watch."""
     _complete(server, "no copies to watch", 8)
     r = server.stats()["routing"]
     assert r["plan_share"] == r["live_share"] == r["window_share"] == NOT_APPLICABLE
-    assert r["sampled_tokens"] >= 0 and r["warned"] is False
-    assert 'flux_routing_hot_share{source="plan"}' not in httpx.get(f"{server.base}/metrics", timeout=30).text
+    assert r["sampled_tokens"] == 0 and r["sample_every"] == 0 and r["warned"] is False
+    assert httpx.get(f"{server.base}/flux/routing", timeout=30).status_code == 404
+    moe = serve_env(wenv.root / "moe", WATCH_TOML + 'count = "moe"\n')
+    srv = start_server(moe, plan_maker(moe.settings, tiny_moe).id)
+    try:
+        fed = _complete(srv, "no copies to watch", 8)
+        r = srv.stats()["routing"]
+        metrics = httpx.get(f"{srv.base}/metrics", timeout=30).text
+    finally:
+        stop_server(srv)
+    assert r["plan_share"] == r["live_share"] == NOT_APPLICABLE and r["sampled_tokens"] == fed > 0 and not r["warned"]
+    assert 'flux_routing_hot_share{source="plan"}' not in metrics and f"flux_routing_sampled_tokens_total {fed}.0" in metrics
 
 
 def test_the_share_is_the_mean_of_the_layers_hot_shares() -> None:
