@@ -110,6 +110,13 @@ def plan_request(settings: Settings, model: str | Path, *, request: type[PlanReq
     engine_specs(settings, req)
     if req.draft_model is not None and not req.speculation:
         raise BadPlanFlag(f"--draft-model {req.draft_model}: drafting is measured with --speculation; add it")
+    if req.domains is not None:
+        from tasks.workload import parse_domains
+
+        try:
+            parse_domains(req.domains)
+        except ValueError as exc:
+            raise BadPlanFlag(f"--domains {req.domains}: {exc}") from None
     if req.heads is not None and not req.speculation:
         raise BadPlanFlag(f"--heads {req.heads}: drafting is measured with --speculation; add it")
     if req.heads is not None and "llama-server" not in req.engines:

@@ -314,8 +314,8 @@ def parse_domains(text: str) -> DomainMix:
     """
     parts = text.split(":")
     if len(parts) > 2 or not all(parts):
-        raise ValueError(f"--domains {text!r}: expected TRACE[:MEASURE], each domains joined by '+', "
-                         f"e.g. code:prose (known domains: {', '.join(DOMAINS)})")
+        raise ValueError(f"expected TRACE[:MEASURE], each one or more domains joined by '+', e.g. code:prose "
+                         f"(known domains: {', '.join(DOMAINS)})")
     mixes = [tuple(d.strip() for d in part.split("+")) for part in parts]
     for name in (d for mix in mixes for d in mix):
         if name not in DOMAINS:

@@ -75,6 +75,8 @@ def plan_key(model_hash: str, hw: HardwareReport, backend_build: str, req: PlanR
     for name in ("host_mem_budget_gib", "rpc", "rpc_mem_budget_gib", "prefer_engine", "routing_from"):  # unset: plans saved before them still match
         if flags.get(name) is None:
             flags.pop(name, None)
+    if flags.get("domains") is None:  # unset: plans saved before --domains still match
+        flags.pop("domains", None)
     for name, default in (("speculation", False), ("draft_model", None), ("heads", None)):  # saved before them: match
         if flags.get(name, default) == default:
             flags.pop(name, None)

@@ -71,6 +71,9 @@ class PlanRequest(Record):
     routing_from: str | None = Field(None, description=(
         "plan again with the expert routing `flux serve` counted: the id of a served plan (its saved trace) or a "
         "trace file from GET /flux/routing; the plan is keyed by that trace"))
+    domains: str | None = Field(None, description=(
+        "time a domain mix of the bundled corpus: TRACE[:MEASURE], each of code, prose, log, chat or several joined "
+        "by + (code:chat: the routing trace on code, the measured rounds on chat)"))
     replan: bool = Field(False, exclude=True, description="measure again even if a matching plan exists")
     reprobe: bool = Field(False, exclude=True, description="measure the hardware again")
     finalists: int = Field(6, ge=1, json_schema_extra={"flag": None, "setting": "finalists"})

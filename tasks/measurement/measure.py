@@ -28,6 +28,8 @@ from tasks.stage import PlanContext, Stage
 def _key(ctx: PlanContext, hw: HardwareReport, fin: Finalists, ref: ReferenceOutputs) -> dict[str, Any]:
     key = {"stage": "measure", "finalists": content_id(fin), "run": ctx.run_id, "budget": ctx.req.budget_s,
            "code": ctx.code}
+    if ctx.req.domains:  # measured on a domain mix (--domains): other rounds
+        key["domains"] = list(wl.measured_domains(ctx.req.domains))
     if ctx.drafting:
         key["drafting"] = [d.model_dump() for d in ctx.drafting]
     return key if ctx.req.engines == ["native"] else {**key, "engines": [e.model_dump() for e in ctx.engines]}
@@ -66,7 +68,7 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport, fin: Finalists, ref: Re
     fin = drafted(ctx, hw, fin)
     budget, rates, lengths, n_gen, kept = _sized(ctx, log, hw, fin)
     score_tokens = sum(len(p) + len(c) for p, c in ref.seqs())
-    prompts = wl.tune_prompts(ctx.model, lengths, ctx.req.seed, ctx.worker_log)
+    prompts = wl.tune_prompts(ctx.model, lengths, ctx.req.seed, ctx.worker_log, wl.measured_domains(ctx.req.domains))
     # a freed visit goes to the best-ranked left out (run 16: in the family order it went to a layer split
     # decoding 100 tok/s, while the mapped split at a smaller micro-batch, predicted 158, was never tried)
     kept_ids = {c.id for c in kept.finalists}

@@ -46,6 +46,8 @@ def route_key(ctx: PlanContext, hw: HardwareReport | None = None) -> dict[str, A
     fewer for a small budget), the build and the code."""
     key = {"stage": "route", "model": ctx.model_hash, "workload": ctx.req.workload, "seed": ctx.req.seed,
            "tokens": _tokens(ctx, hw), "backend": ctx.backend_build, "code": ctx.code}
+    if ctx.req.domains:  # traced on a domain mix (--domains)
+        key["domains"] = list(wl.trace_domains(ctx.req.domains))
     return key | {"served": ctx.req.routing_from} if ctx.req.routing_from is not None else key
 
 
@@ -83,7 +85,7 @@ def _served(ctx: PlanContext, log: Any) -> RoutingProfile | str:
 
 def _traced(ctx: PlanContext, log: Any, hw: HardwareReport) -> RoutingProfile:
     lengths, _ = wl.nominal_lengths(ctx.info.n_ctx_train or 4096, ctx.req)
-    prompts = wl.tune_prompts(ctx.model, lengths, ctx.req.seed, ctx.worker_log)
+    prompts = wl.tune_prompts(ctx.model, lengths, ctx.req.seed, ctx.worker_log, wl.trace_domains(ctx.req.domains))
     tokens = _tokens(ctx, hw)
     if tokens < route.TRACE_TOKENS:
         log.info("route: tracing %d prompt tokens (of %d) to fit --budget-s %g", tokens, route.TRACE_TOKENS,
