@@ -119,6 +119,9 @@ def plan_request(settings: Settings, model: str | Path, *, request: type[PlanReq
             raise BadPlanFlag(f"--domains {req.domains}: {exc}") from None
     if req.heads is not None and not req.speculation:
         raise BadPlanFlag(f"--heads {req.heads}: drafting is measured with --speculation; add it")
+    if req.serving_p95_ms is not None and req.concurrency < 2:
+        raise BadPlanFlag(f"--serving-p95-ms {req.serving_p95_ms:g}: it chooses among 1 to --concurrency sequences; "
+                          "give --concurrency N, the most to try (e.g. --concurrency 8)")
     if req.heads is not None and "llama-server" not in req.engines:
         raise BadPlanFlag(f"--heads {req.heads}: next-token heads draft on llama-server only; add "
                           f"--engines {','.join([*req.engines, 'llama-server'])}")

@@ -160,6 +160,20 @@ def speculation_lines(plan: Plan) -> list[str]:
         for t in plan.speculation]
 
 
+def serving_lines(plan: Plan) -> list[str]:
+    """The serving curve (--serving-p95-ms): aggregate tok/s and per-token latency by sequences served at once."""
+    s = plan.serving
+    if s is None:
+        return []
+    head = (f"serving curve of {s.candidate_id} (--serving-p95-ms {s.p95_ms:g}): serves {plan.sequences} "
+            f"sequence(s){'' if s.met else ', none met the limit'}")
+    rows = [f"  {p.sequences:>3} at once: " + (f"error: {p.error}" if p.error else
+                                                f"{p.aggregate_tps or 0:.1f} tok/s, p95 {p.p95_token_ms or 0:.1f} ms"
+                                                f"/token (p50 {p.p50_token_ms or 0:.1f})")
+            + ("  <- served" if p.sequences == plan.sequences and not p.error else "") for p in s.curve]
+    return [head, *rows]
+
+
 def _rate(p: Prediction | None, field: str) -> str:
     return "" if p is None else f"{getattr(p, field):.1f}"
 
@@ -231,7 +245,7 @@ def print_plan(plan: Plan, con: Console | None = None, reserve_percent: float = 
               f"over {v.n_tokens} tokens" + (f" (limits: mean KL {plan.kl_limit:.2e}, top-1 {plan.top1_limit:.3f}, "
                                              "from the noise floor of correct kernels)" if plan.kl_limit is not None
                                              and plan.top1_limit is not None else ""))
-    for line in speculation_lines(plan):
+    for line in [*speculation_lines(plan), *serving_lines(plan)]:
         con.print(line, markup=False)
     for note in plan.notes:
         con.print(f"note: {note}", markup=False)

@@ -65,7 +65,7 @@ def park_budget(reserve_percent: float) -> int:
 def load_spec(settings: Settings, plan: Plan, model_path: Path | None = None) -> LoadSpec:
     """How the plan's worker is started and loaded (n_seq_max = the concurrency the plan was made for; a MoE
     model's picks counted on the native worker, :mod:`server.routing_watch`)."""
-    params = plan.candidate.params.model_copy(update={"n_seq_max": plan.request.concurrency})
+    params = plan.candidate.params.model_copy(update={"n_seq_max": plan.sequences})
     t = settings.serve.worker_timeouts
     path = model_path or Path(plan.model_path)
     watch = settings.serve.routing
@@ -100,7 +100,7 @@ class FluxService:
         self.routing = RoutingWatch(settings.serve.routing, plan, settings.data_dir, self.model_path,
                                     self.engine.spec.routing_every)
         self._routing_task: asyncio.Task[None] | None = None
-        self.admission = Admission(plan.request.concurrency, serve.queue_max, serve.queue_wait_s)
+        self.admission = Admission(plan.sequences, serve.queue_max, serve.queue_wait_s)
         self.started = time.time()
         self.model_id = plan.model_name
         self.fingerprint = f"flux-{plan.id[:12]}"

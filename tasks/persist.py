@@ -25,6 +25,7 @@ from artifacts.records.search import Candidate, Finalists, PlacementSpace
 from artifacts.records.store import Records
 from artifacts.store import Store
 from engine_bridge.engines.spec import EngineSpec
+from tasks.measurement.concurrency import serving_notes
 from tasks.probe import load_words, taken_under_load
 
 log = logging.getLogger(__name__)
@@ -211,7 +212,8 @@ def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: s
         "memory_budget": memory_limits, "trials_table": trials_id,
         "quality_profile": validation.quality_profile, "workload_prefill_share": prefill_share,
         "workload_lengths": measured.lengths, "workload_n_gen": measured.n_gen,
-        "decode_by_depth": decode_by_depth(trials, win), "notes": notes,
+        "decode_by_depth": decode_by_depth(trials, win), "notes": [*notes, *serving_notes(measured.serving, win)],
+        "serving": measured.serving.model_dump() if measured.serving else None,
         "kl_limit": validation.kl_limit, "top1_limit": validation.top1_limit, "routing_trace": routing.trace_id if routing else None,
         "routing_coverage": {f"{f:.0%}": routing.coverage(f) for f in (0.1, 0.25, 0.5)} if routing else {},
         "routing_repeat": routing.repeat if routing else None,

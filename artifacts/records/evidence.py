@@ -6,6 +6,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from artifacts.records.base import Record
+from artifacts.records.serving import ServingChoice
 from engine_bridge.params import EngineParams
 
 
@@ -60,6 +61,7 @@ class MeasureResults(Record):
     lengths: list[int] = Field(default_factory=list, description="prompt tokens of one round")
     n_gen: int = 0
     scored_dir: str | None = Field(None, description="where finalists' scores of the reference's continuations are")
+    serving: ServingChoice | None = Field(None, description="the serving curve and its choice (--serving-p95-ms)")
 
 
 class ValidationResult(Record):

@@ -72,7 +72,8 @@ def plan_key(model_hash: str, hw: HardwareReport, backend_build: str, req: PlanR
         flags["gpu_mem_budget_gib"] = None
     if flags["workload"] == "agent":  # the default before there was a choice: plans saved then still match
         del flags["workload"]
-    for name in ("host_mem_budget_gib", "rpc", "rpc_mem_budget_gib", "prefer_engine", "routing_from"):  # unset: plans saved before them still match
+    for name in ("host_mem_budget_gib", "rpc", "rpc_mem_budget_gib", "prefer_engine", "routing_from",
+                 "serving_p95_ms"):  # unset: plans saved before them still match
         if flags.get(name) is None:
             flags.pop(name, None)
     if flags.get("domains") is None:  # unset: plans saved before --domains still match

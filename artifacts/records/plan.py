@@ -15,6 +15,7 @@ from artifacts.ids import content_id
 from artifacts.records.base import Record
 from artifacts.records.evidence import MeasureSummary, ValidationResult
 from artifacts.records.search import Candidate, DeviceName, Prediction
+from artifacts.records.serving import ServingChoice
 from engine_bridge.engines.spec import EngineSpec
 from engine_bridge.params import KvType
 
@@ -33,7 +34,11 @@ class PlanRequest(Record):
     model: str = Field(description="a .gguf file (default: a synthesized tiny-moe twin)",
                        json_schema_extra={"flag": "model"})
     ctx: int | None = Field(None, ge=16, description="tokens per sequence (default: trained context, capped by RAM)")
-    concurrency: int = Field(1, ge=1, le=256, description="sequences served at once")
+    concurrency: int = Field(1, ge=1, le=256, description=(
+        "sequences served at once (with --serving-p95-ms: the most that are tried)"))
+    serving_p95_ms: float | None = Field(None, gt=0, description=(
+        "time 1, 2, 4, ... up to --concurrency sequences served together and keep the count with the most "
+        "aggregate tokens/s whose p95 per-token latency is within this many ms"))
     kv: KvType = Field("f16", description="KV cache type; other than f16 is a separate quality profile")
     budget_s: float = Field(600.0, gt=0, description="measurement budget (default [plan] tuning_budget_s)",
                             json_schema_extra={"setting": "tuning_budget_s"})
@@ -165,6 +170,15 @@ class Plan(Record):
     decode_by_depth: list[tuple[int, float]] = Field(default_factory=list, description=(
         "the chosen candidate's measured decode tokens/s after a prompt of each length (KV cache depth)"))
     notes: list[str] = Field(default_factory=list, description="choices a reader should know about")
+    serving: ServingChoice | None = Field(None, description=(
+        "the serving curve (aggregate tok/s and p95 per-token latency by sequences at once) and the count chosen "
+        "under --serving-p95-ms"))
+
+    @property
+    def sequences(self) -> int:
+        """The sequences the plan serves at once: the count --serving-p95-ms chose, else --concurrency."""
+        return self.serving.sequences if self.serving and self.serving.sequences else self.request.concurrency
+
     kl_limit: float | None = Field(None, description="the largest mean KL validation allowed (noise floor included)")
     top1_limit: float | None = None
     routing_trace: str | None = Field(None, description="store id (kind 'routing') of the workload's routing trace")

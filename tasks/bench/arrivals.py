@@ -8,7 +8,8 @@ Alongside each replay one client holds a long chat (a bundled coding-agent conve
 one per rate): turn after turn, each sending the whole history so far, its context growing.
 
 Both engines get the same prompts, arrival times and seeds: ``flux serve`` (the plan) and llama-server
-with its automatic fit (only ``-c`` = ctx x concurrency and ``-np`` = concurrency). Every round starts
+with its automatic fit (only ``-c`` = ctx x N and ``-np`` = N, N the sequences the plan serves: ``--concurrency``, or
+the count ``--serving-p95-ms`` chose, so both hold the same KV cache). Every round starts
 each engine fresh, in a new random order. Per request the client records the time to the first token
 and the gaps between streamed pieces of text (inter-token latency; an engine that holds back the bytes
 of an incomplete character sends fewer, larger pieces, so ``tpot`` = decode time per token of the

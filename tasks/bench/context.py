@@ -66,8 +66,9 @@ class BenchContext(BenchSite):
 
     @property
     def params(self) -> EngineParams:
-        """The plan's engine parameters."""
-        return self.plan.candidate.params
+        """The plan's engine parameters, with the sequences it serves (``-np`` of the llama-server it is raced
+        against: the count --serving-p95-ms chose, at the same context per sequence)."""
+        return self.plan.candidate.params.model_copy(update={"n_seq_max": self.plan.sequences})
 
     @property
     def worker_log(self) -> Path:

@@ -350,7 +350,7 @@ def bench_soak(ctx: BenchContext, opts: SoakOptions, progress: Progress | None =
     load0, t0 = load_avg(), time.monotonic()
     start_s = srv.start()
     try:
-        concurrency = ctx.plan.request.concurrency
+        concurrency = ctx.plan.sequences
         waves = plan_waves(opts, concurrency, _n_ctx(srv))
         soak = _Soak(srv, opts, hang_s, progress)
         asyncio.run(soak.run(waves))

@@ -20,6 +20,7 @@ from tasks import workload as wl
 from tasks.gpu_budget import gpu_limits
 from tasks.gpu_memory import predicted_gpu_bytes
 from tasks.measure import Scoring, measure
+from tasks.measurement.concurrency import serving_choice
 from tasks.measurement.speculation import drafted
 from tasks.reference import ReferenceOutputs
 from tasks.stage import PlanContext, Stage
@@ -32,6 +33,8 @@ def _key(ctx: PlanContext, hw: HardwareReport, fin: Finalists, ref: ReferenceOut
         key["domains"] = list(wl.measured_domains(ctx.req.domains))
     if ctx.drafting:
         key["drafting"] = [d.model_dump() for d in ctx.drafting]
+    if ctx.req.serving_p95_ms is not None:
+        key["serving_p95_ms"] = ctx.req.serving_p95_ms
     return key if ctx.req.engines == ["native"] else {**key, "engines": [e.model_dump() for e in ctx.engines]}
 
 
@@ -86,9 +89,14 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport, fin: Finalists, ref: Re
     dropped = [MeasureSummary(candidate_id=c.id, prefill_tps=None, decode_tps=None, workload_s=None, n_trials=0,
                               error="not measured: the budget left did not fit it") for c in fin.finalists
                if c.id not in {s.candidate_id for s in summaries}]
+    serving = None
+    if ctx.req.serving_p95_ms is not None:  # after the race: the fastest native finalist's curve (concurrency.py)
+        serving = serving_choice(fin.finalists, summaries, ctx.model, prompts, n_gen, most=ctx.req.concurrency,
+                                 p95_ms=ctx.req.serving_p95_ms, timeout_s=ctx.settings.plan.measure_timeout_s,
+                                 log_path=ctx.worker_log, seed=ctx.req.seed, progress=log.info)
     return MeasureResults(summaries=summaries + dropped, trials_table=tid, budget_s=budget, spent_s=used,
                           stopped_by_budget=stopped, lengths=lengths, n_gen=n_gen,
-                          scored_dir=str(scored_dir(ctx, key)))
+                          scored_dir=str(scored_dir(ctx, key)), serving=serving)
 
 
 STAGE: Stage[MeasureResults] = Stage(

@@ -20,7 +20,7 @@ from tasks.errors import ImpossiblePlan
 from tasks.testing import h200_report
 
 # every flag `flux plan --help` listed when its flags were written by hand: none may go missing or be renamed
-FLAGS = ["--ctx", "--concurrency", "--kv", "--budget-s", "--gpu-mem-budget", "--allow-storage-streaming",
+FLAGS = ["--ctx", "--concurrency", "--serving-p95-ms", "--kv", "--budget-s", "--gpu-mem-budget", "--allow-storage-streaming",
          "--workload", "--host-mem-budget", "--rpc", "--rpc-mem-budget", "--engines", "--prefer-engine", "--speculation",
          "--draft-model", "--heads", "--routing-from", "--domains", "--replan",
          "--reprobe", "--seed"]
@@ -48,7 +48,7 @@ def test_the_flags_are_the_ones_flux_plan_always_had() -> None:
     options = [s for a in p._actions for s in a.option_strings if s != "-h" and s != "--help"]
     assert options == FLAGS
     assert [a.dest for a in p._actions if not a.option_strings] == ["model"]
-    assert list(flag_fields()) == ["model", "ctx", "concurrency", "kv", "budget_s", "gpu_mem_budget_gib",
+    assert list(flag_fields()) == ["model", "ctx", "concurrency", "serving_p95_ms", "kv", "budget_s", "gpu_mem_budget_gib",
                                    "allow_storage_streaming", "workload", "host_mem_budget_gib", "rpc",
                                    "rpc_mem_budget_gib", "engines", "prefer_engine", "speculation", "draft_model", "heads",
                                    "routing_from", "domains", "replan",
@@ -82,12 +82,13 @@ def test_left_out_flags_keep_the_request_and_its_serialized_form(settings: Setti
     assert set(req.model_dump()) == {"model", "ctx", "concurrency", "kv", "budget_s", "gpu_mem_budget_gib",
                                      "allow_storage_streaming", "workload", "finalists", "repeats", "seed",
                                      "host_mem_budget_gib", "rpc", "rpc_mem_budget_gib", "engines", "prefer_engine",
-                                     "speculation", "draft_model", "heads", "routing_from", "domains"}
+                                     "speculation", "draft_model", "heads", "routing_from", "domains",
+                                     "serving_p95_ms"}
     # the fields added with RPC servers and engines are left out of the plan key at their defaults: plans saved
     # before them match
     key = plan_key("h", h200_report(), "b", req, {})
     assert not {"host_mem_budget_gib", "rpc", "rpc_mem_budget_gib", "engines", "speculation", "draft_model",
-                "prefer_engine", "heads", "routing_from", "domains"} & set(key["flags"])  # type: ignore[arg-type]
+                "prefer_engine", "heads", "routing_from", "domains", "serving_p95_ms"} & set(key["flags"])  # type: ignore[arg-type]
     assert PlanRequest(model="m", replan=True, reprobe=True).model_dump() == PlanRequest(model="m").model_dump()
 
 
