@@ -51,6 +51,10 @@ def _placement_lines(plan: Plan) -> list[str]:
             f"{k} of experts take {v:.0%}" for k, v in plan.routing_coverage.items()) + " of its picks"
             + (f"; {plan.routing_repeat:.0%} of a token's picks are the previous token's" if plan.routing_repeat
                is not None else "") + " (median)")
+    if plan.routing_shift:  # --domains TRACE:MEASURE
+        lines.append(f"GPU copies' share of the picks (--domains {plan.request.domains}): "
+                     f"{plan.routing_shift['trace']:.0%} on the traced traffic, {plan.routing_shift['measured']:.0%} on the "
+                     "measured rounds'")
     lines.append(kv_line(plan))
     # llama-server's flags: its -c is the whole context, split among -np slots (a plan's n_ctx is per sequence)
     lines.append("llama.cpp flags: " + " ".join(c.params.server_args()))

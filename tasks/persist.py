@@ -27,6 +27,7 @@ from artifacts.store import Store
 from engine_bridge.engines.spec import EngineSpec
 from tasks.measurement.concurrency import serving_notes
 from tasks.probe import load_words, taken_under_load
+from tasks.workload import split_shift
 
 log = logging.getLogger(__name__)
 # A first round this many times faster than the cost model's time for it means the probe it priced with was slow:
@@ -194,6 +195,7 @@ def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: s
     trials_id = content_id({"key": kid, "created": created, "rows": trials.num_rows})
     store.put_table(TRIALS_TABLE, trials.append_column("plan_key", pa.array([kid] * trials.num_rows, pa.string())),
                     key=trials_id)
+    shift = split_shift(routing.array(), routing.measured_array(), by_id[win].params.expert_split) if routing else None
     body: dict[str, Any] = {
         "key": key, "created_at": created, "model_path": model_path, "model_name": model_name,
         "model_hash": key["model_hash"], "hardware_fingerprint": hw.fingerprint,
@@ -217,6 +219,7 @@ def persist(store: Store, *, key: dict[str, Any], model_path: str, model_name: s
         "kl_limit": validation.kl_limit, "top1_limit": validation.top1_limit, "routing_trace": routing.trace_id if routing else None,
         "routing_coverage": {f"{f:.0%}": routing.coverage(f) for f in (0.1, 0.25, 0.5)} if routing else {},
         "routing_repeat": routing.repeat if routing else None,
+        "routing_shift": shift.model_dump() if shift else {},
         "engine": engine.model_dump(mode="json") if engine is not None else None,
         "speculation": [t.model_dump(mode="json") for t in speculation or []],
     }

@@ -15,6 +15,7 @@ from artifacts.records.hardware import HardwareReport
 from artifacts.records.plan import PlanRequest
 from artifacts.records.search import Candidate, Finalists, Prediction
 from engine_bridge.client import tokenizer
+from engine_bridge.params import ExpertSplit
 from tasks.corpus import DOMAINS, UnknownDomain, conversation_text, load_conversations, sized_prompts
 from tasks.costmodel import Workload
 from tasks.errors import ImpossiblePlan
@@ -353,6 +354,15 @@ class ShiftedShare(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     trace: float
     measured: float
+
+
+def split_shift(traced: NDArray[np.int64], measured: NDArray[np.int64] | None,
+                split: ExpertSplit | None) -> ShiftedShare | None:
+    """The share of the picks a split's GPU copies serve on the traced traffic and on the measured rounds' (``flux
+    plan --domains TRACE:MEASURE``); None without a split or a trace of the measured traffic."""
+    if split is None or measured is None:
+        return None
+    return shifted_share(traced, measured, [list(split.hot(layer)) for layer in range(traced.shape[0])])
 
 
 def shifted_share(traced: NDArray[np.int64], measured: NDArray[np.int64], hot: list[list[int]]) -> ShiftedShare:

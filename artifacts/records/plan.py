@@ -188,6 +188,9 @@ class Plan(Record):
         "share of picks that each layer's busiest 10/25/50% of experts take (median over layers)"))
     routing_repeat: float | None = Field(None, description=(
         "share of a token's expert picks that the previous token made too (temporal locality, median over layers)"))
+    routing_shift: dict[str, float] = Field(default_factory=dict, description=(
+        "with --domains TRACE:MEASURE: the share of the picks the GPU copies serve on the traced traffic ('trace') "
+        "and on the measured rounds' ('measured')"))
     engine: EngineSpec | None = Field(None, description=(
         "the engine that serves the plan, as it was measured (its command template); None: the native worker"))
     speculation: list[DraftTrial] = Field(default_factory=list, description=(

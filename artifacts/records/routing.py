@@ -21,11 +21,18 @@ class RoutingProfile(Record):
     n_expert_used: int
     counts: tuple[tuple[int, ...], ...]
     repeat: float | None = None  # median over layers: share of a token's picks its predecessor made too
+    # the picks on the measured rounds' traffic where it is not the traced one (flux plan --domains TRACE:MEASURE),
+    # traced alike: what the plan's GPU copies serve there
+    measured: tuple[tuple[int, ...], ...] | None = None
     note: str | None = None  # what the plan says of its routing (a served trace used, or why not: --routing-from)
 
     def array(self) -> NDArray[np.int64]:
         """The counts as an int64 array [n_layer, n_expert]."""
         return np.asarray(self.counts, dtype=np.int64)
+
+    def measured_array(self) -> NDArray[np.int64] | None:
+        """The measured traffic's counts as an int64 array [n_layer, n_expert] (None: not traced)."""
+        return None if self.measured is None else np.asarray(self.measured, dtype=np.int64)
 
     def shares(self) -> NDArray[np.float64]:
         """Each expert's share of its layer's picks [n_layer, n_expert] (rows sum to 1)."""

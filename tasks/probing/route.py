@@ -99,11 +99,23 @@ def _traced(ctx: PlanContext, log: Any, hw: HardwareReport) -> RoutingProfile:
     tid = content_id({"routing": content_id(route_key(ctx, hw)), "counts": counts.counts})
     ctx.store.put_table(ROUTING_TABLE, table, key=tid)
     prof = route.profile(counts, tid)
+    if ctx.req.domains and wl.parse_domains(ctx.req.domains).shifts:
+        prof = prof.model_copy(update={"measured": _measured_counts(ctx, hw, lengths, tokens)})
     log.info("route: %d tokens traced; each layer's busiest 10%% / 25%% / 50%% of experts take %.0f%% / %.0f%% / "
              "%.0f%% of its picks, %.0f%% of a token's picks are its predecessor's (median over layers)",
              counts.n_tokens, 100 * prof.coverage(0.1), 100 * prof.coverage(0.25), 100 * prof.coverage(0.5),
              100 * (prof.repeat or 0.0))
     return prof
+
+
+def _measured_counts(ctx: PlanContext, hw: HardwareReport, lengths: list[int], tokens: int) -> tuple[tuple[int, ...], ...]:
+    """The picks on the measured rounds' domains (--domains TRACE:MEASURE), traced as the trace is."""
+    prompts = wl.tune_prompts(ctx.model, lengths, ctx.req.seed, ctx.worker_log, wl.measured_domains(ctx.req.domains))
+    n_ctx = max(len(p) for p in route.trace_prompts(prompts, tokens)) + route.TRACE_GEN + 16
+    with ctx.cores.busy("route", hw.cpu.physical_cores) as cores:
+        counts = route.trace(ctx.model, prompts, route.trace_params(n_ctx, cores.threads()), ctx.worker_log,
+                             ctx.settings.plan.measure_timeout_s, threads_file=cores.path, tokens=tokens)
+    return counts.counts
 
 
 STAGE: Stage[RoutingProfile | None] = Stage(

@@ -13,6 +13,7 @@ from bench_support import bench_settings, session_cache
 from artifacts.records.plan import PlanRequest
 from artifacts.records.routing import RoutingProfile
 from artifacts.synth import synthesize
+from engine_bridge.params import ExpertSplit
 from flows import stages
 from tasks import workload as wl
 from tasks.pipeline import ROUTE, PlanContext
@@ -56,3 +57,10 @@ def test_the_trace_is_taken_on_the_trace_domains_and_keyed_by_them(tmp_path_fact
     for a, b in zip(hot_prose, hot_chat, strict=True):
         assert len(set(a) & set(b)) / len(set(a) | set(b)) <= 0.3, (a, b)
     assert wl.hot_share(chat, hot_prose) <= wl.hot_share(chat, hot_chat) - 0.2
+    # a shifted mix also traces the measured rounds' traffic: what a split chosen on the trace serves there
+    assert profiles["chat"].measured is None
+    shifted = profiles["prose:chat"]
+    split = ExpertSplit.on("CPU", dict(enumerate(wl.hot_sets(shifted.array(), 0.25))))
+    share = wl.split_shift(shifted.array(), shifted.measured_array(), split)
+    assert share is not None and share.trace >= 0.8 and share.measured <= share.trace - 0.2, share
+    assert wl.split_shift(shifted.array(), shifted.measured_array(), None) is None
