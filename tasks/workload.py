@@ -11,6 +11,7 @@ import numpy as np
 from numpy.typing import NDArray
 from pydantic import BaseModel, ConfigDict
 
+from artifacts.records.evidence import MeasureSummary
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.plan import PlanRequest
 from artifacts.records.search import Candidate, Finalists, Prediction
@@ -363,6 +364,29 @@ def split_shift(traced: NDArray[np.int64], measured: NDArray[np.int64] | None,
     if split is None or measured is None:
         return None
     return shifted_share(traced, measured, [list(split.hot(layer)) for layer in range(traced.shape[0])])
+
+
+def cache_note(candidates: list[Candidate], summaries: list[MeasureSummary], winner_id: str,
+               domains: str | None) -> list[str]:
+    """Which expert cache won the measured rounds of a shifted mix (``--domains TRACE:MEASURE``) and why: the static
+    split (the trace's hot set, fixed) or the adaptive one (``FLUX_MOE_CACHE=adaptive``, following the routing it
+    sees), the same placement otherwise; nothing without a shift or a split."""
+    win = next((c for c in candidates if c.id == winner_id), None)
+    if not domains or win is None or win.params.expert_split is None or not parse_domains(domains).shifts:
+        return []
+    mix = parse_domains(domains)
+    where = f"on the measured rounds ({'+'.join(mix.measure)}; its hot experts were traced on {'+'.join(mix.trace)})"
+    mine = win.params.expert_cache
+    other = "static" if mine == "adaptive" else "adaptive"
+    twin = next((c for c in candidates if c.params == win.params.model_copy(update={"expert_cache": other})), None)
+    sums = {s.candidate_id: s for s in summaries}
+    a, b = sums.get(win.id), sums.get(twin.id) if twin else None
+    if a is None or b is None or not (a.workload_s and b.workload_s and a.decode_tps and b.decode_tps):
+        return [f"the {mine} expert cache was measured {where}; the {other} one of the same placement was not, so "
+                "the two did not race"]
+    return [f"the {mine} expert cache took {a.workload_s:.2f} s (decode {a.decode_tps:.1f} tok/s) {where}, the "
+            f"{other} one of the same placement {b.workload_s:.2f} s ({b.decode_tps:.1f} tok/s): measurement kept the "
+            f"{mine}"]
 
 
 def shifted_share(traced: NDArray[np.int64], measured: NDArray[np.int64], hot: list[list[int]]) -> ShiftedShare:

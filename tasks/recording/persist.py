@@ -77,7 +77,8 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport, space: PlacementSpace, 
                        {s.candidate_id: s for s in measured.summaries}, ctx.engines, winner)
                        + speculation_notes(drafts, winner) + (mtp_note(ctx.info.n_nextn_layers, ctx.req.engines) if ctx.req.speculation else [])
                        + budget_notes(hw, ctx.req) + load_notes(hw, fin, trials)
-                       + ([routing.note] if routing is not None and routing.note else []),
+                       + ([routing.note] if routing is not None and routing.note else [])
+                       + wl.cache_note(fin.finalists, measured.summaries, report.winner_id, ctx.req.domains),
                    speculation=drafts,
                    storage_streaming=candidate_streaming(ctx.info, hw, winner, space.memory_limits["CPU"])
                    if winner.needs_storage_streaming else None,

@@ -68,3 +68,22 @@ def test_the_hot_copies_serve_less_of_a_shifted_workload_on_the_domain_twin(tmp_
     assert d.trace >= 0.8, d  # in domain, the hot quarter serves most picks (skewed within the domain's subset)
     assert d.measured <= d.trace - 0.3, d  # on another domain it serves far fewer
     assert abs(s.measured - s.trace) <= 0.05, s  # the skewed twin routes every domain alike
+
+
+def test_the_plan_says_which_expert_cache_won_the_shifted_rounds() -> None:
+    from artifacts.records.evidence import MeasureSummary
+    from artifacts.records.search import Candidate, Placement
+    from engine_bridge.params import EngineParams, ExpertSplit
+
+    split = EngineParams(n_ctx=512, expert_split=ExpertSplit.on("CUDA0", {0: [1, 2]}), expert_mapped=True)
+    cands = [Candidate(id=f"c{i}", family="experts-mapped", placement=Placement(layer_device=["CUDA0"]),
+                       params=split.model_copy(update={"expert_cache": cache}), weights_bytes={}, kv_bytes={},
+                       compute_bytes={}) for i, cache in enumerate(("static", "adaptive"))]
+    sums = [MeasureSummary(candidate_id="c0", prefill_tps=900.0, decode_tps=40.0, workload_s=2.5, n_trials=2),
+            MeasureSummary(candidate_id="c1", prefill_tps=880.0, decode_tps=44.0, workload_s=2.3, n_trials=2)]
+    (note,) = wl.cache_note(cands, sums, "c1", "prose:chat")
+    assert note == ("the adaptive expert cache took 2.30 s (decode 44.0 tok/s) on the measured rounds (chat; its hot "
+                    "experts were traced on prose), the static one of the same placement 2.50 s (40.0 tok/s): "
+                    "measurement kept the adaptive")
+    assert "the two did not race" in wl.cache_note(cands[1:], sums, "c1", "prose:chat")[0]
+    assert wl.cache_note(cands, sums, "c1", "prose") == [] and wl.cache_note(cands, sums, "c1", None) == []
