@@ -6,13 +6,14 @@ of the workload's prompts started together: the worker batches them continuously
 does. Each N records the aggregate tokens per second (every stream's completion tokens over the wall time to the
 last token) and the p50/p95 of the gaps between a stream's successive tokens (a decode step shared with N-1 others
 and with their prompts' chunks: the latency a client sees per token). Every count runs once a round, in a new
-seeded order each round (ROUNDS rounds, as measure pairs its finalists): its tok/s is the median round's, its
-percentiles pool every round's gaps. The plan keeps the N with the most aggregate
+seeded order each round (as measure pairs its finalists), up to ROUNDS rounds while the budget the race left
+holds another (the first round is always run: a plan asked for a curve has one): its tok/s is the median round's,
+its percentiles pool every round's gaps. The plan keeps the N with the most aggregate
 tokens per second whose p95 is within MS; when none is, the N with the lowest p95, and its note names the best p95
 reached and the flag value that would meet it.
 
-Each stream's prompt starts with a token of its own after the first, so no stream reuses another's (or an earlier
-count's) cached prefix: every count prefills what it serves.
+Each stream's prompt has a token of its own in place of its second, so no stream reuses another's (or an earlier
+count's) cached prefix: every count prefills what it serves, and the prompt keeps its length.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def sequence_counts(most: int) -> list[int]:
 
 
 def _salted(prompt: list[int], salt: int, n_vocab: int) -> list[int]:
-    """The prompt with a token of its own after the first (no cached prefix of another stream fits it)."""
-    return [prompt[0], 1 + salt % max(1, n_vocab - 1), *prompt[1:]]
+    """The prompt with a token of its own in place of its second (no cached prefix of another stream fits it)."""
+    return [prompt[0], 1 + salt % max(1, n_vocab - 1), *prompt[2:]] if len(prompt) > 1 else list(prompt)
 
 
 def _percentile(xs: Sequence[float], q: float) -> float:
@@ -105,7 +106,8 @@ async def _round(w: AsyncWorkerClient, n: int, prompts: Sequence[list[int]], n_g
 
 
 async def _curve(cand: Candidate, model: Path, prompts: Sequence[list[int]], n_gen: int, counts: Sequence[int],
-                 rounds: int, seed: int, timeout_s: float, log_path: Path | None) -> list[ServingPoint]:
+                 rounds: int, budget_s: float, seed: int, timeout_s: float,
+                 log_path: Path | None) -> list[ServingPoint]:
     params = cand.params.model_copy(update={"n_seq_max": max(counts)})
     w = AsyncWorkerClient(log_path, env=params.environment())
     runs = {n: _Runs() for n in counts}
@@ -113,7 +115,11 @@ async def _curve(cand: Candidate, model: Path, prompts: Sequence[list[int]], n_g
     try:
         await w.start()
         info = await w.request(ops.SERVE_LOAD, ops.ServeLoadArgs(model=str(model), params=params), timeout=timeout_s)
-        for _ in range(rounds):  # every count once a round, in a new order: a drifting machine hits them alike
+        t0 = time.perf_counter()
+        for r in range(rounds):  # every count once a round, in a new order: a drifting machine hits them alike
+            spent = time.perf_counter() - t0
+            if r and spent / r + spent > budget_s:  # another round like the last ones would overrun the budget
+                break
             for n in rng.sample(list(counts), len(counts)):
                 if runs[n].error is None:
                     try:
@@ -124,21 +130,21 @@ async def _curve(cand: Candidate, model: Path, prompts: Sequence[list[int]], n_g
                             raise
                     salt += n
     except (EngineError, TimeoutError) as e:
-        for r in runs.values():
-            r.error = r.error or f"worker: {e or type(e).__name__}"
+        for left in runs.values():
+            left.error = left.error or f"worker: {e or type(e).__name__}"
     finally:
         await w.close()
     return [runs[n].point(n) for n in counts]
 
 
 def serving_curve(cand: Candidate, model: Path, prompts: Sequence[list[int]], n_gen: int, counts: Sequence[int], *,
-                  rounds: int = ROUNDS, seed: int = 0, timeout_s: float,
+                  rounds: int = ROUNDS, budget_s: float = math.inf, seed: int = 0, timeout_s: float,
                   log_path: Path | None = None) -> list[ServingPoint]:
-    """Time ``cand`` serving each of ``counts`` streams at once, ``rounds`` times each (module docstring); one point
-    per count, a count that failed a point with its error."""
+    """Time ``cand`` serving each of ``counts`` streams at once, ``rounds`` times each while ``budget_s`` holds
+    another round (module docstring); one point per count, a count that failed a point with its error."""
     # a loop of its own on a thread of its own: the caller (a Prefect task) may already be running one
     with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, _curve(cand, model, prompts, n_gen, counts, rounds, seed, timeout_s,
+        return pool.submit(asyncio.run, _curve(cand, model, prompts, n_gen, counts, rounds, budget_s, seed, timeout_s,
                                                log_path)).result()
 
 
@@ -177,14 +183,15 @@ def swept_candidate(finalists: Sequence[Candidate], summaries: Sequence[MeasureS
 
 def serving_choice(finalists: Sequence[Candidate], summaries: Sequence[MeasureSummary], model: Path,
                    prompts: Sequence[list[int]], n_gen: int, *, most: int, p95_ms: float, timeout_s: float,
-                   log_path: Path | None, seed: int = 0, progress: Progress = log.info) -> ServingChoice | None:
+                   log_path: Path | None, budget_s: float = math.inf, seed: int = 0,
+                   progress: Progress = log.info) -> ServingChoice | None:
     """The curve of the fastest native finalist and the count kept; None when no native finalist was measured."""
     cand = swept_candidate(finalists, summaries)
     if cand is None:
         return None
     t0 = time.perf_counter()
-    curve = serving_curve(cand, model, prompts, n_gen, sequence_counts(most), seed=seed, timeout_s=timeout_s,
-                          log_path=log_path)
+    curve = serving_curve(cand, model, prompts, n_gen, sequence_counts(most), budget_s=budget_s, seed=seed,
+                          timeout_s=timeout_s, log_path=log_path)
     for p in curve:
         progress(f"serving curve {cand.id}: {p.sequences} at once: " + (f"error: {p.error}" if p.error else
                  f"{p.aggregate_tps or 0:.1f} tok/s, p95 {p.p95_token_ms or 0:.1f} ms per token over {p.rounds} rounds"))

@@ -93,7 +93,8 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport, fin: Finalists, ref: Re
     if ctx.req.serving_p95_ms is not None:  # after the race: the fastest native finalist's curve (concurrency.py)
         serving = serving_choice(fin.finalists, summaries, ctx.model, prompts, n_gen, most=ctx.req.concurrency,
                                  p95_ms=ctx.req.serving_p95_ms, timeout_s=ctx.settings.plan.measure_timeout_s,
-                                 log_path=ctx.worker_log, seed=ctx.req.seed, progress=log.info)
+                                 log_path=ctx.worker_log, budget_s=max(0.0, budget - used), seed=ctx.req.seed,
+                                 progress=log.info)
     return MeasureResults(summaries=summaries + dropped, trials_table=tid, budget_s=budget, spent_s=used,
                           stopped_by_budget=stopped, lengths=lengths, n_gen=n_gen,
                           scored_dir=str(scored_dir(ctx, key)), serving=serving)
