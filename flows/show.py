@@ -226,7 +226,8 @@ def print_plan(plan: Plan, con: Console | None = None, reserve_percent: float = 
     con.print(template_line(Path(plan.model_path)), markup=False)
     con.print(f"request: ctx {plan.candidate.params.n_ctx}, concurrency {r.concurrency}, kv {r.kv}, "
               f"budget {r.budget_s:.0f} s; quality profile {plan.quality_profile}")
-    con.print(f"workload mix: {r.workload}, {plan.workload_prefill_share:.0%} prefill tokens")
+    con.print(f"workload mix: {r.workload}, {plan.workload_prefill_share:.0%} prefill tokens" + (
+        f"; --domains {r.domains} (the routing trace on the first, the measured rounds on the last)" if r.domains else ""))
     for line in _placement_lines(plan):
         con.print("  " + line, markup=False)
     con.print(f"measured: prefill {m.prefill_tps or 0:.1f} tok/s{_spread(m.prefill_iqr, m.n_rounds)}, decode "

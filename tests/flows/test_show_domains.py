@@ -27,3 +27,5 @@ def test_show_prints_the_shifted_share_beside_the_traced(tiny_moe: Path, tmp_pat
         line = ("GPU copies' share of the picks (--domains prose:chat): 97% on the traced traffic, 63% on the "
                 "measured rounds'")
         assert (line in out.getvalue()) is want
+        assert "prefill tokens; --domains prose:chat (the routing trace on the first, the measured rounds on the last)" \
+            in out.getvalue()
