@@ -19,7 +19,7 @@ from artifacts.logs import console, setup_logging
 
 Handler = Callable[[argparse.Namespace], int]
 COMMAND_MODULES = ("flows.cmd_models", "flows.cmd_plan", "flows.cmd_serve", "flows.cmd_bench", "flows.cmd_backend",
-                   "flows.cmd_sql", "flows.cmd_rpc", "flows.cmd_fetch")
+                   "flows.cmd_sql", "flows.cmd_rpc", "flows.cmd_fetch", "flows.cmd_convert")
 # The module that registers each command: a command line naming one builds that module's parsers only, so that
 # `flux plan` of a saved plan and `flux serve` do not import every other command's dependencies first (the bench
 # suites, the synthesizer, the structure check's protocol: 0.5-1 s of a 2-core machine's start). `flux --help`, and
@@ -30,7 +30,7 @@ COMMANDS: dict[str, str] = {
     "serve": "flows.cmd_serve", "bench": "flows.cmd_bench",
     "version": "flows.cmd_backend", "config": "flows.cmd_backend", "devices": "flows.cmd_backend",
     "generate": "flows.cmd_backend", "sql": "flows.cmd_sql", "rpc-server": "flows.cmd_rpc",
-    "fetch": "flows.cmd_fetch",
+    "fetch": "flows.cmd_fetch", "convert": "flows.cmd_convert",
 }
 
 
