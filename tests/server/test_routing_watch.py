@@ -10,6 +10,9 @@ per-expert copies.
 from __future__ import annotations
 
 import io
+import os
+import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -142,3 +145,20 @@ def test_the_share_is_the_mean_of_the_layers_hot_shares() -> None:
     assert hot_share(counts, hot) == pytest.approx((0.75 + 0.5 + 0.0) / 3)
     assert hot_share(np.zeros((2, 4), dtype=np.int64), hot[:2]) is None
     assert ServeRouting(architecture="qwen3moe", n_layer=0, n_expert=0, n_expert_used=0, every=0).picks == 0
+
+
+def test_counts_survive_a_worker_restart(wenv: ServeEnv, split_server: Server) -> None:
+    """A restarted worker counts from zero; what the server had read of the old one stays in the trace (picks
+    since the server's last look at a worker that died are lost with it)."""
+    _complete(split_server, "before the restart", 10)
+    before = split_server.stats()["routing"]["sampled_tokens"]
+    pid = split_server.worker_pid()
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while split_server.stats()["worker"]["restarts"] < 1 or split_server.worker_pid() == pid:
+        assert time.monotonic() < deadline, "the worker was not restarted"
+        time.sleep(0.2)
+    fed = _complete(split_server, "after the restart", 10)
+    r = split_server.stats()["routing"]
+    assert r["sampled_tokens"] == before + fed and fed > 0
+    assert r["window_tokens"] == fed, "the window is the new worker's"
