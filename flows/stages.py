@@ -38,6 +38,10 @@ def context(req: PlanRequest, settings: Settings, reprobe: bool = False) -> Plan
     every engine other than the worker is started once (:func:`flows.plan_context.preflight_engines`)."""
     info = read_model(req, settings)
     check_loader(info, settings)
+    if req.routing_from is not None:  # a deployment run names a plan or a file, as `flux plan` does: its trace's id
+        from flows.routing_from import resolve_routing_from
+
+        req = resolve_routing_from(req, settings, info)
     return plan_context(req, settings, info, reprobe=reprobe, run_id=_flow_run_id(), check_engines=lambda engines:
                         preflight_engines(engines, Path(req.model), info.n_ctx_train, settings))
 

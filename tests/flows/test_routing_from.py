@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from artifacts.records.kinds import PLAN, ROUTING_TABLE
-from artifacts.records.plan import Plan
+from artifacts.records.plan import Plan, PlanRequest
 from artifacts.records.store import Records
 from artifacts.store import Store
 from engine_bridge import ops
@@ -130,3 +130,19 @@ def test_a_trace_of_another_model_or_shape_is_refused_in_one_line(env: dict[str,
     for missing in ("nothing-by-this-name", "0" * 12):
         out = flux(env, "plan", str(tiny_moe), "--routing-from", missing)
         assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_deployment_run_resolves_the_flag_as_flux_plan_does(env: dict[str, str], tiny_moe: Path,
+                                                              served: tuple[Plan, Path]) -> None:
+    """`prefect deployment run 'plan-model/default' --param routing_from=<plan id>`: the flow's context stores the
+    trace and keys the plan by its id, the same id the plan's file gives."""
+    from artifacts.config import load_settings
+    from flows import stages
+
+    old, path = served
+    settings = load_settings(env)
+    by_plan = stages.context(PlanRequest(model=str(tiny_moe), routing_from=old.id[:12]), settings).req.routing_from
+    by_file = stages.context(PlanRequest(model=str(tiny_moe), routing_from=str(path)), settings).req.routing_from
+    assert by_plan == by_file and by_plan is not None and Store(data_dir(env)).has(ROUTING_TABLE, by_plan)
+    again = stages.context(PlanRequest(model=str(tiny_moe), routing_from=by_plan), settings).req.routing_from
+    assert again == by_plan, "a stored trace's id resolves to itself"
