@@ -78,9 +78,10 @@ def no_placement_fits(info: ModelInfo, req: PlanRequest, rejected: dict[str, int
     kv = kv_cache_bytes(info, req.kv, n_ctx, req.concurrency)
     host = limits["CPU"]
     # the CPU's least compute buffer (its smallest micro-batch, flash attention): beside the KV cache it fits and
-    # the weights do not, so mapping them would fit
+    # the weights do not, not even with the other devices' (GPUs', RPC servers') room, so mapping them would fit
     beside = kv + compute_bytes(info, 128, n_ctx, True)
-    if not req.allow_storage_streaming and beside <= host < info.weight_bytes + beside:
+    elsewhere = sum(b for d, b in limits.items() if d != "CPU")
+    if not req.allow_storage_streaming and beside <= host < info.weight_bytes + beside - elsewhere:
         return NeedsStorageStreaming(info.weight_bytes, host, whole_model_streaming(info, hw, host, beside))
     return ImpossiblePlan(
         f"no placement fits: weights {info.weight_bytes / GIB:.2f} GiB + KV {kv / GIB:.2f} GiB "
