@@ -21,7 +21,9 @@
 #                                architectures.txt
 #
 # Environment: PYTHON (the interpreter that builds the wheel; default python3), XDG_CACHE_HOME (where the
-# backend cache is), FLUX_BACKEND (a build folder other than backend/current).
+# backend cache is), FLUX_BACKEND (a build folder other than backend/current), FLUX_OFFLINE=1 (no package index:
+# the wheel is built with the interpreter's own setuptools>=68 and wheel instead of an isolated build
+# environment pip would download them into; the GPU machines).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY="${PYTHON:-python3}"
@@ -51,7 +53,8 @@ stage="$work/$name"
 mkdir -p "$stage/wheels" "$stage/backend"
 
 log "building the Flux $version wheel (commit $commit)"
-"$PY" -m pip wheel --quiet --disable-pip-version-check --no-deps -w "$stage/wheels" "$work/src" >&2
+isolation=(); [ "${FLUX_OFFLINE:-0}" = 1 ] && isolation=(--no-build-isolation --no-index)
+"$PY" -m pip wheel --quiet --disable-pip-version-check --no-deps "${isolation[@]}" -w "$stage/wheels" "$work/src" >&2
 ls "$stage"/wheels/flux-*.whl > /dev/null 2>&1 || die "pip made no Flux wheel"
 
 log "backend $key from $src"
@@ -61,7 +64,7 @@ tar -C "$(dirname "$src")" --exclude "$key/src" --exclude "$key/src.tmp" --exclu
   -cf - "$key" | tar -x -C "$stage/backend"
 
 # A starter flux.toml: every default, the three locations commented out (they are the build machine's).
-PYTHONPATH="$work/src" "$PY" -m flows config --defaults \
+PYTHONPATH="$work/src${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m flows config --defaults \
   | sed -E 's/^(models_dir|cache_dir|data_dir) = (.*)$/# \1 = \2  (this machine'"'"'s default: see `flux config`)/' \
   > "$stage/flux.toml"
 

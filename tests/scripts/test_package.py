@@ -153,3 +153,25 @@ def _first_completion(proc: subprocess.Popen[str], base: str) -> dict[str, objec
     assert r.status_code == 200, r.text
     out: dict[str, object] = r.json()
     return out
+
+
+def test_backend_pack_unpack_takes_the_tarball_in_pieces_into_the_cache(installed: dict[str, object],
+                                                                         tmp_path: Path) -> None:
+    """The GPU path (docs/gpu.md): the tarball, cut for a transfer limit, in .carry/backend/ where gpu-e2e.sh's
+    `backend-pack.sh unpack` looks; its backend lands in the cache as build-backend.sh's cache hit wants it."""
+    tarball, key = Path(str(installed["tarball"])), BACKEND.resolve().name
+    carry = tmp_path / "carry"
+    carry.mkdir()
+    data = tarball.read_bytes()
+    piece = 15 << 20
+    for i in range(0, len(data), piece):
+        (carry / f"{tarball.name}.{i // piece:02d}").write_bytes(data[i:i + piece])
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    got = subprocess.run(["bash", str(REPO / "scripts" / "backend-pack.sh"), "unpack", str(carry)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert got.returncode == 0, got.stderr
+    cached = tmp_path / "cache" / "flux" / "backend"
+    assert (cached / "current").resolve() == (cached / key).resolve()
+    for rel in ("build.json", "bin/llama-server", "bin/llama-bench", "bin/rpc-server"):
+        assert (cached / key / rel).read_bytes() == (BACKEND / rel).read_bytes(), rel
+    assert list((cached / key / "wheel").glob("llama_cpp_python-*.whl"))
