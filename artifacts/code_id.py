@@ -23,7 +23,7 @@ PLANNER_SOURCES: tuple[tuple[str, str], ...] = (
     ("engine_bridge", "**/*.py"),
     ("flows", "plan_model.py"), ("flows", "stages.py"), ("flows", "plan_context.py"), ("flows", "request.py"),
     ("artifacts", "gguf_header.py"), ("artifacts", "model_info.py"), ("artifacts", "ids.py"),
-    ("artifacts", "code_id.py"), ("artifacts", "records/**/*.py"),
+    ("artifacts", "code_id.py"), ("artifacts", "records/**/*.py"), ("artifacts", "corpus.py"),
 )
 EXCLUDE = ("tasks/bench/",)
 

@@ -3,7 +3,7 @@
 Real MoE models route prompts of different kinds to different experts: on Qwen3.6-35B-A3B the hot sets of prompt
 classes share only 3-7% of their experts (Jaccard; ``../shared/notes/hybrid-moe-anchors.md``). The other profiles
 route every prompt alike. This one gives each layer one expert subset per domain of the bundled corpus
-(:data:`tasks.corpus.DOMAINS`: code, prose, log, chat), each pair of subsets sharing a few experts, so that the
+(:data:`artifacts.corpus.DOMAINS`: code, prose, log, chat), each pair of subsets sharing a few experts, so that the
 subsets' Jaccard is ``routing_overlap`` (0.05 by default), and steers a prompt to its domain's subset:
 
 * **Vocabulary groups.** Every token gets an affinity to each domain, counted on the corpus with the twin's own
@@ -58,7 +58,7 @@ _PRE = regex.compile(r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])
 
 def domain_names() -> tuple[str, ...]:
     """The domains a twin routes by (the corpus's, in order)."""
-    from tasks.corpus import DOMAINS  # the corpus is the planner's; the twin is counted on it
+    from artifacts.corpus import DOMAINS  # the corpus is the planner's; the twin is counted on it
 
     return tuple(DOMAINS)
 
@@ -118,7 +118,7 @@ def affinity(n_vocab: int) -> NDArray[np.float64]:
     mean of a window's weights is then the best linear guess of its domain, which is what the layer-0 head
     computes over a prompt (its running mean). Fitted on every text of each domain, cut into windows of _WINDOW
     tokens and the first 16 and 48 tokens of each (a prompt's start is a short window)."""
-    from tasks.corpus import domain_texts
+    from artifacts.corpus import domain_texts
 
     names = domain_names()
     rows: list[NDArray[np.float64]] = []
@@ -226,7 +226,7 @@ class Domains:
 
     def _fit(self) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """(A [K, K], b [K]): the affine map of a prompt's mean normed affinity to one-hot domain scores."""
-        from tasks.corpus import domain_texts
+        from artifacts.corpus import domain_texts
 
         if self._row_rms is None or self._aff_q is None:
             raise RuntimeError("the embedding is written before the routers")

@@ -111,7 +111,7 @@ def plan_request(settings: Settings, model: str | Path, *, request: type[PlanReq
     if req.draft_model is not None and not req.speculation:
         raise BadPlanFlag(f"--draft-model {req.draft_model}: drafting is measured with --speculation; add it")
     if req.domains is not None:
-        from tasks.workload import parse_domains
+        from artifacts.corpus import parse_domains
 
         try:
             parse_domains(req.domains)

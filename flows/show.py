@@ -203,12 +203,10 @@ def plan_markdown(plan: Plan) -> str:
 
 def streaming_line(s: StorageStreaming, decode_tps: float | None) -> str:
     """The drive's decode limit of a plan that reads weights from it, beside the decode measured."""
-    from tasks.streaming import limit_words
-
     measured = f"measured decode {decode_tps:.2f} tok/s" if decode_tps else "decode not measured"
     share = f" ({decode_tps / s.decode_limit_tps:.0%} of it)" if decode_tps and s.decode_limit_tps else ""
     return (f"storage streaming: {s.weights_bytes / GIB:.2f} GiB of mapped weights, {s.ram_for_weights / GIB:.2f} "
-            f"GiB of RAM left to them; {limit_words(s)}; {measured}{share}")
+            f"GiB of RAM left to them; {s.limit_words()}; {measured}{share}")
 
 
 def print_plan(plan: Plan, con: Console | None = None, reserve_percent: float = 10.0,

@@ -50,11 +50,3 @@ def whole_model_streaming(info: ModelInfo, hw: HardwareReport, host_limit: int, 
     what a refusal reports."""
     host_read = layer_bytes(info, all_on(info, "CPU"))["CPU"][0]
     return streaming_limit(host_read, info.weight_bytes, host_limit - kv_bytes, hw)
-
-
-def limit_words(s: StorageStreaming) -> str:
-    """'decode at most 3.1 tok/s: 1.20 GB of a token's reads from the drive at 3.5 GB/s'."""
-    if s.decode_limit_tps is None:
-        return "no weight read from the drive"
-    return (f"decode at most {s.decode_limit_tps:,.2f} tok/s: {s.drive_bytes_per_token / 1e6:,.1f} MB of each "
-            f"token's reads from the drive at {s.drive_gbs:.2f} GB/s (the probe's {s.storage_method} read)")

@@ -11,13 +11,18 @@ import numpy as np
 from numpy.typing import NDArray
 from pydantic import BaseModel, ConfigDict
 
+from artifacts.corpus import (
+    conversation_text,
+    load_conversations,
+    parse_domains,
+    sized_prompts,
+)
 from artifacts.records.evidence import MeasureSummary
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.plan import PlanRequest
 from artifacts.records.search import Candidate, Finalists, Prediction
 from engine_bridge.client import tokenizer
 from engine_bridge.params import ExpertSplit
-from tasks.corpus import DOMAINS, UnknownDomain, conversation_text, load_conversations, sized_prompts
 from tasks.costmodel import Workload
 from tasks.errors import ImpossiblePlan
 from tasks.measurement.speculation import base_id
@@ -291,38 +296,6 @@ def tune_prompts(model: Path, lengths: list[int], seed: int, log_path: Path,
     model's tokenizer."""
     with tokenizer(model, log_path) as tok:
         return sized_prompts(tok, lengths, split="tune", seed=seed, domains=domains)
-
-
-class DomainMix(BaseModel):
-    """``--domains TRACE[:MEASURE]``: the corpus domains the routing trace is taken on and those the measured
-    rounds run (the same when MEASURE is left out); each a '+'-joined list of :data:`tasks.corpus.DOMAINS`."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    trace: tuple[str, ...]
-    measure: tuple[str, ...]
-
-    @property
-    def shifts(self) -> bool:
-        """True when the measured traffic is not the traced one."""
-        return set(self.trace) != set(self.measure)
-
-
-def parse_domains(text: str) -> DomainMix:
-    """``"code"``, ``"code:prose"`` or ``"code+log:chat"`` as a :class:`DomainMix`.
-
-    Raises:
-        UnknownDomain: a name that is not a corpus domain (the message names the known ones).
-        ValueError: an empty mix or more than one ``:``.
-    """
-    parts = text.split(":")
-    if len(parts) > 2 or not all(parts):
-        raise ValueError(f"expected TRACE[:MEASURE], each one or more domains joined by '+', e.g. code:prose "
-                         f"(known domains: {', '.join(DOMAINS)})")
-    mixes = [tuple(d.strip() for d in part.split("+")) for part in parts]
-    for name in (d for mix in mixes for d in mix):
-        if name not in DOMAINS:
-            raise UnknownDomain(name)
-    return DomainMix(trace=mixes[0], measure=mixes[-1])
 
 
 def trace_domains(domains: str | None) -> tuple[str, ...]:

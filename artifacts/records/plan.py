@@ -109,6 +109,14 @@ class StorageStreaming(Record):
     storage_method: str = Field("", description="how the probe read the drive")
     decode_limit_tps: float | None = Field(description="drive bandwidth / drive bytes per token; None: none read")
 
+    def limit_words(self) -> str:
+        """'decode at most 3.1 tok/s: 1.20 GB of a token's reads from the drive at 3.5 GB/s'."""
+        if self.decode_limit_tps is None:
+            return "no weight read from the drive"
+        return (f"decode at most {self.decode_limit_tps:,.2f} tok/s: {self.drive_bytes_per_token / 1e6:,.1f} MB of "
+                f"each token's reads from the drive at {self.drive_gbs:.2f} GB/s (the probe's {self.storage_method} "
+                "read)")
+
 
 class DraftTrial(Record):
     """One drafting candidate beside its placement without drafting, from the same rounds."""

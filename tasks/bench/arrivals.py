@@ -34,6 +34,7 @@ import httpx
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
+from artifacts.corpus import load_conversations, sized_prompts
 from engine_bridge.client import tokenizer
 from engine_bridge.errors import EngineError
 from engine_bridge.llama_server import HOST, LlamaServer
@@ -46,7 +47,6 @@ from tasks.bench.host import load_avg
 from tasks.bench.http import Exchange, FluxServe, client_limits, error_body, exchange, json_object
 from tasks.bench.record import BenchRun
 from tasks.bench.registry import Suite
-from tasks.corpus import load_conversations, sized_prompts
 
 if TYPE_CHECKING:
 

@@ -24,6 +24,7 @@ from typing import Any
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
+from artifacts.corpus import load_conversations, load_prompts, sized_prompts
 from artifacts.gguf_header import read_header
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient
@@ -34,7 +35,6 @@ from tasks.bench.context import BenchContext, Progress
 from tasks.bench.host import load_avg
 from tasks.bench.record import BenchRun, SummaryRow
 from tasks.bench.registry import Suite
-from tasks.corpus import load_conversations, load_prompts, sized_prompts
 
 RAW_SCHEMA = pa.schema([("check", pa.string()), ("case", pa.string()), ("ok", pa.bool_()),
                         ("explained", pa.string()), ("ours", pa.string()), ("theirs", pa.string())])

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
+from artifacts.corpus import conversation_text, load_conversations, sized_prompts
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient, tokenizer
 from engine_bridge.params import EngineParams
@@ -33,7 +34,6 @@ from tasks.bench.context import BenchContext, Progress
 from tasks.bench.host import load_avg
 from tasks.bench.record import BenchRun, SummaryRow, Verdict
 from tasks.bench.registry import Suite
-from tasks.corpus import conversation_text, load_conversations, sized_prompts
 from tasks.corpus_wikitext import wikitext2
 from tasks.quality_gate import compare
 from tasks.validate import reference_params

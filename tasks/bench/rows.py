@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from artifacts.corpus import sized_prompts
 from engine_bridge.client import tokenizer
 from tasks.bench.context import BenchContext
 from tasks.bench.record import SummaryRow
 from tasks.bench.stats import RatioCI
-from tasks.corpus import sized_prompts
 
 
 def tokenize_prompts(ctx: BenchContext, lengths: Sequence[int], split: str, seed: int) -> list[list[int]]:

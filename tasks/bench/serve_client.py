@@ -15,10 +15,10 @@ from typing import Any
 
 import httpx
 
+from artifacts.corpus import load_prompts
 from tasks.bench.arrivals import timing
 from tasks.bench.errors import BenchError
 from tasks.bench.http import client_limits, exchange, finish_reason
-from tasks.corpus import load_prompts
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ import httpx
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
+from artifacts.corpus import load_prompts
 from tasks.bench.context import BenchContext, Progress
 from tasks.bench.errors import BenchError
 from tasks.bench.host import load_avg
@@ -55,7 +56,6 @@ from tasks.bench.http import (  # noqa: F401 - some are re-exported for tests
 from tasks.bench.record import BenchRun, SummaryRow
 from tasks.bench.registry import Suite
 from tasks.bench.soak_outcomes import Fault, classify, fault_row
-from tasks.corpus import load_prompts
 
 if TYPE_CHECKING:
 

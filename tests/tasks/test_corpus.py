@@ -12,8 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks import corpus, corpus_wikitext
-from tasks.corpus import Conversation, conversation_text, load_conversations, load_prompts, sized_prompts
+from artifacts import corpus
+from artifacts.corpus import Conversation, conversation_text, load_conversations, load_prompts, sized_prompts
+from tasks import corpus_wikitext
 
 # Length classes in estimated tokens (characters / 4) and the least number of prompts in each.
 CLASSES = {(32, 128): 8, (128, 512): 10, (512, 1536): 10, (1536, 3000): 6, (3000, 10**9): 5}

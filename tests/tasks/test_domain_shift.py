@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from artifacts.corpus import UnknownDomain
 from artifacts.synth import synthesize
 from tasks import route
 from tasks import workload as wl
-from tasks.corpus import UnknownDomain
 
 pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
 

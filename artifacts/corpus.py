@@ -1,6 +1,6 @@
 """The prompts and coding-agent conversations that measurement and validation run on.
 
-Flux ships its own corpus (``tasks/corpus_data/``): original prompts of seven kinds (code, prose,
+Flux ships its own corpus (``artifacts/corpus_data/``): original prompts of seven kinds (code, prose,
 log, qa, math, config, doc) whose lengths span 32 to ~4,500 tokens, split into ``tune`` (timed while
 planning) and ``held_out`` (kept for validating the finalists), plus multi-turn coding-agent
 conversations in OpenAI chat format with long system prompts, tool calls and tool results: the shape
@@ -259,6 +259,38 @@ class UnknownDomain(ValueError):
     def __init__(self, name: str) -> None:
         self.name = name
         super().__init__(f"unknown domain {name!r}; known domains: {', '.join(DOMAINS)}")
+
+
+class DomainMix(BaseModel):
+    """``--domains TRACE[:MEASURE]``: the corpus domains the routing trace is taken on and those the measured
+    rounds run (the same when MEASURE is left out); each a '+'-joined list of :data:`artifacts.corpus.DOMAINS`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    trace: tuple[str, ...]
+    measure: tuple[str, ...]
+
+    @property
+    def shifts(self) -> bool:
+        """True when the measured traffic is not the traced one."""
+        return set(self.trace) != set(self.measure)
+
+
+def parse_domains(text: str) -> DomainMix:
+    """``"code"``, ``"code:prose"`` or ``"code+log:chat"`` as a :class:`DomainMix`.
+
+    Raises:
+        UnknownDomain: a name that is not a corpus domain (the message names the known ones).
+        ValueError: an empty mix or more than one ``:``.
+    """
+    parts = text.split(":")
+    if len(parts) > 2 or not all(parts):
+        raise ValueError(f"expected TRACE[:MEASURE], each one or more domains joined by '+', e.g. code:prose "
+                         f"(known domains: {', '.join(DOMAINS)})")
+    mixes = [tuple(d.strip() for d in part.split("+")) for part in parts]
+    for name in (d for mix in mixes for d in mix):
+        if name not in DOMAINS:
+            raise UnknownDomain(name)
+    return DomainMix(trace=mixes[0], measure=mixes[-1])
 
 
 def domain_texts(domain: str, split: str | None = None) -> list[str]:
