@@ -60,9 +60,10 @@ class WorkerTimeouts(_Section):
 class RoutingWatch(_Section):
     """``[serve.routing]``: how ``flux serve`` watches a MoE model's routing (docs/serving.md, Routing watch)."""
 
-    count: Literal["split", "moe"] = Field("split", description=(
-        "which plans count their picks: split (those with per-expert GPU copies, whose share is watched) or moe "
-        "(every MoE plan: a trace for flux plan --routing-from); the callback costs every step ~0.4 us per graph node"))
+    count: Literal["off", "split", "moe"] = Field("off", description=(
+        "which plans count their picks: off (the default until it is measured on a GPU), split (those with "
+        "per-expert GPU copies, whose share is watched) or moe (every MoE plan: a trace for flux plan "
+        "--routing-from); the callback costs every step ~0.4 us per graph node"))
     sample_every: int = Field(8, ge=0, description="count the expert picks of one decode step in this many (0: off)")
     window_tokens: int = Field(256, ge=1, description="sampled tokens of the recent share the warning reads")
     warn_points: float = Field(15.0, gt=0, le=100, description=(

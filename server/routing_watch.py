@@ -9,7 +9,10 @@ full and its share is ``warn_points`` or more below the plan's, the server logs 
 ``flux plan <model> --routing-from <plan>``. A plan without per-expert copies (a dense model, whole expert
 tensors) has no share to watch: it reports ``not applicable``, and counts a MoE model's picks (whose trace can
 re-fit a plan) only with ``[serve.routing] count = "moe"``: the eval callback, even asking for nothing, costs every
-decode step a Python call per graph node (scripts/bench_serve_routing.py).
+decode step a Python call per graph node (scripts/bench_serve_routing.py). Counting is off by default
+(``count = "off"``) until its cost on a GPU is measured: there the callback also makes llama.cpp's scheduler run
+each split as views and wait for it, and a CUDA build's callback once crashed a tracing worker reading ids
+computed on the GPU (tasks/route.py); ``count = "split"`` turns the watch on.
 
 The trace (counts over every worker this server started, and over earlier runs of the same plan) is saved on each
 look that found new picks and when the server stops, to ``<data_dir>/served-routing/<plan id>.parquet``
@@ -43,12 +46,13 @@ log = logging.getLogger(__name__)
 NOT_APPLICABLE = "not applicable: the plan keeps no per-expert GPU copies"
 
 
-def counts_routing(plan: Plan, model_path: Path, count: str = "split") -> bool:
+def counts_routing(plan: Plan, model_path: Path, count: str = "off") -> bool:
     """The server counts picks for a MoE model served by the native worker (another engine has no such op): with
-    ``count`` ``split`` only where the plan keeps per-expert GPU copies, with ``moe`` for every MoE plan."""
+    ``count`` ``split`` only where the plan keeps per-expert GPU copies, with ``moe`` for every MoE plan, with
+    ``off`` never."""
     if plan.engine is not None and not plan.engine.native:
         return False
-    if count == "split" and plan.candidate.params.expert_split is None:
+    if count == "off" or (count == "split" and plan.candidate.params.expert_split is None):
         return False
     try:
         return model_info(model_path).is_moe

@@ -40,7 +40,7 @@ check_s = 0.2
 
 @pytest.fixture(scope="module")
 def wenv(tmp_path_factory: pytest.TempPathFactory) -> ServeEnv:
-    return serve_env(tmp_path_factory.mktemp("routing-watch"), WATCH_TOML)
+    return serve_env(tmp_path_factory.mktemp("routing-watch"), WATCH_TOML + 'count = "split"\n')
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +119,8 @@ def test_the_trace_is_saved_on_shutdown_and_resumed(wenv: ServeEnv, split_plan: 
 
 def test_a_plan_without_per_expert_copies_has_no_share(wenv: ServeEnv, tiny_moe: Path, server: Server,
                                                         plan_maker: Callable[..., Plan]) -> None:
-    """By default (count = "split") it counts nothing: the callback would cost its every step; with count = "moe"
-    it counts (a trace for --routing-from) and still has no share to watch."""
+    """With count = "split" a plan without copies counts nothing: the callback would cost its every step; with
+    count = "moe" it counts (a trace for --routing-from) and still has no share to watch."""
     _complete(server, "no copies to watch", 8)
     r = server.stats()["routing"]
     assert r["plan_share"] == r["live_share"] == r["window_share"] == NOT_APPLICABLE
