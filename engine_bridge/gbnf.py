@@ -22,9 +22,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
 from engine_bridge.errors import GrammarError
+from engine_bridge.grammar_spec import GrammarSpec, Trigger
 
 SPACE = '| " " | "\\n"{1,2} [ \\t]{0,20}'  # llama.cpp's bounded whitespace between tokens
 PRIMITIVES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -50,35 +49,6 @@ _RULE_NAME = re.compile(r"[^a-zA-Z0-9]+")
 _LITERAL_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 MAX_SCHEMA_DEPTH = 64
 MAX_REPEAT = 4096
-
-
-class Trigger(BaseModel):
-    """What starts a lazy grammar: one of ``words`` in the reply (anywhere, or only first with ``at_start``)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    words: list[str] = Field(min_length=1)
-    at_start: bool = Field(False, description="the word counts only at the reply's start (after whitespace)")
-
-    @field_validator("words")
-    @classmethod
-    def _non_empty(cls, v: list[str]) -> list[str]:
-        if any(not w for w in v):
-            raise ValueError("trigger words must not be empty")
-        return v
-
-
-class GrammarSpec(BaseModel):
-    """A grammar as the worker's ``generate`` op takes it.
-
-    Without ``trigger`` the whole reply follows ``root``. With one it is lazy (as llama.cpp's lazy
-    grammars): the reply is free until it writes a trigger word, and the text after that word follows
-    ``root``.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    gbnf: str = Field(min_length=1, description="GBNF rules, llama.cpp's grammar syntax")
-    root: str = Field("root", min_length=1, description="the rule the reply must match")
-    trigger: Trigger | None = None
 
 
 def literal(text: str) -> str:

@@ -20,7 +20,7 @@ from numpy.typing import NDArray
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from engine_bridge.drafting import Drafting
-from engine_bridge.gbnf import GrammarSpec
+from engine_bridge.grammar_spec import GrammarSpec
 from engine_bridge.params import EngineParams
 
 MAX_TOP_LOGPROBS = 20

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from artifacts.code_id import code_id
 from artifacts.config import Settings
 from artifacts.filehash import HashIndexEntry, index_path, model_hash
 from artifacts.model_info import ModelInfo
@@ -27,7 +26,7 @@ from engine_bridge.engines.spec import EngineSpec
 from flows.request import check_draft, engine_specs
 from tasks.clock import StageClock
 from tasks.measurement.speculation import drafting_for
-from tasks.pipeline import PlanContext
+from tasks.pipeline import PlanContext, pipeline_code
 
 EngineCheck = Callable[[Sequence[EngineSpec]], None]
 
@@ -118,5 +117,5 @@ def plan_context(req: PlanRequest, settings: Settings, info: ModelInfo, *, repro
     mh = model_hash([Path(s) for s in info.shards], settings.cache_dir)
     return PlanContext(req=req, settings=settings, store=Store(settings.data_dir),
                        info=info.model_copy(update={"content_hash": mh}), model_hash=mh, backend_build=build,
-                       facts=facts, code=code_id(), clock=StageClock(req.budget_s), run_id=run_id, reprobe=reprobe,
+                       facts=facts, code=pipeline_code(), clock=StageClock(req.budget_s), run_id=run_id, reprobe=reprobe,
                        engines=tuple(engines), drafting=drafting)

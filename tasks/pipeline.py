@@ -5,8 +5,11 @@ stage is a module with a ``STAGE``, listed here and composed in ``flows/plan_mod
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from artifacts.code_id import ROOT
+from artifacts.ids import content_id
 from tasks.measurement.measure import STAGE as MEASURE
 from tasks.probing.probe import STAGE as PROBE
 from tasks.probing.route import STAGE as ROUTE
@@ -20,5 +23,12 @@ from tasks.validation.validate import STAGE as VALIDATE
 
 STAGES: tuple[Stage[Any], ...] = (PROBE, REFERENCE, ROUTE, ENUMERATE, PRUNE, MEASURE, VALIDATE, PERSIST)
 
+
+def pipeline_code(root: Path = ROOT) -> str:
+    """The plan key's code: every stage's (:meth:`tasks.stage.Stage.code`), so a plan is remade when any stage's
+    sources change and kept when only what serves or shows plans does."""
+    return content_id({s.name: s.code(root) for s in STAGES})
+
 __all__ = ["ENUMERATE", "MEASURE", "PERSIST", "PROBE", "PRUNE", "REFERENCE", "ROUTE", "STAGES", "VALIDATE",
-           "PlanContext", "Stage", "existing_plan", "remember_model_path"]
+           "PlanContext", "Stage", "existing_plan", "pipeline_code",
+           "remember_model_path"]

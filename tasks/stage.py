@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from artifacts.code_id import ROOT, sources_id
 from artifacts.config import Settings
 from artifacts.model_info import ModelInfo
 from artifacts.records.hardware import MachineFacts
@@ -27,6 +28,11 @@ from tasks.clock import StageClock
 from tasks.cores import CoreShare
 
 R = TypeVar("R")
+# The worker modules a stage runs in a worker process (it names them: it does not import them), for
+# Stage.sources: the protocol loop, and the ops that load a model and time, score or trace it.
+WORKER = ("engine_bridge.worker.process", "engine_bridge.worker.handlers", "engine_bridge.worker.state",
+          "engine_bridge.worker.load", "engine_bridge.worker.threads")
+NATIVE_OPS = (*WORKER, "engine_bridge.worker.native")
 
 
 @dataclass(frozen=True)
@@ -40,7 +46,7 @@ class PlanContext:
     model_hash: str
     backend_build: str
     facts: MachineFacts
-    code: str = ""
+    code: str = ""  # the plan key's code: every stage's (tasks.pipeline.pipeline_code)
     clock: StageClock = field(default_factory=lambda: StageClock(0.0))
     run_id: str = "no-run"  # the flow run's id: measure and validate are per run (a retry of the run reuses them)
     reprobe: bool = False
@@ -93,7 +99,8 @@ class Stage(Generic[R]):
     ``kind``, stores its record itself (persist: the plan). ``inputs`` names what the key is made of, for people (docs/architecture.md's stage table).
 
     A stage at ``version`` 1 is keyed by its key alone; bumping ``version`` (a stored result whose meaning
-    changed) adds it to the key, so older results are no longer found.
+    changed) adds it to the key, so older results are no longer found. Its key carries :meth:`code`: the hash of
+    the module declaring it and all it imports, and of the worker modules it runs (``sources``).
     """
 
     name: str
@@ -113,6 +120,11 @@ class Stage(Generic[R]):
     artifact: Callable[[Any], Artifact] | None = None
     faults: bool = False  # FLUX_FAULT_INJECT may fail it (retries are tested on it)
     clocked: bool = True  # False: the stage runs after the clock closes (persist records the clock)
+    sources: tuple[str, ...] = ()  # worker modules whose ops it runs (WORKER, NATIVE_OPS, ...): not imported
+
+    def code(self, root: Path = ROOT) -> str:
+        """The hash of the sources this stage's result depends on (:func:`artifacts.code_id.sources_id`)."""
+        return sources_id((self.run.__module__, *self.sources), root)
 
     def key_of(self, ctx: PlanContext, *inputs: Any) -> dict[str, Any]:
         """The stage's store key for these inputs."""

@@ -27,7 +27,7 @@ from engine_bridge.engines.process import EngineProcess
 from engine_bridge.engines.spec import EngineSpec
 from engine_bridge.engines.stream import chunk_tokens
 from engine_bridge.errors import EngineError
-from engine_bridge.gbnf import GrammarSpec
+from engine_bridge.grammar_spec import GrammarSpec
 from engine_bridge.protocol import PROTOCOL_VERSION, decode, encode
 
 log = logging.getLogger(__name__)

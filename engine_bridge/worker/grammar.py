@@ -28,7 +28,7 @@ import llama_cpp
 import numpy as np
 
 from engine_bridge.errors import EngineError, GrammarError
-from engine_bridge.gbnf import GrammarSpec
+from engine_bridge.grammar_spec import GrammarSpec
 from engine_bridge.worker.sampling import Vocab
 
 _SPACE_BYTES = b" \t\r\n"

@@ -23,12 +23,12 @@ from tasks.measure import Scoring, measure
 from tasks.measurement.concurrency import serving_choice
 from tasks.measurement.speculation import drafted
 from tasks.reference import ReferenceOutputs
-from tasks.stage import PlanContext, Stage
+from tasks.stage import NATIVE_OPS, PlanContext, Stage
 
 
 def _key(ctx: PlanContext, hw: HardwareReport, fin: Finalists, ref: ReferenceOutputs) -> dict[str, Any]:
     key = {"stage": "measure", "finalists": content_id(fin), "run": ctx.run_id, "budget": ctx.req.budget_s,
-           "code": ctx.code}
+           "code": STAGE.code()}
     if ctx.req.domains:  # measured on a domain mix (--domains): other rounds
         key["domains"] = list(wl.measured_domains(ctx.req.domains))
     if ctx.drafting:
@@ -102,4 +102,6 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport, fin: Finalists, ref: Re
 
 STAGE: Stage[MeasureResults] = Stage(
     name="measure", version=1, result=MeasureResults, run=_run, kind=MEASURED, key=_key,
-    inputs=("finalists", "flow run id", "--budget-s", "code"), tables=(TRIALS_RAW_TABLE,), faults=True)
+    inputs=("finalists", "flow run id", "--budget-s", "code"), tables=(TRIALS_RAW_TABLE,), faults=True,
+    # timed runs, drafting, and the serving engine that --serving-p95-ms times sequences together on
+    sources=(*NATIVE_OPS, "engine_bridge.worker.speculative", "engine_bridge.worker.serving"))

@@ -19,19 +19,19 @@ from artifacts.records.kinds import PROBE
 from tasks import workload as wl
 from tasks.errors import ImpossiblePlan
 from tasks.probe import load_words, probe, quiet_now, taken_under_load
-from tasks.stage import PlanContext, Stage
+from tasks.stage import NATIVE_OPS, PlanContext, Stage
 
 _log = logging.getLogger(__name__)
 
 
 def _next(ctx: PlanContext, key: dict[str, Any]) -> dict[str, Any]:
     """The key a probe measured again after the one stored under ``key`` is stored under."""
-    return {**probe_key(ctx.facts, ctx.model_hash, ctx.backend_build, ctx.code), "after": content_id(key)}
+    return {**probe_key(ctx.facts, ctx.model_hash, ctx.backend_build, STAGE.code()), "after": content_id(key)}
 
 
 def newest_key(ctx: PlanContext) -> dict[str, Any]:
     """The key of the newest probe stored for ``ctx``'s machine, model and build (the first one's when none is)."""
-    key = probe_key(ctx.facts, ctx.model_hash, ctx.backend_build, ctx.code)
+    key = probe_key(ctx.facts, ctx.model_hash, ctx.backend_build, STAGE.code())
     while ctx.records.has(PROBE, content_id(later := _next(ctx, key))):
         key = later
     return key
@@ -101,4 +101,5 @@ def _check_budget(ctx: PlanContext, log: Any, hw: HardwareReport) -> None:
 
 STAGE: Stage[HardwareReport] = Stage(
     name="probe", version=1, result=HardwareReport, run=_run, kind=PROBE, key=_key,
-    inputs=("machine facts", "model hash", "backend build", "code", "newest probe stored"), report=_check_budget)
+    inputs=("machine facts", "model hash", "backend build", "code", "newest probe stored"), report=_check_budget,
+    sources=NATIVE_OPS)

@@ -20,7 +20,7 @@ from engine_bridge.serve_trace import trace_meta
 from tasks import route
 from tasks import workload as wl
 from tasks.gpu_budget import gpu_devices
-from tasks.stage import PlanContext, Stage
+from tasks.stage import WORKER, PlanContext, Stage
 
 
 def traces_routing(ctx: PlanContext, hw: HardwareReport) -> bool:
@@ -45,7 +45,7 @@ def route_key(ctx: PlanContext, hw: HardwareReport | None = None) -> dict[str, A
     """The trace's key: the model, the workload, the seed, the tokens traced (:func:`tasks.route.trace_tokens`:
     fewer for a small budget), the build and the code."""
     key = {"stage": "route", "model": ctx.model_hash, "workload": ctx.req.workload, "seed": ctx.req.seed,
-           "tokens": _tokens(ctx, hw), "backend": ctx.backend_build, "code": ctx.code}
+           "tokens": _tokens(ctx, hw), "backend": ctx.backend_build, "code": STAGE.code()}
     if ctx.req.domains:  # traced on a domain mix (--domains)
         key["domains"] = list(wl.trace_domains(ctx.req.domains))
     return key | {"served": ctx.req.routing_from} if ctx.req.routing_from is not None else key
@@ -121,4 +121,5 @@ def _measured_counts(ctx: PlanContext, hw: HardwareReport, lengths: list[int], t
 STAGE: Stage[RoutingProfile | None] = Stage(
     name="route", version=1, result=RoutingProfile, run=_run, kind=ROUTING_PROFILE, key=route_key,
     inputs=("model hash", "workload", "seed", "tokens traced", "backend build", "code", "served trace"), tables=(ROUTING_TABLE,),
-    when=_when, recovers=(EngineError,), recovery="the routing trace failed ({error}); planning without per-expert placement")
+    when=_when, recovers=(EngineError,), recovery="the routing trace failed ({error}); planning without per-expert placement",
+    sources=(*WORKER, "engine_bridge.worker.routing"))

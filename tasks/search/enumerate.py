@@ -22,7 +22,7 @@ def _key(ctx: PlanContext, hw: HardwareReport, routing: RoutingProfile | None = 
     flags = {k: v for k, v in ctx.req.model_dump(include=SPACE_FLAGS).items()
              if v is not None or k not in ("host_mem_budget_gib", "rpc", "rpc_mem_budget_gib")}
     key = {"stage": "enumerate", "probe": content_id(hw), "model": ctx.model_hash, "flags": flags,
-           "reserve": ctx.settings.host_reserve_percent, "code": ctx.code}
+           "reserve": ctx.settings.host_reserve_percent, "code": STAGE.code()}
     return {**key, "routing": routing.trace_id} if routing is not None else key
 
 

@@ -22,7 +22,7 @@ def workload_for(ctx: PlanContext, space: PlacementSpace) -> Workload:
 def _key(ctx: PlanContext, hw: HardwareReport, space: PlacementSpace) -> dict[str, Any]:
     work = workload_for(ctx, space)
     return {"stage": "prune", "space": content_id(space), "work": [work.prefill_tokens, work.decode_tokens],
-            "n": ctx.req.finalists, "code": ctx.code}
+            "n": ctx.req.finalists, "code": STAGE.code()}
 
 
 def _run(ctx: PlanContext, log: Any, hw: HardwareReport, space: PlacementSpace) -> Finalists:

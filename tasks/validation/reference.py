@@ -16,7 +16,7 @@ from tasks import workload as wl
 from tasks.enumerate import smallest_context
 from tasks.quality_gate import Gate
 from tasks.reference import FLOOR_SEQUENCES, ReferenceOutputs, predicted_seconds, reference
-from tasks.stage import PlanContext, Stage
+from tasks.stage import NATIVE_OPS, PlanContext, Stage
 
 
 def gate(settings: Settings) -> Gate:
@@ -66,7 +66,7 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport) -> ReferenceOutputs:
                  n_tok, sized.floor_sequences)
     # the routing trace runs beside it on the CPU: they share the cores (ctx.cores)
     out = reference(ctx.model, ctx.info, hw, prompts, held, n_tokens=n_tok, seed=ctx.req.seed, cores=ctx.cores,
-                    gate=gate(ctx.settings), keys={"model": ctx.model_hash, "code": ctx.code,
+                    gate=gate(ctx.settings), keys={"model": ctx.model_hash, "code": STAGE.code(),
                                                    "backend": ctx.backend_build},
                     cache_dir=ctx.settings.cache_dir / "validation", log_path=ctx.worker_log,
                     timeout_s=ctx.settings.plan.measure_timeout_s, progress=log.info,
@@ -80,4 +80,4 @@ def _run(ctx: PlanContext, log: Any, hw: HardwareReport) -> ReferenceOutputs:
 STAGE: Stage[ReferenceOutputs] = Stage(
     name="reference", version=1, result=ReferenceOutputs, run=_run,
     inputs=("model hash", "reference placement", "validation prompts", "backend build", "code"),
-    computed=lambda out: bool(out.computed))
+    computed=lambda out: bool(out.computed), sources=NATIVE_OPS)

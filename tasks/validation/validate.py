@@ -15,14 +15,14 @@ from tasks.engines import prefer
 from tasks.errors import NoMeasurement
 from tasks.measurement.speculation import drafted, drafting_that_won
 from tasks.reference import ReferenceOutputs, floor_variants
-from tasks.stage import PlanContext, Stage
+from tasks.stage import NATIVE_OPS, PlanContext, Stage
 from tasks.validate import rank_measured, validate
 from tasks.validation.reference import gate
 
 
 def _key(ctx: PlanContext, hw: HardwareReport, fin: Finalists, measured: MeasureResults,
          ref: ReferenceOutputs) -> dict[str, Any]:
-    return {"stage": "validate", "measured": content_id(measured), "run": ctx.run_id, "code": ctx.code}
+    return {"stage": "validate", "measured": content_id(measured), "run": ctx.run_id, "code": STAGE.code()}
 
 
 def _run(ctx: PlanContext, log: Any, hw: HardwareReport, fin: Finalists, measured: MeasureResults,
@@ -54,4 +54,5 @@ def _report(ctx: PlanContext, log: Any, report: ValidationReport, *inputs: Any) 
 
 STAGE: Stage[ValidationReport] = Stage(
     name="validate", version=1, result=ValidationReport, run=_run, kind=VALIDATION, key=_key,
-    inputs=("measure results", "flow run id", "code"), report=_report, faults=True)
+    inputs=("measure results", "flow run id", "code"), report=_report, faults=True,
+    sources=(*NATIVE_OPS, "engine_bridge.worker.speculative"))
