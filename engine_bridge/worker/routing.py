@@ -107,13 +107,19 @@ class TopkRecorder:
             shape=tuple(reversed(head.ne)), dtype=np.int32, buffer=raw, strides=tuple(reversed(head.nb))
         )
 
-    def _record(self, tensor: int, layer: int) -> None:
-        """Add up the ids of one layer's selection, and its repeats of the previous token's picks."""
+    def _count(self, tensor: int, layer: int) -> np.ndarray:
+        """Add up the ids of one layer's selection into ``counts``; the ids."""
         ids = self._ids(tensor)
         n_layer, n_expert = self.counts.shape
         if not 0 <= layer < n_layer or ids.size and not 0 <= ids.min() <= ids.max() < n_expert:
             raise ValueError(f"layer {layer} or expert ids out of range for {n_layer}x{n_expert}")
         self.counts[layer] += np.bincount(ids.ravel(), minlength=n_expert)
+        return ids
+
+    def _record(self, tensor: int, layer: int) -> None:
+        """Add up the ids of one layer's selection, and its repeats of the previous token's picks."""
+        ids = self._count(tensor, layer)
+        n_expert = self.counts.shape[1]
         picks = ids.reshape(-1, ids.shape[-1])  # [tokens in batch order, n_expert_used]
         if self.picks is not None:
             self.picks[-1].setdefault(layer, []).append(picks.copy())

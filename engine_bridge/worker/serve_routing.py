@@ -28,11 +28,7 @@ class _Counts(TopkRecorder):
     """A recorder that counts picks and nothing else (serving needs no per-token pairs)."""
 
     def _record(self, tensor: int, layer: int) -> None:
-        ids = self._ids(tensor)
-        n_layer, n_expert = self.counts.shape
-        if not 0 <= layer < n_layer or ids.size and not 0 <= ids.min() <= ids.max() < n_expert:
-            raise ValueError(f"layer {layer} or expert ids out of range for {n_layer}x{n_expert}")
-        self.counts[layer] += np.bincount(ids.ravel(), minlength=n_expert)
+        self._count(tensor, layer)
 
 
 class ServeRoutingCounter:

@@ -9,12 +9,12 @@ replies are compared by their tokens' log-probabilities, which a wrong recurrent
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from artifacts.synth import synthesize
 from engine_bridge.params import EngineParams
+from tests.engine_bridge.sinks import Recorder
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
 
@@ -31,26 +31,6 @@ def hybrid(models_dir: Path) -> Path:
     if not path.exists():
         synthesize("tiny-qwen3next", path, quant="Q4_0", overrides={"attn_out_std": "0.1"})
     return path
-
-
-class Recorder:
-    """A Sink that keeps the tokens and results."""
-
-    def __init__(self) -> None:
-        self.tokens: dict[int, list[int]] = {}
-        self.logprobs: dict[int, list[float]] = {}
-        self.results: dict[int, dict[str, Any]] = {}
-
-    def event(self, key: int, event: dict[str, Any]) -> None:
-        if event["type"] == "token":
-            self.tokens.setdefault(key, []).append(event["token"])
-            self.logprobs.setdefault(key, []).append(event["logprob"])
-
-    def done(self, key: int, result: dict[str, Any]) -> None:
-        self.results[key] = result
-
-    def fail(self, key: int, code: str, message: str) -> None:
-        self.results[key] = {"error": code, "message": message}
 
 
 def _engine(model: Path, park_bytes: int = 64 << 20) -> tuple[ServeEngine, Recorder]:

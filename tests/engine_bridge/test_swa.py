@@ -9,13 +9,13 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from artifacts.model_info import kv_cache_bytes, model_info
 from artifacts.synth import synthesize
 from engine_bridge.params import EngineParams
+from tests.engine_bridge.sinks import Recorder
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
 
@@ -44,24 +44,6 @@ def gemma(models_dir: Path) -> Path:
     if not path.exists():
         synthesize("tiny-gemma3", path, quant="Q4_0", overrides={"attn_out_std": "0.1"})
     return path
-
-
-class Recorder:
-    """A Sink that keeps the tokens and results."""
-
-    def __init__(self) -> None:
-        self.tokens: dict[int, list[int]] = {}
-        self.results: dict[int, dict[str, Any]] = {}
-
-    def event(self, key: int, event: dict[str, Any]) -> None:
-        if event["type"] == "token":
-            self.tokens.setdefault(key, []).append(event["token"])
-
-    def done(self, key: int, result: dict[str, Any]) -> None:
-        self.results[key] = result
-
-    def fail(self, key: int, code: str, message: str) -> None:
-        self.results[key] = {"error": code, "message": message}
 
 
 def _engine(model: Path) -> tuple[ServeEngine, Recorder]:
