@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 from artifacts.logs import console
@@ -32,6 +33,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     err = console(stderr=True)
     err.print(f"converting {args.checkpoint} to {args.outtype} with the pinned llama.cpp's converter "
               f"(its output: {log_path})")
+    started = time.perf_counter()
     out = convert(args.checkpoint, args.output, args.outtype, settings.cache_dir, log_path)
-    err.print(f"wrote {out}")
+    err.print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB) in {time.perf_counter() - started:.1f} s")
     return cmd_inspect(argparse.Namespace(model=out, json=False, no_hash=False, settings=settings))

@@ -214,7 +214,7 @@ def _convert_and_generate(flux: FluxRunner, ckpt: Path, outtype: str, out: Path,
     """`flux convert` (its `flux inspect` checked), then `flux generate` on the GGUF; the generate output."""
     done = flux("convert", str(ckpt), "--outtype", outtype, "-o", str(out), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert out.is_file()
+    assert out.is_file() and f"wrote {out} (" in done.stderr and " MB) in " in done.stderr
     assert f"architecture {arch} (supported)" in done.stdout, done.stdout
     assert f"layers {shape['n_layer']};" in done.stdout and f"vocab {shape['n_vocab']};" in done.stdout
     assert f"experts {shape['n_expert']} total, 2 used per token" in done.stdout
