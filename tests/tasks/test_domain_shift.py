@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from artifacts.corpus import UnknownDomain
+from artifacts.corpus import DomainMix, UnknownDomain, parse_domains
 from artifacts.synth import synthesize
 from tasks import route
 from tasks import workload as wl
@@ -19,22 +19,22 @@ WIDE = {"n_layer": "2", "n_expert": "128", "n_expert_used": "8", "n_ff_exp": "32
 
 
 def test_a_mix_is_trace_then_measure() -> None:
-    assert wl.parse_domains("code") == wl.DomainMix(trace=("code",), measure=("code",))
-    mix = wl.parse_domains("code+log:chat")
-    assert mix == wl.DomainMix(trace=("code", "log"), measure=("chat",)) and mix.shifts
-    assert not wl.parse_domains("prose:prose").shifts
+    assert parse_domains("code") == DomainMix(trace=("code",), measure=("code",))
+    mix = parse_domains("code+log:chat")
+    assert mix == DomainMix(trace=("code", "log"), measure=("chat",)) and mix.shifts
+    assert not parse_domains("prose:prose").shifts
 
 
 @pytest.mark.parametrize("text", ["rust", "code:rust", "code+rust"])
 def test_an_unknown_domain_is_refused_naming_the_known_ones(text: str) -> None:
     with pytest.raises(UnknownDomain, match=r"unknown domain 'rust'; known domains: code, prose, log, chat$"):
-        wl.parse_domains(text)
+        parse_domains(text)
 
 
 @pytest.mark.parametrize("text", ["", "code:", "a:b:c"])
 def test_a_malformed_mix_is_refused(text: str) -> None:
     with pytest.raises(ValueError, match="TRACE\\[:MEASURE\\]"):
-        wl.parse_domains(text)
+        parse_domains(text)
 
 
 def test_hot_share_counts_the_picks_of_the_hot_experts() -> None:
@@ -46,7 +46,7 @@ def test_hot_share_counts_the_picks_of_the_hot_experts() -> None:
     assert shifted.trace == pytest.approx(0.55) and shifted.measured == pytest.approx((1 + 5) / 14)
 
 
-def _traces(model: Path, mix: wl.DomainMix, log: Path) -> tuple[np.ndarray, np.ndarray]:
+def _traces(model: Path, mix: DomainMix, log: Path) -> tuple[np.ndarray, np.ndarray]:
     """The route stage's trace on the mix's trace domains and on its measured ones (the CPU, 4 prompts each)."""
     params = route.trace_params(n_ctx=1024, threads=2)
     out = []
@@ -58,7 +58,7 @@ def _traces(model: Path, mix: wl.DomainMix, log: Path) -> tuple[np.ndarray, np.n
 
 def test_the_hot_copies_serve_less_of_a_shifted_workload_on_the_domain_twin(tmp_path: Path) -> None:
     # planned on prose, served chat: a quarter of each layer's experts chosen on the prose trace
-    mix = wl.parse_domains("prose:chat")
+    mix = parse_domains("prose:chat")
     shares = {}
     for routing in ("domains", "skewed"):
         model = synthesize("tiny-moe", tmp_path / f"{routing}.gguf", overrides={**WIDE, "routing": routing}).path
