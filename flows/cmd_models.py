@@ -83,7 +83,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 
 def _heads(args: argparse.Namespace) -> int:
-    from artifacts.synth_heads import heads_of
+    from artifacts.synth.heads import heads_of
 
     if not args.heads_of.is_file():
         raise FluxError(f"flux synth --heads-of: {args.heads_of} is not a file; give a model's .gguf that has its "
@@ -98,7 +98,7 @@ def _heads(args: argparse.Namespace) -> int:
 
 
 def _draft(args: argparse.Namespace) -> int:
-    from artifacts.synth_draft import draft_twin
+    from artifacts.synth.draft import draft_twin
     from tasks.measurement.draft import agreement
 
     if not args.draft_of.is_file():

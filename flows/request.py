@@ -133,10 +133,10 @@ def check_draft(req: PlanRequest) -> None:
 
     Raises:
         BadPlanFlag: the draft is not a file, not a model, or has another vocabulary than the model's; the heads
-            are not a file or do not fit the model (:func:`artifacts.synth_heads.heads_mismatch`).
+            are not a file or do not fit the model (:func:`artifacts.synth.heads.heads_mismatch`).
     """
-    from artifacts.synth_draft import vocabulary_mismatch
-    from artifacts.synth_heads import heads_mismatch
+    from artifacts.synth.draft import vocabulary_mismatch
+    from artifacts.synth.heads import heads_mismatch
 
     checks = (("--heads", req.heads, heads_mismatch, "",
                "give the model's next-token block as a .gguf (e.g. `flux synth --heads-of MODEL_WITH_HEADS -o "

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from artifacts.synth import PRESETS, synthesize
-from artifacts.synth_routing import layer_ranks, router_scales
+from artifacts.synth.routing import layer_ranks, router_scales
 
 WORDS = ("the harbour bridge library budget tram winter steel baker fountain jazz physics gulls oysters quantum poetry "
          "lighthouse committee engineers rain").split()

@@ -12,10 +12,11 @@ from gguf.quants import dequantize
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from artifacts import synth, synth_data
+from artifacts import synth
 from artifacts.synth import PRESETS, QUANTS, Quant, apply_overrides, plan_tensors, planned_bytes, synthesize
-from artifacts.synth_layout import vocab
-from artifacts.synth_presets import MIN_VOCAB, SPECIALS
+from artifacts.synth import data as synth_data
+from artifacts.synth.layout import vocab
+from artifacts.synth.presets import MIN_VOCAB, SPECIALS
 
 TINY = ("tiny-dense", "tiny-moe")
 

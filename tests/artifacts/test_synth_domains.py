@@ -10,7 +10,7 @@ import pytest
 
 from artifacts.corpus import DOMAINS, UnknownDomain, domain_texts, sized_prompts
 from artifacts.synth import PRESETS, apply_overrides, synthesize
-from artifacts.synth_domains import Domains, design_jaccard, subsets, twin_tokens
+from artifacts.synth.domains import Domains, design_jaccard, subsets, twin_tokens
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient, tokenizer
 from engine_bridge.ops import RoutingRequest

@@ -8,7 +8,7 @@ import pytest
 from gguf import GGUFReader
 
 from artifacts.synth import synthesize
-from artifacts.synth_draft import draft_twin
+from artifacts.synth.draft import draft_twin
 from tasks.measurement.draft import agreement, runs
 
 

@@ -15,7 +15,7 @@ from twin_checks import field, kinds_by_layer, written_tiny_twin
 
 from artifacts.model_info import kv_cache_bytes, model_info, swa_cells
 from artifacts.synth import PRESETS, QUANTS, Quant, plan_tensors, planned_bytes, synthesize
-from artifacts.synth_presets import SynthSpec
+from artifacts.synth.presets import SynthSpec
 
 TINY = "tiny-gemma3"
 FULL = "gemma3-270m"

@@ -13,7 +13,7 @@ from gguf import GGUFReader
 from twin_checks import field, kinds_by_layer
 
 from artifacts.synth import synthesize
-from artifacts.synth_heads import heads_mismatch, heads_of
+from artifacts.synth.heads import heads_mismatch, heads_of
 from engine_bridge.backend import llama_server_path
 from engine_bridge.drafting import Drafting
 from engine_bridge.engines.process import EngineProcess

@@ -13,7 +13,7 @@ from twin_checks import field, greedy_twice, kinds_by_layer, load_log, written_t
 
 from artifacts.model_info import model_info
 from artifacts.synth import PRESETS, QUANTS, Quant, plan_tensors, planned_bytes, synthesize
-from artifacts.synth_presets import SynthSpec
+from artifacts.synth.presets import SynthSpec
 
 TINY = "tiny-minicpm"
 FULL = "minicpm4-8b"

@@ -14,8 +14,8 @@ from twin_checks import BUFFER, field, greedy_twice, kinds_by_layer, load_log, w
 
 from artifacts.model_info import model_info
 from artifacts.synth import PRESETS, QUANTS, Quant, plan_tensors, planned_bytes, synthesize
-from artifacts.synth_presets import SynthSpec
-from artifacts.synth_routing import layer_ranks, router_scales
+from artifacts.synth.presets import SynthSpec
+from artifacts.synth.routing import layer_ranks, router_scales
 
 TINY = "tiny-qwen35moe"
 FULL = "qwen3.6-35b-a3b"

@@ -12,7 +12,7 @@ from twin_checks import field, greedy_twice, kinds_by_layer, written_tiny_twin
 
 from artifacts.model_info import model_info
 from artifacts.synth import PRESETS, QUANTS, Quant, plan_tensors, planned_bytes, synthesize
-from artifacts.synth_presets import HYBRID_FIELDS, SynthSpec
+from artifacts.synth.presets import HYBRID_FIELDS, SynthSpec
 
 TINY = "tiny-qwen3next"
 RECURRENT = {"attn_qkv.weight", "attn_gate.weight", "ssm_conv1d.weight", "ssm_dt.bias", "ssm_a", "ssm_ba.weight",

@@ -14,7 +14,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from artifacts.synth import PRESETS, apply_overrides, planned_bytes, synthesize
-from artifacts.synth_routing import layer_ranks, router_scales, target_shares
+from artifacts.synth.routing import layer_ranks, router_scales, target_shares
 
 SKEWED = {"routing": "skewed"}
 

@@ -21,7 +21,7 @@ import pytest
 
 from artifacts.model_info import model_info
 from artifacts.synth import synthesize
-from artifacts.synth_routing import layer_ranks
+from artifacts.synth.routing import layer_ranks
 from engine_bridge.params import EngineParams, ExpertSplit, TensorOverride
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")

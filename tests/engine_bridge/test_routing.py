@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from artifacts.synth_catalog import PRESETS
+from artifacts.synth.catalog import PRESETS
 
 pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
 from engine_bridge.worker.routing import expert_counts  # noqa: E402  # needs llama_cpp

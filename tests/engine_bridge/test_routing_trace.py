@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from artifacts.synth import PRESETS, synthesize
-from artifacts.synth_routing import router_scales
+from artifacts.synth.routing import router_scales
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError, RoutingMismatch

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from artifacts.synth_draft import draft_twin
+from artifacts.synth.draft import draft_twin
 from engine_bridge.backend import llama_server_path
 from engine_bridge.drafting import Drafting
 from engine_bridge.engines.process import EngineProcess

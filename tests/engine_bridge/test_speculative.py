@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from artifacts.synth import synthesize
-from artifacts.synth_draft import draft_twin
+from artifacts.synth.draft import draft_twin
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError

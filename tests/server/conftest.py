@@ -16,7 +16,7 @@ from support import ServeEnv, Server, serve_env, start_server, stop_server, with
 
 from artifacts.config import Settings
 from artifacts.records.plan import Plan
-from artifacts.synth_presets import CHATML
+from artifacts.synth.presets import CHATML
 from engine_bridge.params import EngineParams
 from tasks.testing import stored_plan
 

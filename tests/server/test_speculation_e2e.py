@@ -19,7 +19,7 @@ from artifacts.records.kinds import PLAN
 from artifacts.records.plan import Plan
 from artifacts.records.store import Records
 from artifacts.synth import synthesize
-from artifacts.synth_draft import draft_twin
+from artifacts.synth.draft import draft_twin
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from tasks.bench.spec_facts import speculation_facts
@@ -152,7 +152,7 @@ def test_a_plan_grafts_next_token_heads_onto_a_model_without_them(tmp_path: Path
     """`flux plan --speculation --heads H --engines native,llama-server` of a qwen35moe twin converted without
     its block, H its block alone (`flux synth --heads-of`): the best llama-server placement drafts with the
     grafted heads (`+mtp`), keeping what the block proposes; `flux show` names the file; its hash is in the key."""
-    from artifacts.synth_heads import heads_of
+    from artifacts.synth.heads import heads_of
 
     env = _env(tmp_path)
     trunk = synthesize("tiny-qwen35moe", tmp_path / "trunk.gguf").path
@@ -174,7 +174,7 @@ def test_a_plan_grafts_next_token_heads_onto_a_model_without_them(tmp_path: Path
 
 @pytest.mark.parametrize("case", ["no-speculation", "no-llama-server", "own-heads", "other-model"])
 def test_heads_that_cannot_draft_are_one_line_exit_2_and_no_plan(tmp_path: Path, tiny_moe: Path, case: str) -> None:
-    from artifacts.synth_heads import heads_of
+    from artifacts.synth.heads import heads_of
 
     env = _env(tmp_path)
     trunk = synthesize("tiny-qwen35moe", tmp_path / "trunk.gguf").path

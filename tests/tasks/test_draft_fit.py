@@ -7,7 +7,7 @@ from pathlib import Path
 
 from artifacts.model_info import model_info
 from artifacts.records.search import Candidate, Finalists, Placement, Prediction
-from artifacts.synth_draft import draft_twin
+from artifacts.synth.draft import draft_twin
 from engine_bridge.drafting import Drafting
 from engine_bridge.params import EngineParams
 from tasks.measurement.speculation import DRAFT_COMPUTE_BYTES, draft_bytes, with_drafting

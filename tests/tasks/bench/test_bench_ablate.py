@@ -118,7 +118,7 @@ def test_a_llama_server_plan_races_drafting_as_it_serves(tmp_path_factory: pytes
                                                          tiny_moe: Path) -> None:
     """A plan won by llama-server drafting with a draft model is raced as it is served: llama-server with the
     pin's drafter; `no-speculation` is llama-server without it, `other-engine` the native worker drafting alike."""
-    from artifacts.synth_draft import draft_twin
+    from artifacts.synth.draft import draft_twin
     from engine_bridge.backend import llama_server_path
     from engine_bridge.drafting import Drafting
     from engine_bridge.engines.spec import EngineSpec as ServedBy

@@ -34,15 +34,15 @@ from artifacts.errors import ModelFileError
 from artifacts.gguf_encode import kv, kv_array, string
 from artifacts.ids import canonical_json
 from artifacts.model_info import tensor_layer
-from artifacts.synth_catalog import PRESETS
-from artifacts.synth_data import padded, write_all, write_data
-from artifacts.synth_domains import Domains
-from artifacts.synth_domains import check as check_domains
-from artifacts.synth_layout import PlannedTensor, plan_tensors, vocab
-from artifacts.synth_locality import Locality
-from artifacts.synth_locality import check as check_locality
-from artifacts.synth_presets import ARCH_FIELDS, CHATML, HYBRID_ARCHES, QUANTS, Quant, SynthSpec
-from artifacts.synth_routing import RouterTransform, skewed_router
+from artifacts.synth.catalog import PRESETS
+from artifacts.synth.data import padded, write_all, write_data
+from artifacts.synth.domains import Domains
+from artifacts.synth.domains import check as check_domains
+from artifacts.synth.layout import PlannedTensor, plan_tensors, vocab
+from artifacts.synth.locality import Locality
+from artifacts.synth.locality import check as check_locality
+from artifacts.synth.presets import ARCH_FIELDS, CHATML, HYBRID_ARCHES, QUANTS, Quant, SynthSpec
+from artifacts.synth.routing import RouterTransform, skewed_router
 
 # fmt: off
 __all__ = [

@@ -1,6 +1,6 @@
 """A twin's layout: its tensors in file order (types after the block-size fallback) and its tokenizer.
 
-Declarative like :mod:`artifacts.synth_presets`, whose :class:`~artifacts.synth_presets.SynthSpec` it lays out;
+Declarative like :mod:`artifacts.synth.presets`, whose :class:`~artifacts.synth.presets.SynthSpec` it lays out;
 :mod:`artifacts.synth` writes it.
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
-from artifacts.synth_presets import SPECIALS, Arch, Quant, SynthSpec
+from artifacts.synth.presets import SPECIALS, Arch, Quant, SynthSpec
 
 # quant -> (type of the 2-D/3-D weights, type of output.weight). Like llama-quantize's recipe, a 4-bit
 # model keeps output.weight at Q6_K.
@@ -36,7 +36,7 @@ class PlannedTensor(NamedTuple):
     name: str
     shape: tuple[int, ...]
     ggml_type: Q
-    # pass_first: artifacts.synth_data; const: every value is `std`
+    # pass_first: artifacts.synth.data; const: every value is `std`
     fill: Literal["ones", "neg_ones", "normal", "const", "blocks", "pass_first"]
     std: float
 

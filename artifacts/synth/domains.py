@@ -18,7 +18,7 @@ subsets' Jaccard is ``routing_overlap`` (0.05 by default), and steers a prompt t
   average prompt gives the one-hot ``c = e_d``; each router row reads the slot (and the constant, for ``b``) with
   weights such that expert ``e``'s logit gets ``GAIN * sum_{d: e in S_d} c_d``, far more than its random part.
   Within the subset the random part decides, each row scaled as in the skewed profile fitted to the subset's size
-  (:func:`artifacts.synth_routing.router_scales`): the busiest half of a domain's subset gets about
+  (:func:`artifacts.synth.routing.router_scales`): the busiest half of a domain's subset gets about
   ``routing_top_half`` of its picks. Each layer lays its subsets out on its own seeded permutation.
 
 Everything else is drawn as the uniform twin's. The profile needs a model whose layer 0 is full attention
@@ -39,9 +39,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from numpy.typing import NDArray
 
-from artifacts.synth_layout import PlannedTensor, _byte_tokens, vocab
-from artifacts.synth_presets import SPECIALS, SynthSpec
-from artifacts.synth_routing import RouterTransform, router_scales
+from artifacts.synth.layout import PlannedTensor, _byte_tokens, vocab
+from artifacts.synth.presets import SPECIALS, SynthSpec
+from artifacts.synth.routing import RouterTransform, router_scales
 
 AFFINITY_BLOCK = slice(0, 32)  # the token's domain affinities (first K dims): one quant block
 CONST_DIM = 32  # a constant in every embedding (the rest of its block zero): the router's bias

@@ -40,9 +40,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from numpy.typing import NDArray
 
-from artifacts.synth_layout import PlannedTensor
-from artifacts.synth_presets import SynthSpec
-from artifacts.synth_routing import RouterTransform, router_scales, skewed_router
+from artifacts.synth.layout import PlannedTensor
+from artifacts.synth.presets import SynthSpec
+from artifacts.synth.routing import RouterTransform, router_scales, skewed_router
 
 CONST_DIMS = 32  # the constant direction: one quant block of every embedding row
 _THETA = (1 / 128, 1 / 4)  # rotated pairs of the recency head: a window of ~8 tokens

@@ -20,7 +20,7 @@ from pathlib import Path
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from pydantic import BaseModel, ConfigDict
 
-from artifacts.synth_draft import copy_tensor, vocabulary_mismatch
+from artifacts.synth.draft import copy_tensor, vocabulary_mismatch
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 

@@ -1,5 +1,5 @@
 """What a synthetic twin is: its spec and how a deep one is conditioned (the presets of real models are in
-:mod:`artifacts.synth_catalog`, its tensor plan and tokenizer in :mod:`artifacts.synth_layout`).
+:mod:`artifacts.synth.catalog`, its tensor plan and tokenizer in :mod:`artifacts.synth.layout`).
 
 `artifacts.synth` writes what these modules describe; they are declarative and cheap (planning a 17 GB twin
 writes nothing), so sizes can be checked without writing files.
@@ -150,12 +150,12 @@ class SynthSpec(BaseModel):
     # The output layer's std is logit_std / sqrt(n_embd): the logits get about this std, so the next-token
     # distribution is peaked (KL between configs is sensitive) yet finite.
     logit_std: float = Field(default=4.0, gt=0)
-    # Routing profile (artifacts.synth_routing): "uniform" keeps the random router; "skewed" scales its rows so
+    # Routing profile (artifacts.synth.routing): "uniform" keeps the random router; "skewed" scales its rows so
     # the busiest half of each layer's experts gets about routing_top_half of the picks; "local" is skewed and
     # has temporal locality: about routing_repeat of a token's picks were the previous token's too
-    # (artifacts.synth_locality, qwen3moe twins); "domains" steers the prompts of each corpus domain (code, prose,
+    # (artifacts.synth.locality, qwen3moe twins); "domains" steers the prompts of each corpus domain (code, prose,
     # log, chat) to its own expert subset, two subsets' Jaccard index about routing_overlap, skewed within
-    # (artifacts.synth_domains, qwen3moe twins).
+    # (artifacts.synth.domains, qwen3moe twins).
     routing: Literal["uniform", "skewed", "local", "domains"] = "uniform"
     routing_top_half: float = Field(default=0.9, gt=0.5, lt=1.0)
     routing_repeat: float = Field(default=0.45, gt=0.0, lt=0.6)

@@ -1,11 +1,11 @@
 """The presets of real models that `flux synth --like` writes twins of, each from its published config
-(sources in docs/twins.md); what a spec means is in :mod:`artifacts.synth_presets`."""
+(sources in docs/twins.md); what a spec means is in :mod:`artifacts.synth.presets`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from artifacts.synth_presets import SynthSpec, conditioned
+from artifacts.synth.presets import SynthSpec, conditioned
 
 _QWEN3: dict[str, Any] = {"arch": "qwen3moe", "rope_base": 1e6, "eps": 1e-6}
 _QWEN3NEXT: dict[str, Any] = {"arch": "qwen3next", "rope_base": 1e7, "eps": 1e-6}

@@ -13,9 +13,9 @@ from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as Q
 from numpy.typing import NDArray
 
-from artifacts.synth_blocks import BLOCK_MAKERS
-from artifacts.synth_layout import PlannedTensor
-from artifacts.synth_routing import RouterTransform
+from artifacts.synth.blocks import BLOCK_MAKERS
+from artifacts.synth.layout import PlannedTensor
+from artifacts.synth.routing import RouterTransform
 
 ALIGN = 32
 _POOL_BYTES = 64 << 20  # random blocks per (type, std) pool
