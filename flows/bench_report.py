@@ -26,7 +26,7 @@ from artifacts.records.kinds import PLAN
 from artifacts.records.plan import Plan
 from artifacts.records.store import Records
 from artifacts.store import Store
-from flows.cmd_plan import load_plan
+from flows.commands.plan import load_plan
 from tasks.bench.errors import BenchError
 from tasks.bench.record import SUMMARY_KIND, BenchRun, overall
 from tasks.bench.record import summary_table as summary_rows

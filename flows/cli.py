@@ -18,19 +18,19 @@ from artifacts.errors import FluxError
 from artifacts.logs import console, setup_logging
 
 Handler = Callable[[argparse.Namespace], int]
-COMMAND_MODULES = ("flows.cmd_models", "flows.cmd_plan", "flows.cmd_serve", "flows.cmd_bench", "flows.cmd_backend",
-                   "flows.cmd_sql", "flows.cmd_rpc", "flows.cmd_fetch", "flows.cmd_convert")
+COMMAND_MODULES = ("flows.commands.models", "flows.commands.plan", "flows.commands.serve", "flows.commands.bench", "flows.commands.backend",
+                   "flows.commands.sql", "flows.commands.rpc", "flows.commands.fetch", "flows.commands.convert")
 # The module that registers each command: a command line naming one builds that module's parsers only, so that
 # `flux plan` of a saved plan and `flux serve` do not import every other command's dependencies first (the bench
 # suites, the synthesizer, the structure check's protocol: 0.5-1 s of a 2-core machine's start). `flux --help`, and
 # a name that is none of these, build them all (tests/flows/test_cli_dispatch.py checks this against them).
 COMMANDS: dict[str, str] = {
-    "synth": "flows.cmd_models", "inspect": "flows.cmd_models",
-    "plan": "flows.cmd_plan", "plans": "flows.cmd_plan", "show": "flows.cmd_plan", "deploy": "flows.cmd_plan",
-    "serve": "flows.cmd_serve", "bench": "flows.cmd_bench",
-    "version": "flows.cmd_backend", "config": "flows.cmd_backend", "devices": "flows.cmd_backend",
-    "generate": "flows.cmd_backend", "sql": "flows.cmd_sql", "rpc-server": "flows.cmd_rpc",
-    "fetch": "flows.cmd_fetch", "convert": "flows.cmd_convert",
+    "synth": "flows.commands.models", "inspect": "flows.commands.models",
+    "plan": "flows.commands.plan", "plans": "flows.commands.plan", "show": "flows.commands.plan", "deploy": "flows.commands.plan",
+    "serve": "flows.commands.serve", "bench": "flows.commands.bench",
+    "version": "flows.commands.backend", "config": "flows.commands.backend", "devices": "flows.commands.backend",
+    "generate": "flows.commands.backend", "sql": "flows.commands.sql", "rpc-server": "flows.commands.rpc",
+    "fetch": "flows.commands.fetch", "convert": "flows.commands.convert",
 }
 
 

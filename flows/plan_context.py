@@ -38,7 +38,7 @@ def read_model(req: PlanRequest, settings: Settings) -> ModelInfo:
     Raises:
         ModelFileError: not a regular file, not a GGUF, truncated, an architecture llama.cpp does not implement.
     """
-    from flows.cmd_models import inspect_model
+    from flows.commands.models import inspect_model
 
     return inspect_model(Path(req.model), settings.cache_dir, with_hash=False)
 

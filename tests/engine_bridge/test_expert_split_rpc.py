@@ -52,7 +52,7 @@ m.close()
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
     from artifacts.config import load_settings
-    from flows.cmd_rpc import rpc_server_path
+    from flows.commands.rpc import rpc_server_path
 
     try:
         rpc_server_path(load_settings().cache_dir)

@@ -14,9 +14,9 @@ from artifacts.records.plan import Plan
 from artifacts.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
-# Runs `flux` with flows.cmd_bench registered even before flows/cli.py lists it.
-SHIM = ("import sys\nfrom flows import cli\nif 'flows.cmd_bench' not in cli.COMMAND_MODULES:\n"
-        "    cli.COMMAND_MODULES = (*cli.COMMAND_MODULES, 'flows.cmd_bench')\nsys.exit(cli.main(sys.argv[1:]))\n")
+# Runs `flux` with flows.commands.bench registered even before flows/cli.py lists it.
+SHIM = ("import sys\nfrom flows import cli\nif 'flows.commands.bench' not in cli.COMMAND_MODULES:\n"
+        "    cli.COMMAND_MODULES = (*cli.COMMAND_MODULES, 'flows.commands.bench')\nsys.exit(cli.main(sys.argv[1:]))\n")
 SUITES = ("run", "quality", "conformance", "ablate", "show", "matrix")
 
 
@@ -36,7 +36,7 @@ def test_help_lists_every_suite_and_each_has_help(monkeypatch: pytest.MonkeyPatc
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     from flows import cli
 
-    assert "flows.cmd_bench" in cli.COMMAND_MODULES
+    assert "flows.commands.bench" in cli.COMMAND_MODULES
     parser = cli.build_parser()
     for argv in (["bench", "--help"], *(["bench", s, "--help"] for s in SUITES)):
         with pytest.raises(SystemExit) as done:

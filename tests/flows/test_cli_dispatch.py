@@ -34,6 +34,6 @@ def test_a_command_line_builds_its_module_only_and_help_builds_every_one() -> No
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()
 
-    assert loaded("plan", "m.gguf") == "['flows.cmd_plan']"
-    assert loaded("serve", "abc") == "['flows.cmd_serve']"
+    assert loaded("plan", "m.gguf") == "['flows.commands.plan']"
+    assert loaded("serve", "abc") == "['flows.commands.serve']"
     assert loaded("--help") == loaded("no-such-command") == str(sorted(cli.COMMAND_MODULES))

@@ -11,7 +11,7 @@ import pyarrow as pa
 from rich.console import Console
 
 from artifacts.store import Store
-from flows.cmd_sql import print_auto
+from flows.commands.sql import print_auto
 
 # Like `SELECT * FROM plans`: many columns, some long values (ids, paths, flags).
 WIDE = pa.table({

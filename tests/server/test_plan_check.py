@@ -72,7 +72,7 @@ def test_unknown_plan_prefix_is_one_line(senv: ServeEnv, monkeypatch: pytest.Mon
 
 
 def test_flux_serve_registers_the_same_flags() -> None:
-    from flows import cmd_serve
+    from flows.commands import serve as cmd_serve
 
     parser = argparse.ArgumentParser()
     cmd_serve.register(parser.add_subparsers(dest="command"))

@@ -40,7 +40,7 @@ def _flux(env: ServeEnv, *args: str, timeout: float = 600) -> subprocess.Complet
 def _start_rpc(env: ServeEnv, port: int, extra_env: dict[str, str] | None = None,
                raw: bool = False) -> subprocess.Popen[str]:
     """`flux rpc-server` (or, ``raw``, the binary itself, to fake another build) on 127.0.0.1:port."""
-    from flows.cmd_rpc import rpc_server_path
+    from flows.commands.rpc import rpc_server_path
 
     cmd = ([str(rpc_server_path(env.settings.cache_dir)), "--port", str(port)] if raw else
            [sys.executable, "-m", "flows", "rpc-server", "--port", str(port), "--threads", "1"])
@@ -80,7 +80,7 @@ def servers(env: ServeEnv) -> Iterator[list[str]]:
     """Two `flux rpc-server` endpoints (their processes in ``RUNNING``, by endpoint, so a test can stop one)."""
     pytest.importorskip("llama_cpp")
     try:
-        from flows.cmd_rpc import rpc_server_path
+        from flows.commands.rpc import rpc_server_path
 
         rpc_server_path(env.settings.cache_dir)
     except Exception as exc:  # noqa: BLE001 - a build without rpc-server: nothing to test against

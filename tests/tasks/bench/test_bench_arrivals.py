@@ -145,8 +145,8 @@ def test_flux_bench_arrivals_runs_from_the_cli(ctx: BenchContext, monkeypatch: p
                                                capsys: pytest.CaptureFixture[str]) -> None:
     from flows import cli
 
-    if "flows.cmd_bench" not in cli.COMMAND_MODULES:
-        monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, "flows.cmd_bench"))
+    if "flows.commands.bench" not in cli.COMMAND_MODULES:
+        monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, "flows.commands.bench"))
     args = cli.build_parser().parse_args(["bench", "arrivals", ctx.plan.id[:12], "--rates", "1,3", "--requests", "2",
                                           "--n-gen", "4", "--rounds", "1", "--chat-turns", "0", "--capacity", "4"])
     args.settings = ctx.settings

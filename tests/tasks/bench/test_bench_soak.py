@@ -167,8 +167,8 @@ def test_flux_bench_soak_runs_from_the_cli_and_stores_its_run(ctx: BenchContext,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     from flows import cli
 
-    if "flows.cmd_bench" not in cli.COMMAND_MODULES:
-        monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, "flows.cmd_bench"))
+    if "flows.commands.bench" not in cli.COMMAND_MODULES:
+        monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, "flows.commands.bench"))
     args = cli.build_parser().parse_args(["bench", "soak", ctx.plan.id[:12], "--requests", "4", "--seconds", "30",
                                           "--concurrency-factor", "2", "--no-faults"])
     args.settings = ctx.settings

@@ -95,7 +95,7 @@ def test_the_h100_race_is_invalid_not_a_win() -> None:
     assert m["solo_vs_race"] == pytest.approx(abs(53.4 - 31.6) / 31.6, rel=1e-3)
     assert m["unreported"]["decode"]["ratio"] == pytest.approx(109.5 / 31.6, rel=0.01)  # kept for diagnosis only
     assert m["per_turn"]["t"]["turn_speedup"] is None and m["unreported"]["turn_speedup"]["t"] is not None
-    assert overall([row.verdict, "pass"]) == "invalid"  # `flux bench run` exits 1 (flows/cmd_bench.py)
+    assert overall([row.verdict, "pass"]) == "invalid"  # `flux bench run` exits 1 (flows/commands/bench.py)
 
 
 def test_invalid_outranks_a_budget_flag_and_a_flag_alone_stays_info() -> None:

@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def cmd_convert(args: argparse.Namespace) -> int:
     """Convert, then describe the GGUF as `flux inspect` does (llama.cpp's loader checks it)."""
     from engine_bridge.convert import convert
-    from flows.cmd_models import cmd_inspect
+    from flows.commands.models import cmd_inspect
 
     settings = args.settings
     log_path = settings.logs_dir / "convert.log"
