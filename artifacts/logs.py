@@ -1,7 +1,7 @@
 """Logging set-up for people: rich on a terminal, a filter from FLUX_LOG.
 
 ``FLUX_LOG`` is a comma-separated list of ``level`` or ``logger=level`` items, e.g. ``info`` or
-``warning,tasks.measure=debug``.
+``warning,tasks.measurement.rounds=debug``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ continuation with
   and two tensors swapped (a tensor override or a loader that puts one tensor's data under another name);
 
 and prints, for each, the statistics the gate can use (mean, p90 and max KL, top-1 agreement) and whether
-:func:`tasks.validate.passes` lets it through. Wrong configurations are separate twin files whose header
+:func:`tasks.validation.gate.passes` lets it through. Wrong configurations are separate twin files whose header
 or data differ from the reference twin in just that one respect (same weights otherwise).
 
     python3 scripts/quality_floor.py --like qwen3moe-small --set n_layer=48 [--gpu] [--out DIR]

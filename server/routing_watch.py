@@ -12,7 +12,7 @@ re-fit a plan) only with ``[serve.routing] count = "moe"``: the eval callback, e
 decode step a Python call per graph node (scripts/bench_serve_routing.py). Counting is off by default
 (``count = "off"``) until its cost on a GPU is measured: there the callback also makes llama.cpp's scheduler run
 each split as views and wait for it, and a CUDA build's callback once crashed a tracing worker reading ids
-computed on the GPU (tasks/route.py); ``count = "split"`` turns the watch on.
+computed on the GPU (tasks/probing/trace.py); ``count = "split"`` turns the watch on.
 
 The trace (counts over every worker this server started, and over earlier runs of the same plan) is saved on each
 look that found new picks and when the server stops, to ``<data_dir>/served-routing/<plan id>.parquet``

@@ -1,5 +1,5 @@
 """Engines in the search: each finalist's placement on each engine (``--engines``), and one visit of a
-placement on an engine other than the worker, timed and scored like a worker's visit (:mod:`tasks.measure`).
+placement on an engine other than the worker, timed and scored like a worker's visit (:mod:`tasks.measurement.rounds`).
 
 A finalist ``c3`` on llama-server is the candidate ``c3@llama-server``: the same placement, parameters and
 predictions, with ``engine`` naming where it runs. The rounds, the budget and the quality gate treat it as
@@ -72,7 +72,7 @@ def _held_out(client: httpx.Client, base: str, held_out: list[list[int]]) -> np.
 def _scores(client: httpx.Client, base: str, cand: Candidate, seqs: list[tuple[list[int], list[int]]],
             held_out: list[list[int]], n_vocab: int, path: Path) -> None:
     """The engine's rows of the reference's continuations and its held-out speeds, in the file validation reads
-    (:func:`tasks.validate.scored_path`)."""
+    (:func:`tasks.validation.gate.scored_path`)."""
     arrays: dict[str, np.ndarray] = {f"lp{i}": score(client, base, p, c, n_vocab, min(n_vocab, SCORE_TOP_LOGPROBS))
                                      for i, (p, c) in enumerate(seqs)}
     arrays["held_out"] = _held_out(client, base, held_out)

@@ -31,10 +31,10 @@ DEFAULT_MARGIN = GIB  # the old fixed margin: H200 finalists measured 0.3-0.9 Gi
 DEFAULT_OFFLOAD_MIN_BATCH = 32
 EXPERTS_ON_HOST = TensorOverride(pattern=r"\.ffn_(up|down|gate)_exps\.", device="CPU")
 CALIBRATION_UBATCH = 2048  # the largest micro-batch of the search's default grid
-# the GPU search's default micro-batches (tasks.enumerate); the larger prefill ones (tasks.prefill_ubatch: 4,096 and
+# the GPU search's default micro-batches (tasks.search.space); the larger prefill ones (tasks.prefill_ubatch: 4,096 and
 # 8,192) are not loaded by the probe and take the largest calibrated extra (correction), their compute buffers modelled
 HYBRID_UBATCHES = (256, 512, CALIBRATION_UBATCH)
-SIZING_UBATCH = 512  # the micro-batch a GPU placement's expert share is sized at (tasks.enumerate.gpu_overhead)
+SIZING_UBATCH = 512  # the micro-batch a GPU placement's expert share is sized at (tasks.search.space.gpu_overhead)
 MAPPED_KEY = f"mapped@{SIZING_UBATCH}"
 # each calibration load is read after one run of this many prompt tokens and generated ones, as the measure
 # stage reads its finalists after their runs: memory a graph takes lazily (CUDA's pools, cuBLAS) counts too

@@ -7,7 +7,7 @@ micro-batch, so ~800 tok/s is the copy bound at ``-ub 256`` (a mapped split meas
 the whole model on the GPU 7.3-8.3k) and ~12k at ``-ub 4096``; 2,048 -> 4,096 measured 1.5x. A micro-batch's compute
 buffer grows with it (the logits of every token, :func:`tasks.gpu_memory.compute_bytes`: 2.8 GiB at 4,096 and 5.7
 at 8,192 for that twin), so it is paid for in GPU memory the experts' copies would otherwise use: each of these
-micro-batches gets placements sized with its own compute buffer (:mod:`tasks.enumerate`), and the cost model
+micro-batches gets placements sized with its own compute buffer (:mod:`tasks.search.space`), and the cost model
 (:mod:`tasks.costmodel`) and measurement weigh the faster prefill against the slower decode.
 """
 
@@ -18,7 +18,7 @@ import re
 from artifacts.records.plan import PlanRequest
 from tasks.workload import nominal_lengths
 
-# Doubling up from the default grid's largest (tasks.enumerate: 256, 512, 2048). 1,024 is left out: a hybrid's
+# Doubling up from the default grid's largest (tasks.search.space: 256, 512, 2048). 1,024 is left out: a hybrid's
 # prefill only grows with the micro-batch (the copy bound), so 1,024 could win only where 2,048's compute buffer
 # costs more decode than 2,048 saves prefill, which the placements sized for 2,048 already measure.
 PREFILL_UBATCHES = (2048, 4096, 8192)

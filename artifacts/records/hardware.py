@@ -1,4 +1,4 @@
-"""The probe report and the machine facts it is keyed by (``tasks.probe`` measures them; the server reads the
+"""The probe report and the machine facts it is keyed by (``tasks.probing.machine`` measures them; the server reads the
 facts to check a plan against this machine)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A routing profile: how often the model's routers picked each expert on the planning workload.
 
-``tasks.route`` traces it; its counts decide which experts a per-expert placement keeps on the GPU, and its id
+``tasks.probing.trace`` traces it; its counts decide which experts a per-expert placement keeps on the GPU, and its id
 (the stored trace's) is part of every plan key it shaped.
 """
 

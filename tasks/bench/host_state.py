@@ -28,8 +28,8 @@ from artifacts.records.hardware import HardwareReport
 from artifacts.records.kinds import PROBE
 from artifacts.records.store import Records
 from engine_bridge.gpu_inventory import nvml_inventory
-from tasks.probe_gpu import host_to_device_bandwidth
-from tasks.probe_host import ram_read_bandwidth, usable_cpus
+from tasks.probing.gpu import host_to_device_bandwidth
+from tasks.probing.host import ram_read_bandwidth, usable_cpus
 
 SLOW = 0.75  # a reading under this share of the machine's usual one flags the race
 

@@ -1,6 +1,6 @@
 """``flux bench quality``: the plan against the reference placement, by KL, top-1 and perplexity.
 
-The reference is :func:`tasks.validate.reference_params` (everything on the CPU, f16 KV, no flash
+The reference is :func:`tasks.validation.gate.reference_params` (everything on the CPU, f16 KV, no flash
 attention). Two measurements, each on both configurations in fresh workers:
 
 * Next-token agreement: on held-out corpus prompts and the bundled coding-agent conversations, the
@@ -36,7 +36,7 @@ from tasks.bench.record import BenchRun, SummaryRow, Verdict
 from tasks.bench.registry import Suite
 from tasks.corpus_wikitext import wikitext2
 from tasks.quality_gate import compare
-from tasks.validate import reference_params
+from tasks.validation.gate import reference_params
 
 RAW_SCHEMA = pa.schema([
     ("source", pa.string()), ("item", pa.string()), ("prompt_tokens", pa.int32()), ("n_tokens", pa.int32()),

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from engine_bridge.params import EngineParams
 from tasks.quality_gate import compare
-from tasks.validate import reference_continuations, scored
+from tasks.validation.gate import reference_continuations, scored
 from tasks.workload import validation_prompts
 
 

@@ -19,11 +19,11 @@ from artifacts.records.search import Finalists
 from tasks import workload as wl
 from tasks.gpu_budget import gpu_limits
 from tasks.gpu_memory import predicted_gpu_bytes
-from tasks.measure import Scoring, measure
 from tasks.measurement.concurrency import serving_choice
+from tasks.measurement.rounds import Scoring, measure
 from tasks.measurement.speculation import drafted
-from tasks.reference import ReferenceOutputs
 from tasks.stage import NATIVE_OPS, PlanContext, Stage
+from tasks.validation.outputs import ReferenceOutputs
 
 
 def _key(ctx: PlanContext, hw: HardwareReport, fin: Finalists, ref: ReferenceOutputs) -> dict[str, Any]:

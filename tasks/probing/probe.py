@@ -18,7 +18,7 @@ from artifacts.records.keys import probe_key
 from artifacts.records.kinds import PROBE
 from tasks import workload as wl
 from tasks.errors import ImpossiblePlan
-from tasks.probe import load_words, probe, quiet_now, taken_under_load
+from tasks.probing.machine import load_words, probe, quiet_now, taken_under_load
 from tasks.stage import NATIVE_OPS, PlanContext, Stage
 
 _log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def _run(ctx: PlanContext, log: Any) -> HardwareReport:
 def measure_again(ctx: PlanContext,
                   quiet: Callable[[HardwareReport], tuple[bool, float]] = quiet_now) -> bool:
     """Whether the stored probe is measured again rather than reused: ``--reprobe``, or a stored probe taken under load
-    (:func:`tasks.probe.taken_under_load`) on a machine that ``quiet(hw) -> (bool, others' CPUs)`` finds quiet now.
+    (:func:`tasks.probing.machine.taken_under_load`) on a machine that ``quiet(hw) -> (bool, others' CPUs)`` finds quiet now.
     A machine still busy reuses it (a probe now would be as slow) and the stage's report says so."""
     if ctx.reprobe:
         return True

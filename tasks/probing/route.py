@@ -17,9 +17,9 @@ from engine_bridge.expert_split import SPLIT_ARCHITECTURES
 from engine_bridge.ops import RoutingCounts
 from engine_bridge.routing_trace import check_routing_table, routing_table
 from engine_bridge.serve_trace import trace_meta
-from tasks import route
 from tasks import workload as wl
 from tasks.gpu_budget import gpu_devices
+from tasks.probing import trace as route
 from tasks.stage import WORKER, PlanContext, Stage
 
 
@@ -42,7 +42,7 @@ def _when(ctx: PlanContext, log: Any, hw: HardwareReport) -> bool:
 
 
 def route_key(ctx: PlanContext, hw: HardwareReport | None = None) -> dict[str, Any]:
-    """The trace's key: the model, the workload, the seed, the tokens traced (:func:`tasks.route.trace_tokens`:
+    """The trace's key: the model, the workload, the seed, the tokens traced (:func:`tasks.probing.trace.trace_tokens`:
     fewer for a small budget), the build and the code."""
     key = {"stage": "route", "model": ctx.model_hash, "workload": ctx.req.workload, "seed": ctx.req.seed,
            "tokens": _tokens(ctx, hw), "backend": ctx.backend_build, "code": STAGE.code()}

@@ -1,2 +1,2 @@
 """The recording stage: the immutable plan (``persist``), and what tells whether one is stored already. The
-work itself lives in ``tasks.persist``."""
+work itself lives in ``tasks.recording.record``."""

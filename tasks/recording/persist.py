@@ -20,9 +20,9 @@ from tasks.costmodel import all_gpu_decode, roofline_decode
 from tasks.engines import engine_notes, spec_of
 from tasks.gpu_budget import budget_notes
 from tasks.measurement.speculation import draft_trials, drafted, mtp_note, speculation_notes
-from tasks.persist import find_plan, load_notes, persist, plan_notes
 from tasks.probing import probe as probe_stage
 from tasks.probing import route as route_stage
+from tasks.recording.record import find_plan, load_notes, persist, plan_notes
 from tasks.remote import rpc_notes
 from tasks.search.prune import workload_for
 from tasks.stage import PlanContext, Stage

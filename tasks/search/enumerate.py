@@ -10,7 +10,7 @@ from artifacts.records.hardware import HardwareReport
 from artifacts.records.kinds import SPACE
 from artifacts.records.routing import RoutingProfile
 from artifacts.records.search import PlacementSpace
-from tasks.enumerate import enumerate_placements
+from tasks.search.space import enumerate_placements
 from tasks.stage import PlanContext, Stage
 
 # The request's fields that shape the space (the rest shape measuring, validating or nothing).

@@ -10,7 +10,7 @@ from artifacts.records.kinds import FINALISTS
 from artifacts.records.search import Candidate, Finalists, PlacementSpace
 from tasks import workload as wl
 from tasks.costmodel import Workload
-from tasks.prune import prune
+from tasks.search.ranking import prune
 from tasks.stage import Artifact, PlanContext, Stage
 
 

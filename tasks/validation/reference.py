@@ -13,10 +13,10 @@ from artifacts.config import Settings
 from artifacts.model_info import ModelInfo
 from artifacts.records.hardware import HardwareReport
 from tasks import workload as wl
-from tasks.enumerate import smallest_context
 from tasks.quality_gate import Gate
-from tasks.reference import FLOOR_SEQUENCES, ReferenceOutputs, predicted_seconds, reference
+from tasks.search.space import smallest_context
 from tasks.stage import NATIVE_OPS, PlanContext, Stage
+from tasks.validation.outputs import FLOOR_SEQUENCES, ReferenceOutputs, predicted_seconds, reference
 
 
 def gate(settings: Settings) -> Gate:
@@ -31,7 +31,7 @@ SCALES = (1.0, 0.75, 0.5, 0.35, 0.25, 0.15, 0.1, 0.0)
 
 class Shape(NamedTuple):
     """How much a reference computes: the scale, tokens scored per sequence, noise-floor sequences, and its
-    predicted seconds (:func:`tasks.reference.predicted_seconds`)."""
+    predicted seconds (:func:`tasks.validation.outputs.predicted_seconds`)."""
 
     scale: float
     n_tokens: int

@@ -14,9 +14,9 @@ from artifacts.records.search import Finalists
 from tasks.engines import prefer
 from tasks.errors import NoMeasurement
 from tasks.measurement.speculation import drafted, drafting_that_won
-from tasks.reference import ReferenceOutputs, floor_variants
 from tasks.stage import NATIVE_OPS, PlanContext, Stage
-from tasks.validate import rank_measured, validate
+from tasks.validation.gate import rank_measured, validate
+from tasks.validation.outputs import ReferenceOutputs, floor_variants
 from tasks.validation.reference import gate
 
 

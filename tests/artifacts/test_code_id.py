@@ -49,7 +49,7 @@ def test_a_serving_or_showing_edit_keeps_every_stored_probe_space_and_plan(copy:
 
 def test_a_pruning_edit_is_new_finalists_and_plans_but_the_same_probe(copy: Path) -> None:
     before = _codes(copy)
-    _edit(copy / "tasks/prune.py")
+    _edit(copy / "tasks/search/ranking.py")
     after = _codes(copy)
     changed = {name for name in before if before[name] != after[name]}
     assert "prune" in changed and "probe" not in changed and "route" not in changed
@@ -73,8 +73,8 @@ def test_a_new_module_counts_once_a_stage_imports_it(copy: Path) -> None:
     before = PRUNE.code(copy)
     (copy / "tasks" / "new_rule.py").write_text("X = 1\n")
     assert PRUNE.code(copy) == before, "nothing imports it yet"
-    _edit(copy / "tasks/prune.py", "\nfrom tasks import new_rule  # noqa: F401\n")
-    assert copy / "tasks/new_rule.py" in source_files(("tasks.prune",), copy)
+    _edit(copy / "tasks/search/ranking.py", "\nfrom tasks import new_rule  # noqa: F401\n")
+    assert copy / "tasks/new_rule.py" in source_files(("tasks.search.ranking",), copy)
     assert PRUNE.code(copy) != before
 
 

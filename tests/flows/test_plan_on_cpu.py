@@ -19,7 +19,7 @@ from rich.console import Console
 from artifacts.records.kinds import PLAN, PROBE
 from artifacts.records.store import Records
 from flows.show import plan_trials, print_plan
-from tasks.probe import taken_under_load
+from tasks.probing.machine import taken_under_load
 
 REPO = Path(__file__).resolve().parents[2]
 BUDGET = 25

@@ -178,7 +178,7 @@ def test_prompt_depth_is_sized_for_the_two_best_finalists_then_the_rest_fill_wha
 
 def test_the_cost_models_error_compares_the_measured_round_not_the_whole_mix() -> None:
     from artifacts.records.evidence import MeasureSummary
-    from tasks.persist import prediction_error
+    from tasks.recording.record import prediction_error
 
     fin = _fin(2, 10**9)  # predicted 1000 prefill / 100 decode tok/s; prune's score for the mix: 1.0 s
     measured = [MeasureSummary(candidate_id="c0", prefill_tps=900.0, decode_tps=90.0, workload_s=0.4, n_trials=2),

@@ -114,7 +114,7 @@ def test_show_prints_prefill_by_prompt_length_beside_decode_by_depth(tiny_moe: P
     from artifacts.records.kinds import TRIALS_TABLE
     from artifacts.store import Store
     from flows.show import plan_trials, prefill_by_length
-    from tasks.measure import TRIAL_SCHEMA
+    from tasks.measurement.rounds import TRIAL_SCHEMA
 
     settings = load_settings({"XDG_DATA_HOME": str(tmp_path / "data"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
                               "HOME": str(tmp_path)})

@@ -129,7 +129,12 @@ def test_no_import_cycles() -> None:
 ROLES = ("probing", "search", "measurement", "validation", "recording")
 # What flows/ may import from tasks/: declarations, the clock, typed errors, the bench suites (their own registry).
 FLOWS_MAY_IMPORT = ("tasks", "tasks.stage", "tasks.pipeline", "tasks.clock", "tasks.errors")
-FLOWS_MAY_IMPORT_UNDER = ("tasks.bench", *(f"tasks.{r}" for r in ROLES))
+# the stage declarations (each role's modules holding a STAGE) and the drafting choices the CLI names; not the
+# stages' work beside them in the same folders (tasks/<role>/machine.py, space.py, rounds.py, ...)
+DECLARATIONS = ("tasks.probing.probe", "tasks.probing.route", "tasks.search.enumerate", "tasks.search.prune",
+                "tasks.measurement.measure", "tasks.measurement.speculation", "tasks.measurement.draft",
+                "tasks.validation.reference", "tasks.validation.validate", "tasks.recording.persist")
+FLOWS_MAY_IMPORT_UNDER = ("tasks.bench", *DECLARATIONS)
 # Re-exports kept for importers outside the planner; each goes when its importer moves (none left).
 SHIMS: dict[str, set[str]] = {}
 
@@ -143,6 +148,20 @@ def flows_may_import(name: str) -> bool:
 def test_the_flows_rule_refuses_the_work_of_a_stage() -> None:
     assert flows_may_import("tasks.pipeline.PROBE") and flows_may_import("tasks.probing.route.traces_routing")
     assert not flows_may_import("tasks.workload") and not flows_may_import("tasks.costmodel.roofline_decode")
+    assert not flows_may_import("tasks.search.space") and not flows_may_import("tasks.measurement.rounds.measure")
+
+
+def test_each_stage_is_one_folder() -> None:
+    """A stage's declaration and its work live in its role's folder: no module beside the roles is named after a
+    stage (the declaration in tasks/<role>/<stage>.py, its work in another module of the same folder)."""
+    from tasks.pipeline import STAGES
+
+    names = {s.name for s in STAGES}
+    stray = sorted(m for m in MODS if m.count(".") == 1 and m.startswith("tasks.") and m.split(".")[1] in names)
+    assert not stray, f"a stage's work outside its folder: {stray}"
+    for s in STAGES:
+        role = s.run.__module__.split(".")[1]
+        assert role in ROLES and s.run.__module__ == f"tasks.{role}.{s.name}", s.run.__module__
 
 
 @pytest.mark.parametrize("mod", sorted(m for m in MODS if m.startswith("flows")))

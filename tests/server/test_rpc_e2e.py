@@ -24,8 +24,8 @@ from artifacts.records.kinds import PLAN
 from artifacts.records.store import Records
 from engine_bridge import rpc
 from engine_bridge.backend import backend_info
-from tasks.enumerate import kv_at
 from tasks.gpu_memory import compute_bytes
+from tasks.search.space import kv_at
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 2**30

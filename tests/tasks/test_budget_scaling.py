@@ -13,9 +13,9 @@ from artifacts.records.hardware import HardwareReport, KernelTiming
 from artifacts.records.plan import PlanRequest
 from artifacts.records.search import Candidate, Finalists, Placement, Prediction
 from engine_bridge.params import EngineParams
-from tasks import route
 from tasks import workload as wl
 from tasks.errors import ImpossiblePlan
+from tasks.probing import trace as route
 from tasks.testing import h200_report
 from tasks.validation.reference import shape
 

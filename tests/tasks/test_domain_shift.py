@@ -10,8 +10,8 @@ import pytest
 
 from artifacts.corpus import DomainMix, UnknownDomain, parse_domains
 from artifacts.synth import synthesize
-from tasks import route
 from tasks import workload as wl
+from tasks.probing import trace as route
 
 pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
 

@@ -13,9 +13,9 @@ from artifacts.model_info import ModelInfo, expert_bytes, model_info
 from artifacts.records.keys import plan_key
 from artifacts.records.plan import PlanRequest
 from tasks.costmodel import predict
-from tasks.enumerate import enumerate_placements, gpu_overhead, kv_at
 from tasks.expert_hot import block_bytes, hot_placement, split_bytes
-from tasks.prune import prune
+from tasks.search.ranking import prune
+from tasks.search.space import enumerate_placements, gpu_overhead, kv_at
 from tasks.testing import h200_report
 from tests.tasks.test_placement import WORK, scaled
 
@@ -110,7 +110,7 @@ def test_another_routing_trace_is_another_plan() -> None:
 
 def test_the_plan_says_how_per_expert_placement_fared_against_whole_tensors(moe: ModelInfo) -> None:
     from artifacts.records.evidence import MeasureSummary
-    from tasks.persist import expert_split_notes
+    from tasks.recording.record import expert_split_notes
 
     space = _space(moe, skewed(moe), 0.3)
     hot = next(c for c in space.candidates if c.family == "experts-hot")

@@ -10,7 +10,6 @@ import pytest
 from artifacts.model_info import ModelInfo, expert_bytes, model_info
 from artifacts.records.hardware import GpuMemoryFit
 from artifacts.records.plan import PlanRequest
-from tasks.enumerate import compute_bytes, enumerate_placements, gpu_overhead, kv_at, modelled_load
 from tasks.errors import ImpossiblePlan
 from tasks.gpu_memory import (
     CALIBRATION_GEN,
@@ -24,6 +23,7 @@ from tasks.gpu_memory import (
     predicted_gpu_bytes,
     smallest_moe_budget,
 )
+from tasks.search.space import compute_bytes, enumerate_placements, gpu_overhead, kv_at, modelled_load
 from tasks.testing import h200_report
 
 GIB, MIB = 2**30, 2**20

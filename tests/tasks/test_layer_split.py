@@ -13,7 +13,7 @@ from artifacts.records.plan import PlanRequest
 from artifacts.records.search import Placement
 from tasks import expert_select, layer_split
 from tasks.costmodel import EXPERT_PARTS
-from tasks.enumerate import enumerate_placements, gpu_overhead, kv_at
+from tasks.search.space import enumerate_placements, gpu_overhead, kv_at
 from tasks.testing import h200_report
 
 GPUS = ["CUDA0", "CUDA1", "CUDA2", "CUDA3"]
@@ -135,7 +135,7 @@ def test_unlimited_two_gpus_measure_one_gpu_against_the_layer_split(moe: ModelIn
 
 def test_finalists_race_one_gpu_against_two(moe: ModelInfo) -> None:
     from tasks.costmodel import Workload
-    from tasks.prune import prune
+    from tasks.search.ranking import prune
 
     hw = h200_report(2)
     space = enumerate_placements(moe, hw, PlanRequest(model="m", ctx=512), 10)

@@ -24,7 +24,7 @@ from tasks.costmodel import (
     split_host_parts,
 )
 from tasks.expert_hot import block_bytes, hot_placement, mapped_bytes
-from tasks.prune import prune
+from tasks.search.ranking import prune
 from tasks.testing import h200_report
 from tests.tasks.test_costmodel_attention import _recorded
 from tests.tasks.test_expert_hot import _space, skewed

@@ -11,7 +11,7 @@ import pytest
 from artifacts.records.search import Candidate, Placement
 from engine_bridge.gpumem import GpuMemoryMeter, GpuReading, over_budget
 from engine_bridge.params import EngineParams
-from tasks.measure import TRIAL_SCHEMA, measure
+from tasks.measurement.rounds import TRIAL_SCHEMA, measure
 
 GIB = 2**30
 
@@ -26,7 +26,7 @@ def test_a_crashing_candidate_is_a_row_and_the_others_are_measured(tiny_moe: Pat
     lines: list[str] = []  # the module's log lines (a handler of its own: the suite's logging setup may not propagate)
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("tasks.measure")
+    logger = logging.getLogger("tasks.measurement.rounds")
     logger.addHandler(handler)
     level, logger.level = logger.level, logging.INFO
     finalists = [cand("good"), cand("crash"), cand("fa", flash_attn=True)]
@@ -111,7 +111,7 @@ def test_the_meter_without_a_gpu_reads_unknown() -> None:
 def test_a_second_round_that_does_not_fit_cuts_the_slowest_first(tiny_moe: Path, tmp_path: Path) -> None:
     """After round one, the finalists whose second visits do not all fit what is left are cut, slowest first:
     the kept ones get their spread; a cut one is shown, never ranked (measured once)."""
-    from tasks.measure import _cut_for_second_round
+    from tasks.measurement.rounds import _cut_for_second_round
 
     rows = [{"candidate_id": c, "round": 0, "prompt_ms": ms, "gen_ms": 1.0} for c, ms in
             (("fast", 10.0), ("mid", 20.0), ("slow", 30.0))]
@@ -123,7 +123,7 @@ def test_a_second_round_that_does_not_fit_cuts_the_slowest_first(tiny_moe: Path,
 
 
 def test_a_finalist_measured_once_is_never_ranked(tiny_moe: Path, tmp_path: Path) -> None:
-    from tasks.measure import summarize
+    from tasks.measurement.rounds import summarize
 
     rows = [{"candidate_id": "a", "round": 0, "prompt_index": 0, "prompt_tokens": 10, "prompt_ms": 5.0,
              "gen_tokens": 2, "gen_ms": 2.0, "peak_rss_bytes": 1, "error": None},
@@ -136,7 +136,7 @@ def test_a_finalist_measured_once_is_never_ranked(tiny_moe: Path, tmp_path: Path
 def test_slow_first_visits_drop_the_last_ranked_unvisited_finalists() -> None:
     """Visits twice as long as predicted (the H200's): the last-ranked finalists not yet visited are dropped
     until the rest fit two rounds; two always stay, and nothing is dropped while predictions hold."""
-    from tasks.measure import _drop_unvisited
+    from tasks.measurement.rounds import _drop_unvisited
 
     fin = [cand(f"c{i}") for i in range(6)]
     pred = {c.id: 10.0 for c in fin}
@@ -151,7 +151,7 @@ def test_a_slow_first_visit_drops_drafting_before_the_second_placement() -> None
     1.1x its prediction and c209, last, was dropped, so the plan's race had one placement. The drafting
     candidate goes first now, and two placements race."""
     from engine_bridge.drafting import Drafting
-    from tasks.measure import _drop_unvisited
+    from tasks.measurement.rounds import _drop_unvisited
 
     fin = [cand("c208"), cand("c208").model_copy(update={"id": "c208+ngram", "draft": Drafting(kind="ngram")}),
            cand("c209")]
@@ -165,7 +165,7 @@ def test_a_slow_first_visit_drops_drafting_before_the_second_placement() -> None
     assert [cid for cid, _ in dropped] == ["c210", "c208+ngram"], "a third placement goes first"
 
     # a placement dropped or failed takes its unvisited drafting with it: nothing to race it against
-    from tasks.measure import _its_drafting
+    from tasks.measurement.rounds import _its_drafting
 
     lookup = Drafting(kind="ngram")
     fin = [cand("c1"), cand("c2"), cand("c3"), cand("c3").model_copy(update={"id": "c3+ngram", "draft": lookup})]

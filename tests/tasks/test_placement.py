@@ -14,8 +14,8 @@ from artifacts.records.plan import PlanRequest
 from artifacts.records.search import Candidate, Placement
 from tasks import expert_select, layer_split
 from tasks.costmodel import Workload, all_on, head_bytes, layer_bytes, predict
-from tasks.enumerate import _overrides, enumerate_placements, gpu_overhead, kv_at
 from tasks.errors import ImpossiblePlan
+from tasks.search.space import _overrides, enumerate_placements, gpu_overhead, kv_at
 from tasks.testing import h200_report
 
 WORK = Workload(prefill_tokens=2048, decode_tokens=128, mean_prompt_tokens=512)
@@ -192,7 +192,7 @@ def test_two_gpu_placements_put_every_tensor_where_they_say(moe: ModelInfo, tiny
 def test_gpu_finalists_span_micro_batch_sizes(moe: ModelInfo) -> None:
     # On the H200 the cost model ranked -ub 256 and -ub 512 equal for an all-GPU placement that measured
     # 4,500 vs 7,300 tok/s prefill: the finalists must let measurement see both.
-    from tasks.prune import prune
+    from tasks.search.ranking import prune
 
     for budget in (None, [(moe.weight_bytes * 0.5 + gpu_overhead(moe, 512, kv_at(moe, 512))) / 2**30]):
         space = enumerate_placements(moe, h200_report(1), PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=budget), 10)
@@ -206,7 +206,7 @@ def test_gpu_finalists_span_micro_batch_sizes(moe: ModelInfo) -> None:
 def test_hybrid_finalists_include_the_best_with_other_thread_counts(moe: ModelInfo) -> None:
     # With experts left on the CPU, decode runs a few small CPU matmuls per layer between GPU hand-overs;
     # how many threads help there is measured, not predicted: the best's thread sibling is a finalist.
-    from tasks.prune import _hybrid, prune
+    from tasks.search.ranking import _hybrid, prune
 
     budget = [(moe.weight_bytes * 0.5 + gpu_overhead(moe, 512, kv_at(moe, 512))) / 2**30]
     space = enumerate_placements(moe, h200_report(1), PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=budget), 10)
@@ -225,7 +225,7 @@ def test_hybrid_finalists_include_the_best_with_other_thread_counts(moe: ModelIn
 
 def test_finalists_skip_candidates_predicted_far_slower(moe: ModelInfo) -> None:
     # A CPU-only finalist on a GPU machine (predicted many times slower) only burns the measure budget.
-    from tasks.prune import PLAUSIBLE, prune
+    from tasks.search.ranking import PLAUSIBLE, prune
 
     for budget in (None, [(moe.weight_bytes * 0.5 + gpu_overhead(moe, 512, kv_at(moe, 512))) / 2**30]):
         space = enumerate_placements(moe, h200_report(1), PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=budget), 10)
@@ -241,7 +241,7 @@ def test_finalists_skip_candidates_predicted_far_slower(moe: ModelInfo) -> None:
 def test_hybrids_offer_repacked_host_weights(moe: ModelInfo) -> None:
     # --no-host: the CPU's repacked layout for host weights, only where a GPU shares the work (without one,
     # CPU weights are repacked anyway); never with an offload threshold, since those ops never offload.
-    from tasks.prune import _hybrid
+    from tasks.search.ranking import _hybrid
 
     budget = [(moe.weight_bytes * 0.5 + gpu_overhead(moe, 512, kv_at(moe, 512))) / 2**30]
     space = enumerate_placements(moe, h200_report(1), PlanRequest(model="m", ctx=512, gpu_mem_budget_gib=budget), 10)
@@ -257,7 +257,7 @@ def test_hybrids_offer_repacked_host_weights(moe: ModelInfo) -> None:
 def test_the_workload_mix_decides_the_host_layout(moe: ModelInfo) -> None:
     # Repacked host weights decode faster but prefill on the CPU: a prefill-heavy agent workload keeps the
     # pinned layout (offloaded prefill); a decode-heavy chat makes a repacked candidate a finalist to measure.
-    from tasks.prune import prune
+    from tasks.search.ranking import prune
 
     budget = [(moe.weight_bytes * 0.5 + gpu_overhead(moe, 512, kv_at(moe, 512))) / 2**30]
     hw = h200_report(1)

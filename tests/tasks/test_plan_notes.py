@@ -5,7 +5,7 @@ from __future__ import annotations
 from artifacts.records.evidence import MeasureResults, MeasureSummary, ValidationReport, ValidationResult
 from artifacts.records.search import Candidate, Finalists, Placement, PlacementSpace
 from engine_bridge.params import EngineParams
-from tasks.persist import plan_notes
+from tasks.recording.record import plan_notes
 
 
 def _cand(cid: str, engine: str = "native") -> Candidate:

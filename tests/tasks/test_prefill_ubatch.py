@@ -16,10 +16,10 @@ from artifacts.records.plan import PlanRequest
 from artifacts.records.search import Candidate, PlacementSpace
 from tasks import workload as wl
 from tasks.costmodel import Workload, all_on, layer_bytes, micro_batches, predict
-from tasks.enumerate import enumerate_placements
 from tasks.gpu_memory import SIZING_UBATCH, compute_bytes, predicted_gpu_bytes
 from tasks.prefill_ubatch import PREFILL_UBATCHES, prefill_ubatches, sized_family, sizing
-from tasks.prune import prune
+from tasks.search.ranking import prune
+from tasks.search.space import enumerate_placements
 from tasks.testing import h200_report
 from tests.tasks.test_costmodel_attention import _recorded
 from tests.tasks.test_expert_hot import skewed

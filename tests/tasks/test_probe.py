@@ -17,9 +17,9 @@ from artifacts.records.hardware import CpuInfo, GpuInfo, HardwareReport, Machine
 from artifacts.records.keys import facts_fingerprint, hardware_fingerprint, probe_key
 from artifacts.records.machine import cpu_info, machine_facts, read_cpuinfo
 from engine_bridge.gpu_inventory import nvml_inventory
-from tasks.probe import PREFILL_BATCH, probe
-from tasks.probe_gpu import host_to_device_bandwidth, load_cudart, measure_all, normalize_bus_id
-from tasks.probe_host import GIB, MIB, ram_buffer_bytes, ram_read_bandwidth, storage_read_speed
+from tasks.probing.gpu import host_to_device_bandwidth, load_cudart, measure_all, normalize_bus_id
+from tasks.probing.host import GIB, MIB, ram_buffer_bytes, ram_read_bandwidth, storage_read_speed
+from tasks.probing.machine import PREFILL_BATCH, probe
 
 pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
 
@@ -257,8 +257,8 @@ def test_each_calibration_load_is_read_and_a_failed_mapped_load_is_left_out(
     import psutil
 
     from engine_bridge.gpumem import GpuMemoryMeter, GpuReading
-    from tasks.enumerate import modelled_load
-    from tasks.probe import _gpu_kernels, _params, _worker
+    from tasks.probing.machine import _gpu_kernels, _params, _worker
+    from tasks.search.space import modelled_load
 
     monkeypatch.setattr(GpuMemoryMeter, "read", lambda self, pid: GpuReading(per_gpu=(2 * GIB,), method="per-process"))
     info = model_info(tiny_moe)
@@ -266,7 +266,7 @@ def test_each_calibration_load_is_read_and_a_failed_mapped_load_is_left_out(
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append  # type: ignore[method-assign]  # the CLI's log set-up may stop propagation
-    logging.getLogger("tasks.probe").addHandler(handler)
+    logging.getLogger("tasks.probing.machine").addHandler(handler)
     w = _worker(settings)
     w.start()
     try:
@@ -274,7 +274,7 @@ def test_each_calibration_load_is_read_and_a_failed_mapped_load_is_left_out(
                                        [{"name": "CUDA0", "memory_free": 64 * GIB}], 1, settings)
     finally:
         w.close(timeout=5)
-        logging.getLogger("tasks.probe").removeHandler(handler)
+        logging.getLogger("tasks.probing.machine").removeHandler(handler)
     assert [t.device for t in timings] == ["CUDA0"] and timings[0].gpu_bytes == 2 * GIB
     assert set(fit.residuals) == {"whole", "offload@256", "offload@512", "offload"} and not fit.mapped_by_ubatch
     # each hybrid load was read after a run of its own, whose step is kept (the whole load's is its kernel timing)

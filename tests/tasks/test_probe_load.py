@@ -30,11 +30,11 @@ from engine_bridge.params import EngineParams
 from flows.plan_context import plan_context
 from flows.request import plan_request
 from tasks.errors import ImpossiblePlan
-from tasks.measure import TRIAL_SCHEMA
-from tasks.persist import PROBE_DISAGREES, first_round_speedup, load_notes
-from tasks.probe import busy_limit, load_words, probe, quiet_now, taken_under_load
-from tasks.probe_host import usable_cpus
+from tasks.measurement.rounds import TRIAL_SCHEMA
 from tasks.probing import probe as probe_stage
+from tasks.probing.host import usable_cpus
+from tasks.probing.machine import busy_limit, load_words, probe, quiet_now, taken_under_load
+from tasks.recording.record import PROBE_DISAGREES, first_round_speedup, load_notes
 from tasks.stage import PlanContext
 from tasks.testing import h200_report, stored_plan
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from artifacts.model_info import model_info
-from tasks.reference import floor_variants, reference_placement
 from tasks.testing import h200_report
+from tasks.validation.outputs import floor_variants, reference_placement
 
 
 def test_a_gpu_that_holds_the_model_computes_the_reference(tiny_moe: Path) -> None:

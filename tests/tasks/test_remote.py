@@ -14,10 +14,10 @@ from artifacts.records.plan import PlanRequest
 from artifacts.records.search import Placement
 from tasks import layer_split
 from tasks.costmodel import Workload, predict
-from tasks.enumerate import enumerate_placements, kv_at
 from tasks.gpu_memory import compute_bytes
 from tasks.remote import rpc_notes, tensor_split
 from tasks.rpc_link import link_ms, rpc_devices
+from tasks.search.space import enumerate_placements, kv_at
 from tasks.testing import h200_report
 
 GIB = 2**30

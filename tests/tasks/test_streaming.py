@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from artifacts.model_info import ModelInfo, kv_cache_bytes, model_info
 from artifacts.records.plan import PlanRequest
 from tasks.costmodel import all_on, layer_bytes
-from tasks.enumerate import enumerate_placements
 from tasks.errors import ImpossiblePlan, NeedsStorageStreaming
 from tasks.gpu_memory import compute_bytes
+from tasks.search.space import enumerate_placements
 from tasks.streaming import candidate_streaming, drive_bytes_per_token
 from tasks.testing import h200_report
 

@@ -12,7 +12,7 @@ from engine_bridge.errors import EngineError
 from engine_bridge.params import EngineParams, TensorOverride
 from tasks.cores import CoreShare
 from tasks.quality_gate import Gate
-from tasks.validate import Cache, rank_measured, reference_params, validate
+from tasks.validation.gate import Cache, rank_measured, reference_params, validate
 from tasks.workload import validation_prompts
 
 PARAMS = EngineParams(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1, n_threads_batch=1)
@@ -85,7 +85,7 @@ def test_a_whole_gpu_floor_variant_runs_beside_the_host_ones(tiny_moe: Path, tmp
     """The floor's lanes: a variant holding every layer on a GPU (here the CPU build computes it on the host,
     which is the same code path on the Python side) runs beside the host variants, the results keep the
     variants' order and equal the sequential ones, and a variant that cannot run is left out in its lane."""
-    from tasks.validate import floor_results, reference_continuations
+    from tasks.validation.gate import floor_results, reference_continuations
 
     seqs, _ = validation_prompts(tiny_moe, 256, 8, 0, tmp_path / "w.log")
     seqs_, ref = reference_continuations(tiny_moe, reference_params(256, 1), seqs[:2], 8, tmp_path / "w.log", 120,

@@ -2,7 +2,7 @@
 :mod:`engine_bridge.gpu_inventory`'s).
 
 Copy bandwidth is measured through the CUDA runtime (libcudart, by ctypes) in a child process
-(``python -m tasks.probe_gpu BUS_ID...``): a CUDA context in the planning process would hold GPU
+(``python -m tasks.probing.gpu BUS_ID...``): a CUDA context in the planning process would hold GPU
 memory through the later stages and make forking unsafe, and a driver fault must not kill the flow.
 The child maps NVML's PCI bus ids to CUDA device numbers, since CUDA_VISIBLE_DEVICES and CUDA's
 device order can differ from NVML's.
@@ -180,7 +180,7 @@ def host_to_device_bandwidth(bus_ids: Sequence[str], timeout_s: float = 120.0) -
         return {}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     try:
-        proc = subprocess.run([sys.executable, "-m", "tasks.probe_gpu", *bus_ids], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-m", "tasks.probing.gpu", *bus_ids], capture_output=True, text=True,
                               timeout=timeout_s, env=env, cwd=str(REPO_ROOT), check=False)
     except subprocess.TimeoutExpired:
         log.warning("probe: host-to-device copy probe took over %g s: killed, not measured", timeout_s)

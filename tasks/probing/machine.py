@@ -1,7 +1,7 @@
 """Probe: measure the machine a plan is made for, and the model's own kernels on each of its devices.
 
 ``probe(...) -> HardwareReport``. The machine's facts come from :mod:`artifacts.records.machine`, host
-figures from :mod:`tasks.probe_host`, copy bandwidth from :mod:`tasks.probe_gpu`; ggml devices and kernel
+figures from :mod:`tasks.probing.host`, copy bandwidth from :mod:`tasks.probing.gpu`; ggml devices and kernel
 timings come from engine workers (only the worker links llama.cpp). The fingerprint
 (:func:`artifacts.records.keys.hardware_fingerprint`) covers the stable facts only, so a plan keyed by it
 survives a reboot but not a RAM, GPU or driver change. The report also records what other processes took of the
@@ -29,16 +29,16 @@ from engine_bridge.gpu_inventory import nvml_inventory
 from engine_bridge.gpumem import GpuMemoryMeter, GpuReading
 from engine_bridge.params import EngineParams
 from tasks import gpu_memory
-from tasks.enumerate import modelled_load
 from tasks.expert_hot import split_bytes
-from tasks.probe_gpu import host_to_device_bandwidth
-from tasks.probe_host import (
+from tasks.probing.gpu import host_to_device_bandwidth
+from tasks.probing.host import (
     ContentionMeter,
     cpu_contention,
     ram_read_bandwidth,
     storage_read_speed,
     usable_cpus,
 )
+from tasks.search.space import modelled_load
 
 log = logging.getLogger(__name__)
 

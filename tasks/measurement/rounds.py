@@ -29,7 +29,7 @@ from engine_bridge.errors import EngineError
 from engine_bridge.gpumem import OVER_BUDGET, GpuMemoryMeter, over_budget
 from tasks.engines import engine_visit, spec_of
 from tasks.measurement.speculation import base_id
-from tasks.validate import score_loaded, scored_path
+from tasks.validation.gate import score_loaded, scored_path
 
 log = logging.getLogger(__name__)
 MIN_VISIT_TIMEOUT_S = 30.0
@@ -52,7 +52,7 @@ TRIAL_SCHEMA = pa.schema([
 
 @dataclass(frozen=True)
 class Scoring:
-    """What a finalist's first visit scores while it is loaded, for validation (tasks.validate.score_loaded)."""
+    """What a finalist's first visit scores while it is loaded, for validation (tasks.validation.gate.score_loaded)."""
 
     seqs: list[tuple[list[int], list[int]]]
     held_out: list[list[int]]

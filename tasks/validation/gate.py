@@ -257,7 +257,7 @@ def validate(ranked: list[Candidate], model: Path, prompts: list[list[int]], hel
         held_out: held-out prompts timed again on the checked candidates.
         reference: the reference's parameters (:func:`reference_params`).
         floor_variants: named correct variants of the reference whose differences are the noise floor.
-        cache: where the reference and the floor are kept between plans (:mod:`tasks.reference` fills it first).
+        cache: where the reference and the floor are kept between plans (:mod:`tasks.validation.outputs` fills it first).
         generator: where the greedy continuations are written when the reference is not cached.
         scored_dir: where the measure stage kept finalists' scores of the continuations (no load needed).
     """

@@ -26,7 +26,7 @@ from artifacts.records.store import Records
 from artifacts.store import Store
 from engine_bridge.engines.spec import EngineSpec
 from tasks.measurement.concurrency import serving_notes
-from tasks.probe import load_words, taken_under_load
+from tasks.probing.machine import load_words, taken_under_load
 from tasks.workload import split_shift
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def first_round_speedup(finalists: Finalists, trials: pa.Table) -> float | None:
 
 def load_notes(hw: HardwareReport, finalists: Finalists, trials: pa.Table) -> list[str]:
     """What a plan should say when it was made from a probe of a busy machine: the probe recorded the load
-    (:func:`tasks.probe.taken_under_load`), or the first round ran PROBE_DISAGREES times faster than the probe's
+    (:func:`tasks.probing.machine.taken_under_load`), or the first round ran PROBE_DISAGREES times faster than the probe's
     speeds predicted."""
     notes = []
     if taken_under_load(hw):

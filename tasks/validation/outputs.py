@@ -9,7 +9,7 @@ flash attention, another micro-batch, the GPU) score the first :data:`FLOOR_SEQU
 too. The gate's limits come from that floor.
 
 It runs before measurement, so a finalist's measuring visit can score the same continuations while it is
-loaded (:func:`tasks.validate.score_loaded`) and validation needs no load of its own. Results live in the
+loaded (:func:`tasks.validation.gate.score_loaded`) and validation needs no load of its own. Results live in the
 cache directory under keys of everything they depend on; a second plan of the model (another budget or
 context) reuses them.
 """
@@ -29,7 +29,13 @@ from artifacts.records.hardware import HardwareReport
 from engine_bridge.params import EngineParams
 from tasks.cores import CoreShare
 from tasks.quality_gate import FloorResult, Gate
-from tasks.validate import Cache, floor_results, reference_continuations, reference_params, validation_context
+from tasks.validation.gate import (
+    Cache,
+    floor_results,
+    reference_continuations,
+    reference_params,
+    validation_context,
+)
 
 GIB = 2**30
 FLOOR_GPU_HEADROOM = 2 * GIB  # KV cache, compute buffers and the CUDA context of a GPU variant
@@ -84,7 +90,7 @@ def _whole_on_gpu(info: ModelInfo, hw: HardwareReport) -> int | None:
 def reference_placement(info: ModelInfo, hw: HardwareReport, n_ctx: int, threads: int, seed: int) -> EngineParams:
     """The reference: the plainest correct configuration that holds the whole model on one device — a GPU
     whose free memory holds it (every layer there, f16 KV, no flash attention: seconds instead of minutes
-    on a big model), else the CPU (:func:`tasks.validate.reference_params`)."""
+    on a big model), else the CPU (:func:`tasks.validation.gate.reference_params`)."""
     cpu = reference_params(n_ctx, threads, seed)
     k = _whole_on_gpu(info, hw)
     if k is None:
