@@ -79,7 +79,7 @@ def _imports(path: Path, root: Path, _mtime_ns: int, _size: int) -> frozenset[st
 def source_files(modules: Iterable[str], root: Path = ROOT) -> list[Path]:
     """Every file the ``modules`` depend on inside Flux's packages, their data files included, in a stable order."""
     seen: set[Path] = set()
-    todo = [m for m in modules]
+    todo = list(modules)
     while todo:
         path = module_file(todo.pop(), root)
         if path is None or path in seen:
