@@ -2,11 +2,14 @@
 
 The backend build id is a hash of the pin, the patches and the built libraries: a plan measured on one
 build is refused by another (a silent speed regression between builds is exactly what a plan guards
-against). Nothing here imports llama_cpp, so asking for the build id costs no library load.
+against). A patch counts from its first ``diff --git`` line, as scripts/build-backend.sh's key does: its header
+(what, why, tests, switches; git apply skips it) changes neither. Nothing here imports llama_cpp, so asking for
+the build id costs no library load.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from artifacts.ids import content_id
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PIN_FILE = REPO_ROOT / "third_party" / "backend.pin"
 PATCH_DIR = REPO_ROOT / "patches" / "llama.cpp"
+DIFF_START = b"diff --git "
 
 
 class BackendMissing(FluxError):
@@ -49,6 +53,21 @@ def read_pin(path: Path = PIN_FILE) -> dict[str, str]:
             k, v = line.split("=", 1)
             out[k.strip()] = v.strip()
     return out
+
+
+def patch_body(path: Path) -> bytes:
+    """A patch's bytes from its first ``diff --git`` line on (what git apply reads), without the header above it."""
+    data = path.read_bytes()
+    if data.startswith(DIFF_START):
+        return data
+    at = data.find(b"\n" + DIFF_START)
+    return data[at + 1:] if at >= 0 else b""
+
+
+def patch_hashes(patch_dir: Path = PATCH_DIR) -> dict[str, str]:
+    """Each patch's name and the blake2b-256 of its body (:func:`patch_body`): a header edit keeps it."""
+    return {p.name: hashlib.blake2b(patch_body(p), digest_size=32).hexdigest()
+            for p in sorted(patch_dir.glob("*.patch"))}
 
 
 def library_dir() -> Path:
@@ -88,10 +107,9 @@ def backend_info(cache_dir: Path) -> BackendInfo:
     if not libs:
         raise BackendMissing()
     lib_hashes = {p.name: file_hash(p, cache_dir) for p in libs}
-    patches = sorted(PATCH_DIR.glob("*.patch"))
-    patch_hashes = {p.name: file_hash(p, cache_dir) for p in patches}
+    patches = patch_hashes()
     pin = read_pin()
-    build_id = content_id({"pin": pin, "patches": patch_hashes, "libraries": lib_hashes})[:16]
+    build_id = content_id({"pin": pin, "patches": patches, "libraries": lib_hashes})[:16]
     server = llama_server_path(cache_dir)
-    return BackendInfo(build_id=build_id, pin=pin, patches=[p.name for p in patches], libraries=lib_hashes,
+    return BackendInfo(build_id=build_id, pin=pin, patches=list(patches), libraries=lib_hashes,
                        build_key=installed_build_key(), llama_server=str(server) if server else None)

@@ -3,13 +3,14 @@
 #
 #   scripts/build-backend.sh                 CPU build (default)
 #   CUDA_ARCHS=90 scripts/build-backend.sh   CUDA build for compute capability 9.0 (H100/H200)
+#   scripts/build-backend.sh --key           print the cache key such a build has, and stop
 #
 # 1. downloads the llama-cpp-python sdist named in third_party/backend.pin with pip and checks its sha256
 #    (or takes it from FLUX_SDIST=/path/to/sdist.tar.gz, for offline machines);
 # 2. applies every patches/llama.cpp/*.patch to its vendored llama.cpp (a patch that does not apply
 #    stops the build and names the patch);
 # 3. builds a wheel, cached under $XDG_CACHE_HOME/flux/backend/<key>, key = hash(pin, patches, CMAKE_ARGS),
-#    and installs it;
+#    and installs it (a patch counts from its first `diff --git` line: its header is not part of the key);
 # 4. builds llama.cpp's own llama-server, llama-bench and rpc-server (web UI off, static) from the same patched source into that dir;
 # 5. writes third_party/architectures.txt, the architectures the pinned llama.cpp implements.
 # A second run with nothing changed finds the key in the cache and only checks the install.
@@ -123,9 +124,14 @@ fi
 MODE=separate; [ "${FLUX_ONE_BUILD:-0}" = 1 ] && MODE=one-build
 # (the static stock build keeps the key it had before the shared one existed: packed builds stay valid)
 [ "${FLUX_STOCK:-0}" = 1 ] && MODE=stock-bench && [ "${FLUX_ONE_BUILD:-0}" = 1 ] && MODE=stock-bench-shared
-KEY=$( { cat "$PIN_FILE"; for p in "${PATCHES[@]}"; do basename "$p"; cat "$p"; done; echo "$FLAGS"; \
+# A patch's header (the text before its first `diff --git` line, which git apply skips) is left out of the key:
+# editing a header rebuilds nothing (engine_bridge/backend.py's build id reads the same part).
+patch_body() { sed -n '/^diff --git /,$p' "$1"; }
+KEY=$( { cat "$PIN_FILE"; for p in "${PATCHES[@]}"; do basename "$p"; patch_body "$p"; done; echo "$FLAGS"; \
          [ "$MODE" = separate ] || echo "$MODE"; } \
        | sha256sum | cut -c1-16)
+# --key: print the key this build would have and stop (nothing made, nothing downloaded)
+if [ "${1:-}" = --key ]; then echo "$KEY"; exit 0; fi
 OUT="$CACHE/backend/$KEY"
 WHEEL_DIR="$OUT/wheel"
 # Outside $OUT, so that backend-pack.sh carries the build without its logs.
