@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine_bridge import native_switches as sw
+
 KvType = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"]
 # ggml_type ids of the KV cache types (ggml.h).
 KV_TYPE_IDS: dict[str, int] = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
@@ -244,19 +246,20 @@ class EngineParams(BaseModel):
         """Environment variables the worker process (or llama-server, with ``cli_args``) needs for this configuration.
 
         The expert split travels only here: llama.cpp reads FLUX_MOE_SPLIT when it loads a model, whichever
-        program loads it, so ``cli_args`` has no flag for it.
+        program loads it, so ``cli_args`` has no flag for it. The patches' variables come from their declaration
+        (:mod:`engine_bridge.native_switches`).
         """
         env: dict[str, str] = {}
         if self.offload_min_batch is not None:
-            env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(self.offload_min_batch)
+            env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(self.offload_min_batch)  # llama.cpp's own, not a patch's
         if self.expert_split is not None:
-            env["FLUX_MOE_SPLIT"] = self.expert_split.env_value()
+            env |= sw.MOE_SPLIT.env(self.expert_split.env_value())
         if self.expert_host_sync:
-            env["FLUX_MOE_HOST_SYNC"] = "1"
+            env |= sw.MOE_HOST_SYNC.env(True)
         if self.expert_mapped:
-            env["FLUX_MOE_MAPPED"] = "1"
+            env |= sw.MOE_MAPPED.env(True)
             if self.expert_mapped_tokens != MAPPED_TOKENS_DEFAULT:
-                env["FLUX_MOE_MAPPED_MAX_TOKENS"] = str(self.expert_mapped_tokens)
+                env |= sw.MOE_MAPPED_MAX_TOKENS.env(self.expert_mapped_tokens)
         if self.expert_cache != "static":
-            env["FLUX_MOE_CACHE"] = self.expert_cache
+            env |= sw.MOE_CACHE.env(self.expert_cache)
         return env

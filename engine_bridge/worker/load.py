@@ -26,6 +26,7 @@ import numpy as np
 from llama_cpp._ggml import libggml as _python_libggml
 
 from artifacts.model_info import model_info
+from engine_bridge import native_switches as sw
 from engine_bridge.errors import EngineError, ExpertSplitMismatch
 from engine_bridge.expert_split import check_expert_split
 from engine_bridge.ops import Device
@@ -188,11 +189,9 @@ def _expert_split_env(params: EngineParams, model_path: Path) -> Iterator[None]:
             if h.device not in names:
                 raise ExpertSplitMismatch(str(model_path), f"layer {h.layer}'s device {h.device!r} is not in this "
                                           f"build ({', '.join(sorted(names))})")
-    wanted = {"FLUX_MOE_SPLIT": split.env_value() if split is not None else None,
-              "FLUX_MOE_HOST_SYNC": "1" if params.expert_host_sync else os.environ.get("FLUX_MOE_HOST_SYNC"),
-              "FLUX_MOE_MAPPED": "1" if params.expert_mapped else None,
-              "FLUX_MOE_MAPPED_MAX_TOKENS": params.environment().get("FLUX_MOE_MAPPED_MAX_TOKENS"),
-              "FLUX_MOE_CACHE": params.expert_cache if params.expert_cache != "static" else None}
+    env = params.environment()
+    wanted = {s.name: env.get(s.name) for s in (sw.MOE_SPLIT, sw.MOE_MAPPED, sw.MOE_MAPPED_MAX_TOKENS, sw.MOE_CACHE)}
+    wanted[sw.MOE_HOST_SYNC.name] = env.get(sw.MOE_HOST_SYNC.name, os.environ.get(sw.MOE_HOST_SYNC.name))
     before = {k: os.environ.get(k) for k in wanted}
     try:
         for k, v in wanted.items():

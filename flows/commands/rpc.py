@@ -16,6 +16,7 @@ from pathlib import Path
 from artifacts.errors import FluxError
 from artifacts.logs import console
 from engine_bridge.backend import backend_info, llama_server_path
+from engine_bridge.native_switches import BUILD_ID
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -71,4 +72,4 @@ def cmd_rpc_server(args: argparse.Namespace) -> int:
     err.print(f"flux rpc-server: build {build} on {args.host}:{args.port} (Ctrl-C stops it)")
     sys.stderr.flush()
     # the server replaces this process: a signal (Ctrl-C, SIGTERM from a supervisor) reaches it, not a wrapper
-    os.execve(exe, cmd, {**os.environ, "FLUX_BUILD_ID": build})
+    os.execve(exe, cmd, {**os.environ, **BUILD_ID.env(build)})
