@@ -83,6 +83,9 @@ class ServeSettings(_Section):
     journal_max_bytes: int = Field(268_435_456, ge=0)
     journal_ttl_s: float = Field(600.0, ge=0)
     min_reply: int = Field(4096, ge=1)
+    kv_host_bytes: int | None = Field(None, ge=0, description=(
+        "RAM for KV pages on the host, instead of the RAM available at start minus the weights kept in RAM and the "
+        "host reserve (docs/serving.md, KV pages and admission); a small value makes the page limit reachable"))
     queue_max: int = Field(64, ge=0, description="requests waiting for a sequence before 429")
     queue_wait_s: float = Field(30.0, gt=0, description="longest wait for a sequence before 503")
     header_timeout_s: float = Field(10.0, gt=0, description="a request line and headers must arrive within this")

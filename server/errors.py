@@ -67,6 +67,23 @@ class ContextLengthExceeded(InvalidRequest):
             code="context_length_exceeded", param="messages")
 
 
+class PagesExhausted(ContextLengthExceeded):
+    """The prompt plus its reply room fits a sequence but not the KV pages free now (HTTP 400
+    ``context_length_exceeded``, before generating): other requests hold the rest, or the pool is smaller."""
+
+    def __init__(self, prompt_tokens: int, reply_tokens: int, n_ctx: int, free_tokens: int, total_tokens: int) -> None:
+        InvalidRequest.__init__(
+            self, f"This request needs KV pages for {prompt_tokens + reply_tokens} tokens ({prompt_tokens} prompt + "
+            f"{reply_tokens} reply room), and the free pages hold {free_tokens} tokens now ({total_tokens} in all, "
+            "shared by the requests running at once). Please reduce the length of the messages or max_tokens, or "
+            "retry when other requests have ended.", code="context_length_exceeded", param="messages")
+        self.prompt_tokens = prompt_tokens
+        self.reply_tokens = reply_tokens
+        self.n_ctx = n_ctx
+        self.free_tokens = free_tokens
+        self.total_tokens = total_tokens
+
+
 class Unauthorized(ApiError):
     """A missing or wrong API key (HTTP 401)."""
 

@@ -13,7 +13,7 @@ per scrape.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from server.generation import FinishStats
+from server.kv_pages import PoolUse
 from server.transport import Refusal
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -42,6 +43,7 @@ class Snapshot:
     errors: Mapping[str, int]  # error responses by HTTP status
     worker: Mapping[str, Any] | None  # the worker's serve_stats (None while it is down)
     routing: Mapping[str, Any] | None = None  # server.routing_watch.RoutingWatch.report()
+    pages: Sequence[PoolUse] = ()  # the KV page pools (server.kv_pages)
 
 
 class _ServiceCollector(Collector):
@@ -82,6 +84,12 @@ class _ServiceCollector(Collector):
             errors.add_metric([status], n)
         yield errors
         yield from _routing(s.routing or {})
+        pages = GaugeMetricFamily("flux_kv_pages", "KV pages by pool and state (total, used, free)",
+                                  labels=["pool", "state"])
+        for u in s.pages:
+            for state, n in (("total", u.pages_total), ("used", u.pages_used), ("free", u.pages_free)):
+                pages.add_metric([u.name, state], n)
+        yield pages
 
 
 def _routing(r: Mapping[str, Any]) -> Iterator[Metric]:

@@ -21,13 +21,19 @@ CUT_WINDOW_CHARS = 256  # a piece ends at whitespace within this many characters
 _SPACE = re.compile(r"\s")
 
 
+def reply_room(requested: int | None, min_reply: int) -> int:
+    """The reply tokens a request must leave room for: ``min(max_tokens, min_reply)`` (``min_reply`` when it
+    sets no limit), at least one."""
+    return max(1, min(requested if requested is not None else min_reply, min_reply))
+
+
 def reply_tokens(n_prompt: int, requested: int | None, n_ctx: int, min_reply: int) -> int:
     """The reply limit for a prompt, or ContextLengthExceeded when it cannot leave the room it must.
 
-    A request must leave room for ``min(max_tokens, min_reply)`` reply tokens (``min_reply`` when it
-    sets no limit); its reply is then capped by the context that is left.
+    A request must leave room for :func:`reply_room` reply tokens; its reply is then capped by the context
+    that is left.
     """
-    need = max(1, min(requested if requested is not None else min_reply, min_reply))
+    need = reply_room(requested, min_reply)
     if n_prompt + need > n_ctx:
         raise ContextLengthExceeded(n_prompt, need, n_ctx)
     left = n_ctx - n_prompt

@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 
 from artifacts.config import Settings
+from artifacts.model_info import model_info
 from artifacts.records.plan import Plan
 from engine_bridge import rpc
 from engine_bridge.errors import EngineError
@@ -32,14 +33,25 @@ from server.errors import (
     ContextLengthExceeded,
     InvalidRequest,
     NotFound,
+    PagesExhausted,
     Unavailable,
     from_engine,
 )
 from server.formats import BUILDERS, Kind
 from server.generation import GenContext, Generation, GenSpec, SamplingArgs
 from server.journal import Journal, RequestIdInUse
+from server.kv_pages import (
+    PARK_MAX_BYTES,
+    HostRam,
+    PageBudget,
+    PageLedger,
+    kv_page_bytes,
+    memlock_warning,
+    page_budget,
+    park_budget,
+)
 from server.metrics import Metrics, Snapshot
-from server.prompts import prompt_tokens, reply_tokens
+from server.prompts import prompt_tokens, reply_room, reply_tokens
 from server.routing_watch import RoutingWatch, counts_routing
 from server.schemas import ChatRequest, CompletionRequest, Sampling, parse_body
 from server.stats import Counters, memory_by_use
@@ -50,16 +62,9 @@ from server.transport import Refusal
 
 log = logging.getLogger(__name__)
 
-GIB = 2**30
-PARK_MAX_BYTES = 1 * GIB
+__all__ = ["PARK_MAX_BYTES", "FluxService", "load_spec", "park_budget"]
 MIN_TOP_P = 1e-6  # a cut between two pieces can change the tokens near it by this many
 _RID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-
-
-def park_budget(reserve_percent: float) -> int:
-    """RAM for parked conversation states: available RAM above the host reserve, at most 1 GiB."""
-    vm = psutil.virtual_memory()
-    return int(max(0, min(PARK_MAX_BYTES, vm.available - vm.total * reserve_percent / 100)))
 
 
 def load_spec(settings: Settings, plan: Plan, model_path: Path | None = None) -> LoadSpec:
@@ -97,6 +102,11 @@ class FluxService:
         self._set_template(ChatTemplate(self.template.source, self.template.bos_text or "",
                                         self.template.eos_text or ""))
         self.engine = WorkerSupervisor(load_spec(settings, plan, self.model_path))
+        # KV pages (server.kv_pages): the host's RAM is read now, before the worker loads the weights
+        self._host_ram = HostRam.now(plan, settings.host_reserve_percent, serve.kv_host_bytes)
+        p = plan.candidate.params
+        self._page_bytes = kv_page_bytes(model_info(self.model_path), p.type_k, p.type_v)
+        self.pages = PageLedger(self.page_budget(p.n_ctx, plan.sequences))
         self.routing = RoutingWatch(settings.serve.routing, plan, settings.data_dir, self.model_path,
                                     self.engine.spec.routing_every)
         self._routing_task: asyncio.Task[None] | None = None
@@ -109,6 +119,9 @@ class FluxService:
         """Start the worker and load the model."""
         info = await self.engine.start()
         self.admission = Admission(info.n_seq_max, self.settings.serve.queue_max, self.settings.serve.queue_wait_s)
+        self.pages = PageLedger(self.page_budget(info.n_ctx, info.n_seq_max))
+        if (pinned := memlock_warning(self.pages.budget)) is not None:
+            log.warning(pinned)
         if self.template.bos_text is None or self.template.eos_text is None:  # vocabulary too long for the header
             bos = await self._token_text(info.raw.get("bos", self.template.bos_id))
             eos = await self._token_text(info.raw.get("eos", self.template.eos_id))
@@ -146,6 +159,10 @@ class FluxService:
     def min_reply(self) -> int:
         """``serve.min_reply``, at most half the context (else no request without max_tokens could run)."""
         return max(1, min(self.settings.serve.min_reply, self.n_ctx // 2))
+
+    def page_budget(self, n_ctx: int, n_seq: int) -> PageBudget:
+        """The KV page pools of a context of ``n_seq`` sequences of ``n_ctx`` tokens under the plan's placement."""
+        return page_budget(self.plan.candidate.kv_bytes, n_ctx, n_seq, self._page_bytes, self._host_ram.kv_bytes)
 
     def check_model(self, model: str | None) -> None:
         """Accept no model, this model's name, file name, or plan id (prefix of 8+); else 404."""
@@ -266,11 +283,15 @@ class FluxService:
         self._check_host_memory()
         admitted = await self._admit(rid)
         try:
+            max_tokens = self._reserve(rid, kind, len(prompt), requested, max_tokens) if admitted else max_tokens
             entry = self.journal.open(rid)
-        except RequestIdInUse as exc:
+        except (PagesExhausted, RequestIdInUse) as exc:
             if admitted:
                 self.admission.release(None)
-            raise Conflict(str(exc), code="request_id_in_use", param="x-request-id") from exc
+                self.pages.release(rid)
+            if isinstance(exc, RequestIdInUse):
+                raise Conflict(str(exc), code="request_id_in_use", param="x-request-id") from exc
+            raise
         spec = GenSpec(rid=rid, prompt=prompt, max_tokens=max_tokens, sampling=self._sampling(req), stops=req.stops(),
                        logprobs=logprobs, top_logprobs=top_logprobs, include_usage=req.include_usage() or not req.stream,
                        echo=echo, stream=bool(req.stream), arrived=arrived, grammar=reply.grammar if reply else None,
@@ -286,6 +307,16 @@ class FluxService:
         self.running[rid] = gen
         gen.start()
         return gen
+
+    def _reserve(self, rid: str, kind: Kind, n_prompt: int, requested: int | None, max_tokens: int) -> int:
+        """Hold KV pages for the prompt and its reply (:mod:`server.kv_pages`); the reply limit they cover."""
+        try:
+            held = self.pages.reserve(rid, n_prompt, n_prompt + reply_room(requested, self.min_reply),
+                                      n_prompt + max_tokens)
+        except PagesExhausted as exc:
+            exc.param = "messages" if kind == "chat" else "prompt"
+            raise
+        return held.reply_tokens
 
     async def _admit(self, rid: str) -> bool:
         """Take a sequence for ``rid``, waiting in the queue if need be; False when the request was cancelled
@@ -309,8 +340,9 @@ class FluxService:
             victim.cancel()
 
     def _finished(self, gen: Generation) -> None:
-        if self.running.get(gen.spec.rid) is gen:
+        if self.running.get(gen.spec.rid) is gen:  # however it ended: its pages return
             del self.running[gen.spec.rid]
+            self.pages.release(gen.spec.rid)
         if gen.stats is not None:
             self.metrics.finished(gen.stats)
 
@@ -365,7 +397,9 @@ class FluxService:
                 "backend_build": p.backend_build, "quality_profile": p.quality_profile, "kv": p.request.kv,
                 # what the plan's conversations get: its KV cache per device (committed at load) and the RAM for
                 # parked conversations taken when the server started (`flux show` prints the same)
-                "page_budgets": {"kv_bytes": dict(p.candidate.kv_bytes), "park_bytes": self.engine.spec.park_bytes}}
+                "page_budgets": {"kv_bytes": dict(p.candidate.kv_bytes), "park_bytes": self.engine.spec.park_bytes,
+                                 "kv_pages": {u.name: u.pages_total for u in self.pages.report()},
+                                 "page_tokens": self.pages.budget.page_tokens}}
         card = {"id": self.model_id, "object": "model", "created": int(self.started), "owned_by": "flux",
                 "context_length": self.n_ctx, "max_model_len": self.n_ctx, "meta": meta}
         return {"object": "list", "data": [card]}
@@ -407,6 +441,7 @@ class FluxService:
             "worker": {"alive": self.engine.alive, "pid": self.engine.pid, "restarts": self.engine.restarts,
                        "last_exit": self.engine.last_exit, "serve_stats": worker},
             "n_ctx": self.n_ctx, "min_reply": self.min_reply, "routing": self.routing.report(),
+            "kv_pages": self.pages.summary(),
         }
 
     async def metrics_text(self) -> bytes:
@@ -417,7 +452,7 @@ class FluxService:
             processing=self.admission.active, deferred=self.admission.waiting, worker_up=self.engine.alive,
             restarts=self.engine.restarts, journal_bytes=self.journal.nbytes, journal_requests=len(self.journal),
             requests=dict(self.counters.requests), errors=dict(self.counters.errors), worker=worker,
-            routing=self.routing.report()))
+            routing=self.routing.report(), pages=self.pages.report()))
 
     def candidate_bytes(self) -> dict[str, dict[str, int]]:
         """Weights and KV per device as the plan measured them."""
