@@ -74,18 +74,6 @@ def kv_line(plan: Plan) -> str:
             f"{c.params.type_k}: {where} ({mode})")
 
 
-def page_budget_line(plan: Plan, reserve_percent: float, park_bytes: int) -> str:
-    """The memory `flux serve` gives the plan's conversations: the KV cache committed at load (per device, for the
-    plan's context and sequences) and the RAM for parked conversations, taken when it starts."""
-    c = plan.candidate
-    kv = ", ".join(f"{d} {b / GIB:.2f} GiB" for d, b in sorted(c.kv_bytes.items()) if b) or "none"
-    from server.service import PARK_MAX_BYTES
-
-    return (f"page budgets: KV cache for {c.params.n_ctx} tokens x {c.params.n_seq_max} sequence(s), committed at "
-            f"load: {kv}; parked conversations: the RAM available above the {reserve_percent:g}% host reserve when "
-            f"`flux serve` starts, at most {PARK_MAX_BYTES / GIB:.2f} GiB ({park_bytes / GIB:.2f} GiB on this machine now)")
-
-
 def ranking_line(plan: Plan) -> str:
     """What the finalists were ranked on, with the winner's time and spread."""
     m = plan.measured
@@ -210,12 +198,14 @@ def streaming_line(s: StorageStreaming, decode_tps: float | None) -> str:
 
 
 def print_plan(plan: Plan, con: Console | None = None, reserve_percent: float = 10.0,
-               trials: pa.Table | None = None) -> None:
+               trials: pa.Table | None = None, data_dir: Path | None = None, kv_host_bytes: int | None = None) -> None:
     """`flux show`: placement, measured speeds with spread, decode by depth and (given the plan's ``trials``,
     :func:`plan_trials`) prefill by prompt length, predicted vs measured, roofline, budgets, key
-    (``reserve_percent``: the host reserve `flux serve` leaves, for the page budgets)."""
+    (``reserve_percent``: the host reserve `flux serve` leaves, for the page budgets; ``data_dir``: the store
+    whose probe of the plan's machine estimates the host's KV pages; ``kv_host_bytes``: ``serve.kv_host_bytes``)."""
+    from flows.page_budgets import kv_pages_line, page_budget_line, probe_report
     from server.chat import template_line
-    from server.service import park_budget
+    from server.kv_pages import park_budget
 
     con = con or console()
     m, v, r = plan.measured, plan.validation, plan.request
@@ -262,6 +252,7 @@ def print_plan(plan: Plan, con: Console | None = None, reserve_percent: float = 
     con.print("memory budget: " + ", ".join(f"{d} {b / GIB:.1f} GiB" for d, b in plan.memory_budget.items())
               + "; chosen uses " + ", ".join(f"{d} {b / GIB:.2f} GiB weights" for d, b in plan.candidate.weights_bytes.items()))
     con.print(page_budget_line(plan, reserve_percent, park_budget(reserve_percent)), markup=False)
+    con.print(kv_pages_line(plan, reserve_percent, probe_report(data_dir, plan), kv_host_bytes), markup=False)
     if plan.measured.gpu_bytes:
         con.print(f"measured GPU memory of the chosen plan (NVML, after its runs, {plan.measured.gpu_method or 'per-process'}"
                   f"): {plan.measured.gpu_bytes / GIB:.2f} GiB")

@@ -217,7 +217,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         console().print_json(plan.model_dump_json())
     else:
         print_plan(plan, reserve_percent=args.settings.host_reserve_percent,
-                   trials=plan_trials(args.settings.data_dir, plan))
+                   trials=plan_trials(args.settings.data_dir, plan), data_dir=args.settings.data_dir,
+                   kv_host_bytes=args.settings.serve.kv_host_bytes)
         for refit, tokens in refits_of(args.settings, plan):
             console().print(f"re-fitted as {refit.id[:12]} from the routing `flux serve` of this plan counted "
                             f"({tokens} sampled tokens): `flux show {refit.id[:12]}`", markup=False)

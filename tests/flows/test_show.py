@@ -143,3 +143,28 @@ def test_show_prints_prefill_by_prompt_length_beside_decode_by_depth(tiny_moe: P
     out = io.StringIO()
     print_plan(plan, Console(file=out, width=400))
     assert "prefill by prompt length" not in out.getvalue()
+
+
+def test_show_prints_the_kv_pages_the_plan_implies(tiny_moe: Path, tmp_path: Path) -> None:
+    """Pages per pool: the host's an estimate from the probe's RAM (else the plan's host budget), minus the weights
+    in RAM and the reserve, that `flux serve` makes again when it starts."""
+    from artifacts.model_info import model_info
+    from artifacts.records.hardware import HardwareReport
+    from flows.page_budgets import estimated_host_ram
+    from server.kv_pages import kv_page_bytes
+
+    settings = load_settings({"XDG_DATA_HOME": str(tmp_path / "data"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+                              "HOME": str(tmp_path)})
+    plan = stored_plan(settings, tiny_moe, EngineParams(n_ctx=1024, n_seq_max=2, n_batch=64, n_ubatch=64))
+    out = io.StringIO()
+    print_plan(plan, Console(file=out, width=600), reserve_percent=10, data_dir=settings.data_dir)
+    line = next(x for x in out.getvalue().splitlines() if x.startswith("KV pages"))
+    page = kv_page_bytes(model_info(tiny_moe), "f16", "f16")
+    assert line.startswith(f"KV pages of 256 tokens for 1024 tokens x 2 sequence(s): host 8 pages x {page / 1024:,.1f} KiB")
+    assert "an estimate: the plan's host budget of 8.0 GiB" in line and "`flux serve` sizes it" in line
+    weights = plan.candidate.weights_bytes["CPU"]
+    hw = HardwareReport.model_construct(ram_total=100 << 30, ram_available=50 << 30)
+    ram, how = estimated_host_ram(plan, 10, hw)
+    assert ram.kv_bytes == (50 << 30) - weights - (10 << 30)
+    assert "the probe's 50.0 GiB of available RAM" in how and "the 10% reserve (10.0 GiB)" in how
+    assert estimated_host_ram(plan, 10, hw, override=4096)[0].kv_bytes == 4096
