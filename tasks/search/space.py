@@ -99,6 +99,18 @@ def resolve_context(info: ModelInfo, hw: HardwareReport, req: PlanRequest, reser
     return int(fit // 256 * 256), True
 
 
+def context_cap_line(info: ModelInfo, hw: HardwareReport, req: PlanRequest, reserve_percent: float, n_ctx: int) -> str:
+    """The one line `flux plan` says when RAM cannot hold the trained context's KV cache (:func:`resolve_context`
+    capped it at ``n_ctx``)."""
+    trained = info.n_ctx_train or 4096
+    need = kv_cache_bytes(info, req.kv, trained, req.concurrency)
+    room = plan_host_budget(hw, req, reserve_percent) - info.weight_bytes
+    return (f"context capped at {n_ctx} tokens per sequence, not the trained {trained}: its {req.kv} KV cache for "
+            f"{req.concurrency} sequence(s) needs {need / GIB:.2f} GiB and RAM holds {max(0, room) / GIB:.2f} GiB "
+            f"beside the weights (the {reserve_percent:g}% host reserve kept); more free RAM, a lower "
+            "host_reserve_percent or a smaller --kv type plans the trained context")
+
+
 def _overrides(p: Placement, gpus: list[str]) -> list[TensorOverride]:
     """tensor_buft_overrides that realise a placement when llama.cpp offloads every layer (-ngl 999).
 
@@ -364,6 +376,8 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest, 
         ImpossiblePlan: no candidate fits (context too large, weights beyond RAM without streaming).
     """
     n_ctx, capped = resolve_context(info, hw, req, reserve_percent)
+    if capped:
+        log.warning(context_cap_line(info, hw, req, reserve_percent, n_ctx))
     host = plan_host_budget(hw, req, reserve_percent)
     check_gpu_budgets(info, hw, req, min(_contexts(n_ctx, req, len(gpu_devices(hw)))))
     per_gpu = gpu_limits(hw, req)

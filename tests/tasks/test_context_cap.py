@@ -1,0 +1,46 @@
+"""`flux plan` gives a model its trained context and caps it only where RAM cannot hold the trained context's KV
+cache, saying so in one line (tasks/search/space.py: resolve_context, context_cap_line)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from test_hybrid_sizing import header_only_twin
+
+from artifacts.model_info import ModelInfo, kv_cache_bytes, model_info
+from artifacts.records.plan import PlanRequest
+from tasks.search.space import context_cap_line, enumerate_placements, resolve_context
+from tasks.testing import h200_report
+
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def info(tmp_path_factory: pytest.TempPathFactory) -> ModelInfo:
+    """The 80B twin's header (262,144 trained tokens, 42 GiB of weights) on a sparse file."""
+    return model_info(header_only_twin("qwen3-next-80b-a3b", tmp_path_factory.mktemp("cap") / "q3n-80b.gguf"))
+
+
+def test_the_trained_context_when_ram_holds_it_capped_with_one_line_when_not(
+        info: ModelInfo, caplog: pytest.LogCaptureFixture) -> None:
+    roomy = h200_report(n_gpus=0)
+    req = PlanRequest(model="m")
+    assert resolve_context(info, roomy, req, 10) == (262144, False)
+    with caplog.at_level(logging.WARNING, logger="tasks.search.space"):
+        space = enumerate_placements(info, roomy, req, 10)
+    assert space.n_ctx == 262144 and not space.ctx_capped_by_ram and not caplog.records
+
+    small = roomy.model_copy(update={"ram_total": 60 * GIB, "ram_available": 56 * GIB})
+    four = PlanRequest(model="m", concurrency=4)  # four sequences' KV (24 GiB) do not fit beside 42 GiB of weights
+    n_ctx, capped = resolve_context(info, small, four, 5)
+    assert capped and 0 < n_ctx < 262144 and n_ctx % 256 == 0
+    assert kv_cache_bytes(info, "f16", n_ctx, 4) <= 56 * GIB - info.weight_bytes
+    with caplog.at_level(logging.WARNING, logger="tasks.search.space"):
+        space = enumerate_placements(info, small, four, 5)
+    assert space.ctx_capped_by_ram and space.n_ctx == n_ctx
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == context_cap_line(info, small, four, 5, n_ctx) and "\n" not in line
+    assert line.startswith(f"context capped at {n_ctx} tokens per sequence, not the trained 262144: its f16 KV "
+                           "cache for 4 sequence(s) needs 24.00 GiB")
+    assert resolve_context(info, small, PlanRequest(model="m", ctx=4096, concurrency=4), 5) == (4096, False)
