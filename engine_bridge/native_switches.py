@@ -136,11 +136,17 @@ CUDA_OP_PROFILE = _switch(
 CUDA_OP_PROFILE_EVERY = _switch(
     "FLUX_CUDA_OP_PROFILE_EVERY", "0008", "count", "64",
     "the op profile prints one `flux-cuda-op-profile: computes=N gpu_ms=T OP=ms/calls …` line every N computes")
+KV_VRAM_CELLS = _switch(
+    "FLUX_KV_VRAM_CELLS", "0009", "count", "no window: the stock cache",
+    "a KV cache split by position: every cell in host memory the GPU reads in place, the first N cells also in a "
+    "VRAM window; attention reads the window alone while a sequence fits in it, else the window and the host cells "
+    "after it. A cache it cannot split (KV on the host, one stream per sequence, flash attention off) stays stock, "
+    "with one warning line", "engine-params", "kv_vram_cells")
 
 SWITCHES: tuple[NativeSwitch, ...] = (
     MOE_HOST_PROFILE, MOE_SPLIT, MOE_HOST_SYNC, MOE_SKIP_IDLE, BUILD_ID, MOE_MAPPED, MOE_MAPPED_MAX_TOKENS,
     MOE_MAPPED_WC, MOE_CACHE, MOE_CACHE_FREEZE, MOE_CACHE_LOG, MOE_CACHE_SAMPLE, MOE_CACHE_EVERY, MOE_CACHE_SWAPS,
-    CUDA_OP_PROFILE, CUDA_OP_PROFILE_EVERY,
+    CUDA_OP_PROFILE, CUDA_OP_PROFILE_EVERY, KV_VRAM_CELLS,
 )
 BY_NAME: dict[str, NativeSwitch] = {s.name: s for s in SWITCHES}
 if len(BY_NAME) != len(SWITCHES):

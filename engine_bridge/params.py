@@ -196,6 +196,11 @@ class EngineParams(BaseModel):
         "FLUX_MOE_CACHE (patch 0007): 'adaptive' = a split's hot sets follow recent routing (picks read back every "
         "few steps, the least-picked hot experts swapped for busier cold ones; FLUX_MOE_CACHE_FREEZE=1 holds them); "
         "needs expert_mapped or the split layers' host weights in the plain layout"))
+    kv_vram_cells: int | None = Field(None, ge=256, description=(
+        "FLUX_KV_VRAM_CELLS (patch 0009): the KV cache split by position: the first kv_vram_cells cells of each "
+        "attention layer in VRAM, every cell in pinned host memory the GPU reads in place, so a context longer than "
+        "the window costs VRAM only for the window; needs flash_attn and offload_kqv (one unified cache when "
+        "n_seq_max > 1: the window covers its first cells). None: the whole cache where offload_kqv puts it"))
     rpc_servers: tuple[str, ...] = Field((), description=(
         "llama.cpp RPC servers (host:port) whose devices the model may use (--rpc); their devices come first in "
         "llama.cpp's device list, named RPC0, RPC1, ... in this order, so tensor_split lists them first"))
@@ -209,7 +214,15 @@ class EngineParams(BaseModel):
             raise ValueError(f"a quantized V cache (type_v={self.type_v}) needs flash_attn=True")
         if (self.expert_mapped or self.expert_cache != "static") and self.expert_split is None:
             raise ValueError("expert_mapped and an adaptive expert_cache act on a per-expert split: they need expert_split")
+        if self.kv_vram_cells is not None and not (self.flash_attn and self.offload_kqv):
+            raise ValueError("a KV window (kv_vram_cells) splits an offloaded cache read by flash attention: it needs "
+                             "flash_attn=True and offload_kqv=True")
         return self
+
+    @property
+    def kv_unified(self) -> bool:
+        """One KV cache shared by the sequences (a window splits one stream), else one stream per sequence."""
+        return self.kv_vram_cells is not None and self.n_seq_max > 1
 
     def cli_args(self) -> list[str]:
         """The same configuration as llama.cpp command-line flags (llama-server, llama-bench)."""
@@ -240,7 +253,7 @@ class EngineParams(BaseModel):
         which llama-server asks for as the whole ``-c`` it splits among them."""
         args = self.cli_args()
         args[args.index("-c") + 1] = str(self.n_ctx * self.n_seq_max)
-        return [*args, "-np", str(self.n_seq_max)]
+        return [*args, "-np", str(self.n_seq_max), *(["--kv-unified"] if self.kv_unified else [])]
 
     def environment(self) -> dict[str, str]:
         """Environment variables the worker process (or llama-server, with ``cli_args``) needs for this configuration.
@@ -262,4 +275,6 @@ class EngineParams(BaseModel):
                 env |= sw.MOE_MAPPED_MAX_TOKENS.env(self.expert_mapped_tokens)
         if self.expert_cache != "static":
             env |= sw.MOE_CACHE.env(self.expert_cache)
+        if self.kv_vram_cells is not None:
+            env |= sw.KV_VRAM_CELLS.env(self.kv_vram_cells)
         return env

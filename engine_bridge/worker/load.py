@@ -202,6 +202,18 @@ def _expert_split_env(params: EngineParams, model_path: Path) -> Iterator[None]:
             _set_env(k, v)
 
 
+@contextlib.contextmanager
+def _kv_window_env(params: EngineParams) -> Iterator[None]:
+    """Give the context its KV window (llama.cpp reads FLUX_KV_VRAM_CELLS when it creates the cache), from the plan
+    only: removed for a plan without one, so a worker never carries one plan's window into another."""
+    before = os.environ.get(sw.KV_VRAM_CELLS.name)
+    try:
+        _set_env(sw.KV_VRAM_CELLS.name, params.environment().get(sw.KV_VRAM_CELLS.name))
+        yield
+    finally:
+        _set_env(sw.KV_VRAM_CELLS.name, before)
+
+
 def _set_env(key: str, value: str | None) -> None:
     if value is None:
         os.environ.pop(key, None)
@@ -326,7 +338,7 @@ def _context_params(p: EngineParams, perf: bool = False) -> Any:
     cp.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if p.flash_attn
                           else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
     cp.type_k, cp.type_v = KV_TYPE_IDS[p.type_k], KV_TYPE_IDS[p.type_v]
-    cp.offload_kqv, cp.op_offload, cp.kv_unified, cp.no_perf = p.offload_kqv, p.op_offload, False, not perf
+    cp.offload_kqv, cp.op_offload, cp.kv_unified, cp.no_perf = p.offload_kqv, p.op_offload, p.kv_unified, not perf
     cp.swa_full = SWA_FULL  # llama.cpp's C default is a full-size cache for sliding-window layers too
     return cp
 
@@ -384,7 +396,8 @@ def load_model_and_context(path: Path, p: EngineParams, eval_callback: Any = Non
     cp = _context_params(p, perf)
     if eval_callback is not None:
         cp.cb_eval, cp.cb_eval_user_data = eval_callback, None
-    ctx = llama_cpp.llama_init_from_model(model, cp)
+    with _kv_window_env(p):
+        ctx = llama_cpp.llama_init_from_model(model, cp)
     if not ctx:
         llama_cpp.llama_model_free(model)
         raise EngineError("load_failed", f"llama.cpp could not create a context for {path} (see the worker log)")

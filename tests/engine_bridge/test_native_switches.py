@@ -84,10 +84,11 @@ def test_project_code_names_only_declared_switches() -> None:
 def test_environment_sets_only_declared_switches_in_their_kinds() -> None:
     p = EngineParams(expert_split=ExpertSplit.on("CUDA0", {0: [1, 2]}),
                      expert_host_sync=True, expert_mapped=True, expert_mapped_tokens=7, expert_cache="adaptive",
-                     offload_min_batch=16)
+                     offload_min_batch=16, flash_attn=True, kv_vram_cells=65536)
     env = p.environment()
     assert env == {"GGML_OP_OFFLOAD_MIN_BATCH": "16", "FLUX_MOE_SPLIT": "CUDA0|0:1,2", "FLUX_MOE_HOST_SYNC": "1",
-                   "FLUX_MOE_MAPPED": "1", "FLUX_MOE_MAPPED_MAX_TOKENS": "7", "FLUX_MOE_CACHE": "adaptive"}
+                   "FLUX_MOE_MAPPED": "1", "FLUX_MOE_MAPPED_MAX_TOKENS": "7", "FLUX_MOE_CACHE": "adaptive",
+                   "FLUX_KV_VRAM_CELLS": "65536"}
     flux_set = {s.name for s in sw.SWITCHES if s.set_by == "engine-params"}
     assert set(env) - {"GGML_OP_OFFLOAD_MIN_BATCH"} == flux_set
     assert all(s.field in EngineParams.model_fields for s in sw.SWITCHES if s.field)
