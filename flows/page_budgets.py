@@ -74,7 +74,7 @@ def kv_pages_line(plan: Plan, reserve_percent: float, hw: HardwareReport | None,
     except (FluxError, OSError) as exc:
         return f"KV pages: not counted: the model's KV bytes per token cannot be read ({exc})"
     ram, how = estimated_host_ram(plan, reserve_percent, hw, override)
-    budget = page_budget(plan.candidate.kv_bytes, p.n_ctx, plan.sequences, page, ram.kv_bytes)
+    budget = page_budget(plan.candidate.kv_bytes, p.n_ctx, plan.sequences, page, ram.kv_bytes, window=p.kv_vram_cells)
     parts = []
     for pool in budget.pools:
         size = f"{pool.pages:,} pages x {pool.page_bytes / KIB:,.1f} KiB"

@@ -66,7 +66,9 @@ def kv_line(plan: Plan) -> str:
     c = plan.candidate
     total = sum(c.kv_bytes.values())
     where = ", ".join(f"{d} {b / GIB:.2f} GiB" for d, b in sorted(c.kv_bytes.items()) if b) or "none"
-    mode = ("every layer's with its attention on the GPU" if c.params.offload_kqv and c.params.n_gpu_layers > len(
+    w = c.params.kv_vram_cells
+    mode = (f"each layer's first {w} cells on the GPU, every cell in pinned host memory the GPU reads past them"
+            if w else "every layer's with its attention on the GPU" if c.params.offload_kqv and c.params.n_gpu_layers > len(
         c.placement.layer_device) else "on the host (attention computed by the CPU)" if not c.params.offload_kqv or
         not c.placement.gpus() else f"the {c.params.n_gpu_layers - 1} offloaded layers' on "
         f"{'their remote devices' if c.params.rpc_servers else 'the GPU'}, the rest on the host")

@@ -149,6 +149,8 @@ def page_budget(kv_bytes: Mapping[str, int], n_ctx: int, n_seq: int, page_bytes:
         window: cells per sequence kept on the KV devices, rounded down to a page; the rest go to the host
             pool. None: all of them (the worker's allocation today). Ignored when the plan keeps KV on the host.
     """
+    if window is not None:  # a KV window (patch 0009): the host's bytes are the copy of every cell, the overflow
+        kv_bytes = {d: b for d, b in kv_bytes.items() if d != "CPU"} or kv_bytes
     held = {(HOST if d == "CPU" else d): b for d, b in kv_bytes.items() if b > 0} or {HOST: 1}
     total = sum(held.values())
     on_host = HOST in held

@@ -162,7 +162,8 @@ class FluxService:
 
     def page_budget(self, n_ctx: int, n_seq: int) -> PageBudget:
         """The KV page pools of a context of ``n_seq`` sequences of ``n_ctx`` tokens under the plan's placement."""
-        return page_budget(self.plan.candidate.kv_bytes, n_ctx, n_seq, self._page_bytes, self._host_ram.kv_bytes)
+        return page_budget(self.plan.candidate.kv_bytes, n_ctx, n_seq, self._page_bytes, self._host_ram.kv_bytes,
+                           window=self.plan.candidate.params.kv_vram_cells)
 
     def check_model(self, model: str | None) -> None:
         """Accept no model, this model's name, file name, or plan id (prefix of 8+); else 404."""

@@ -33,7 +33,7 @@ def kv_label(c: Candidate) -> str:
     """Where a finalist's KV cache lives, for the log (a CPU-only candidate has no GPU to hold it)."""
     if not any(d != "CPU" for d in (*c.weights_bytes, *c.kv_bytes)):
         return "cpu-only"
-    return "kv-gpu" if c.params.offload_kqv else "kv-host"
+    return "kv-window" if c.params.kv_vram_cells else "kv-gpu" if c.params.offload_kqv else "kv-host"
 
 
 def _report(ctx: PlanContext, log: Any, fin: Finalists, hw: HardwareReport, space: PlacementSpace) -> None:

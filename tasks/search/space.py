@@ -39,6 +39,7 @@ from tasks.gpu_memory import (
 )
 from tasks.prefill_ubatch import prefill_ubatches, sized_family
 from tasks.remote import remote_candidates, rpc_limits
+from tasks.search import kv_window
 from tasks.streaming import whole_model_streaming
 
 log = logging.getLogger(__name__)
@@ -143,11 +144,16 @@ def _memory(info: ModelInfo, p: Placement, params: EngineParams, n_seq: int,
             gpus: list[str]) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     weights = {d: int(res) for d, (_, res) in layer_bytes(info, p).items()}
     kv: dict[str, int] = {}
+    window = params.kv_vram_cells
+    cells, seqs = kv_window.window_cells(window, params.n_ctx, n_seq) if window else (params.n_ctx, n_seq)
     for dev in kv_placement(p, params, gpus):
-        kv[dev] = kv.get(dev, 0) + int(kv_layer_bytes(info, params.type_k, params.n_ctx, n_seq, params.n_ubatch))
+        kv[dev] = kv.get(dev, 0) + int(kv_layer_bytes(info, params.type_k, cells, seqs, params.n_ubatch))
+        if window and dev != "CPU":  # every cell also in pinned host memory
+            kv["CPU"] = kv.get("CPU", 0) + int(kv_cache_bytes(info, params.type_k, params.n_ctx, n_seq) / info.n_layer)
     comp = {"CPU": compute_bytes(info, params.n_ubatch, params.n_ctx, params.flash_attn)}
     for d in p.gpus():
-        comp[d] = compute_bytes(info, params.n_ubatch, params.n_ctx, params.flash_attn)
+        comp[d] = compute_bytes(info, params.n_ubatch, params.n_ctx, params.flash_attn) + (
+            kv_window.concat_bytes(info, params.type_k, params.n_ctx, window, n_seq) if window else 0)
     return weights, kv, comp
 
 
@@ -244,7 +250,7 @@ def _even_split(info: ModelInfo, budgets: list[int]) -> Placement | None:
 # Agent conversations reach 16-32k tokens: where the trained context is longer, a plan may hold this much
 # instead, with the KV cache it frees given to weights (llama.cpp's --fit shrinks the context the same way).
 WORKLOAD_DEPTH = 32768
-KvMode = Literal["gpu", "host", "layers"]
+KvMode = Literal["gpu", "host", "layers", "window"]
 
 
 @dataclass(frozen=True)
@@ -252,7 +258,8 @@ class _Shape:
     """A placement with the context it holds and where its KV cache lives.
 
     ``kv``: "gpu" (every layer's KV on the GPU of its attention, ``-ngl 999``), "host" (``-nkvo``: KV and
-    attention on the CPU), "layers" (``-ngl N``: the KV of the offloaded layers on the GPU, the rest on the host).
+    attention on the CPU), "layers" (``-ngl N``: the KV of the offloaded layers on the GPU, the rest on the host),
+    "window" (every layer's first ``window`` cells on the GPU, all of them in pinned host memory: :mod:`.kv_window`).
     """
 
     family: str
@@ -264,6 +271,7 @@ class _Shape:
     mapped: bool = False  # the split's cold experts read by the GPU from pinned host memory
     sized_for: tuple[int, ...] = ()  # prefill micro-batches (beyond the default grid's) its budget holds
     default_grid: bool = True  # tried at the default grid's micro-batches too (sized at SIZING_UBATCH)
+    window: int | None = None  # kv "window": the cells of each layer's cache kept in VRAM
 
 
 def gpu_overhead(info: ModelInfo, n_ctx: int, kv_bytes: float, margin: int = DEFAULT_MARGIN,
@@ -386,14 +394,21 @@ def enumerate_placements(info: ModelInfo, hw: HardwareReport, req: PlanRequest, 
     shapes = [_Shape("cpu", all_on(info, "CPU"), n_ctx, "host")]
     margins = [correction(hw, name, True, SIZING_UBATCH) for name in gpus[:len(per_gpu)]]
     margins += [DEFAULT_MARGIN] * (len(per_gpu) - len(margins))
+    mapped_extra = correction(hw, gpus[0], True, SIZING_UBATCH, True) - margins[0] if margins else 0
+    by_ctx: dict[int, list[_Shape]] = {}
     for ctx in _contexts(n_ctx, req, len(gpus)):
         tag = "" if ctx == n_ctx else f"@{ctx}"
-        shapes += _gpu_shapes(info, req, per_gpu, ctx, tag, routing, margins,
-                              correction(hw, gpus[0], True, SIZING_UBATCH, True) - margins[0] if margins else 0)
-        shapes += _sized_shapes(info, req, hw, per_gpu, ctx, tag, routing)
-    unique: dict[tuple[str, int, str, str, bool], _Shape] = {}
+        by_ctx[ctx] = _gpu_shapes(info, req, per_gpu, ctx, tag, routing, margins, mapped_extra)
+        shapes += by_ctx[ctx] + _sized_shapes(info, req, hw, per_gpu, ctx, tag, routing)
+    if req.ctx is None:  # the whole context with a window's VRAM: the placements sized for a cache that long
+        for w in kv_window.windows(n_ctx, len(per_gpu)):
+            sized = by_ctx.get(w) or _gpu_shapes(info, req, per_gpu, w, f"@{w}", routing, margins, mapped_extra)
+            shapes += [replace(sh, family=f"{sh.family.split('@', 1)[0]}/kv-window{w}", n_ctx=n_ctx, kv="window",
+                               window=w) for sh in sized if sh.kv == "gpu"]
+    unique: dict[tuple[str, int, str, str, bool, int | None], _Shape] = {}
     for sh in shapes:
-        key = (sh.placement.model_dump_json(), sh.n_ctx, sh.kv, sh.split.env_value() if sh.split else "", sh.mapped)
+        key = (sh.placement.model_dump_json(), sh.n_ctx, sh.kv, sh.split.env_value() if sh.split else "", sh.mapped,
+               sh.window)
         unique[key] = _merged(unique.get(key), sh)
     rejected: dict[str, int] = {}
     cands: list[Candidate] = []
@@ -438,7 +453,7 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, shape: 
     loads: list[tuple[LoadMode, bool]] = [("mmap", False), ("load", False)]
     if hybrid:
         loads.append(("load", True))
-    fas = [True, False] if req.kv in ("f16", "f32") else [True]
+    fas = [True, False] if req.kv in ("f16", "f32") and shape.kv != "window" else [True]  # a window needs FA
     offload = [None, 4096] if hybrid and shape.split is None else [None]
     by_layers = shape.kv == "layers"
     # -ngl N offloads the last N-1 layers and the head: llama.cpp's own placement, nothing to override.
@@ -465,7 +480,8 @@ def _runtime_grid(info: ModelInfo, hw: HardwareReport, req: PlanRequest, shape: 
             n_threads=t, n_threads_batch=tb, n_gpu_layers=n_gpu_layers, flash_attn=fa, type_k=req.kv,
             type_v=req.kv, load_mode=load, no_host=no_host, offload_min_batch=omb, tensor_overrides=tuple(overrides),
             tensor_split=split, offload_kqv=shape.kv != "host" or not on_gpu, expert_split=shape.split,
-            expert_mapped=shape.mapped, expert_cache=cache, seed=req.seed, expert_mapped_tokens=mapped_tokens))
+            expert_mapped=shape.mapped, expert_cache=cache, seed=req.seed, expert_mapped_tokens=mapped_tokens,
+            kv_vram_cells=shape.window))
     return out
 
 

@@ -18,6 +18,7 @@ from tasks import workload as wl
 from tasks.costmodel import Workload, all_on, layer_bytes, micro_batches, predict
 from tasks.gpu_memory import SIZING_UBATCH, compute_bytes, predicted_gpu_bytes
 from tasks.prefill_ubatch import PREFILL_UBATCHES, prefill_ubatches, sized_family, sizing
+from tasks.search.kv_window import concat_bytes
 from tasks.search.ranking import prune
 from tasks.search.space import enumerate_placements
 from tasks.testing import h200_report
@@ -91,7 +92,9 @@ def test_a_micro_batch_whose_compute_buffer_does_not_fit_the_budget_is_never_a_c
         for c in space.candidates:
             assert c.params.n_batch >= c.params.n_ubatch
             for dev, b in c.compute_bytes.items():
-                assert b == compute_bytes(info, c.params.n_ubatch, c.params.n_ctx, c.params.flash_attn), dev
+                w = c.params.kv_vram_cells  # a KV window's concatenation past it, on the GPU
+                past = concat_bytes(info, c.params.type_k, c.params.n_ctx, w, c.params.n_seq_max) if w and dev != "CPU" else 0
+                assert b == compute_bytes(info, c.params.n_ubatch, c.params.n_ctx, c.params.flash_attn) + past, dev
             for dev, b in predicted_gpu_bytes(c, hw).items():
                 assert b <= space.memory_limits[dev] <= gib * GIB, (c.id, c.family, c.params.n_ubatch)
     nine, big = ({c.params.n_ubatch for c in spaces["agent", g].candidates} for g in (9.0, 24.0))
