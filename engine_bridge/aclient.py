@@ -10,7 +10,7 @@ So does a request the worker does not take off its stdin within ``write_timeout_
 stopped or wedged outside llama.cpp stops reading, and its pipe fills).
 
 Streams and cancellation: ``stream("generate", {"rid": ..., ...})`` yields token events, then
-``{"result": {...}}``. If its consumer goes away first (the task is cancelled, e.g. the HTTP client
+``{"result": {...}}`` (:meth:`AsyncWorkerClient.generate` yields them typed). If its consumer goes away first (the task is cancelled, e.g. the HTTP client
 disconnected, or the generator is closed early), the stream sends ``cancel {"rid": args["rid"]}`` so
 the worker frees the sequence at once. Close early streams promptly with ``contextlib.aclosing``; a
 generator left to the garbage collector cancels only when it is collected.
@@ -32,7 +32,7 @@ from pydantic import BaseModel
 
 from engine_bridge import ops
 from engine_bridge.errors import EngineError, ProtocolMismatch, WorkerDied, WorkerTimeout, from_wire
-from engine_bridge.protocol import PROTOCOL_VERSION, decode, encode, packed
+from engine_bridge.protocol import PROTOCOL_VERSION, decode, encode, generate_args, generate_event
 from engine_bridge.worker_log import last_words
 
 A = TypeVar("A", bound=BaseModel)
@@ -288,19 +288,23 @@ class AsyncWorkerClient:
         args = ops.TokenizeArgs(text=text, special=special, add_special=add_special)
         return (await self.request(ops.TOKENIZE, args, timeout)).tokens
 
-    def generate(self, args: Mapping[str, Any], timeout: float = 120.0) -> AsyncGenerator[dict[str, Any], None]:
-        """A ``generate`` stream (:class:`~engine_bridge.ops.GenerateArgs` fields; the worker validates them):
-        token events, then ``{"result": ...}``. Its arguments go as they are, the prompt packed
-        (:func:`~engine_bridge.protocol.packed`): a long prompt is not validated twice on the way to its first
-        token, nor written as JSON integers.
+    async def generate(self, args: ops.GenerateArgs,
+                       timeout: float = 120.0) -> AsyncGenerator[ops.GenerateEvent, None]:
+        """A ``generate`` stream: token (and prefill) events, then its :class:`~engine_bridge.ops.ResultEvent`.
+        Its arguments go as they are, the prompt packed (:func:`~engine_bridge.protocol.generate_args`): build them
+        with ``model_construct`` and a long prompt is not validated twice on the way to its first token (the
+        worker validates them), nor written as JSON integers. Closing it early cancels the generation.
 
         Raises:
-            EngineError: ``bad_request``: a prompt token id that does not fit 32 bits (nothing was sent).
+            EngineError: ``bad_request``: a prompt token id that does not fit 32 bits (nothing was sent); as
+                :meth:`stream` otherwise.
         """
-        prompt = args.get("prompt")
-        if isinstance(prompt, list):
-            args = {**args, "prompt": packed(prompt)}
-        return self.stream(ops.GENERATE.name, args, timeout)
+        raw = generate_args(args)
+        async with contextlib.aclosing(self.stream(ops.GENERATE.name, raw, timeout)) as msgs:
+            async for msg in msgs:
+                event = generate_event(msg)
+                if event is not None:
+                    yield event
 
 
 def exit_detail(returncode: int | None) -> str:

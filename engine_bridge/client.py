@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from engine_bridge import ops
 from engine_bridge.errors import EngineError, ProtocolMismatch, WorkerDied, WorkerTimeout, from_wire
-from engine_bridge.protocol import PROTOCOL_VERSION, decode, encode
+from engine_bridge.protocol import PROTOCOL_VERSION, decode, encode, generate_args, generate_event
 from engine_bridge.worker_log import last_words
 
 A = TypeVar("A", bound=BaseModel)
@@ -196,6 +196,14 @@ class WorkerClient:
     def detokenize(self, tokens: list[int], special: bool = False, timeout: float = 120.0) -> str:
         """Text of ``tokens`` in the loaded model or serving engine."""
         return self.request(ops.DETOKENIZE, ops.DetokenizeArgs(tokens=tokens, special=special), timeout).text
+
+    def generate(self, args: ops.GenerateArgs, timeout: float = 120.0) -> Iterator[ops.GenerateEvent]:
+        """A ``generate`` stream of the serving engine: token (and prefill) events, then its
+        :class:`~engine_bridge.ops.ResultEvent` (as :meth:`engine_bridge.aclient.AsyncWorkerClient.generate`)."""
+        for msg in self.stream(ops.GENERATE.name, generate_args(args), timeout):
+            event = generate_event(msg)
+            if event is not None:
+                yield event
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from engine_bridge.drafting import Drafting
 from engine_bridge.grammar_spec import GrammarSpec
 from engine_bridge.params import EngineParams
+from engine_bridge.sampling import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
 
@@ -242,13 +243,8 @@ class GenerateArgs(_Msg):
     rid: str = Field(min_length=1, description="request id, unique among running generations; used by cancel")
     prompt: list[int] = Field(min_length=1, description="prompt token ids")
     max_tokens: int = Field(ge=1)
-    temperature: float = Field(0.8, ge=0.0, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 = off")
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(None, description="None = a random seed")
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    sampling: SamplingParams = Field(default_factory=SamplingParams, description=(
+        "how tokens are drawn (engine_bridge.sampling: llama-server's defaults; GREEDY for measuring)"))
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     conversation: str | None = Field(None, description="an opaque conversation label (reported, not required)")
@@ -296,6 +292,16 @@ class GenerateResult(_Msg):
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     text_tail: str = ""
+
+
+class ResultEvent(TypedDict):
+    """A ``generate`` stream's last event, as the clients yield it: the op's result (its own protocol line)."""
+
+    type: Literal["result"]
+    result: GenerateResult
+
+
+GenerateEvent = TokenEvent | PrefillEvent | ResultEvent  # what a client's ``generate`` yields, the result last
 
 
 class CancelArgs(_Msg):

@@ -16,13 +16,16 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
+from engine_bridge import ops
 from engine_bridge.errors import EngineError
 
-PROTOCOL_VERSION = 3  # 2: typed ops (engine_bridge.ops); load without logits_all. 3: packed token arrays
+# 2: typed ops (engine_bridge.ops); load without logits_all. 3: packed token arrays. 4: generate's sampling is one
+# field (engine_bridge.sampling.SamplingParams)
+PROTOCOL_VERSION = 4
 PACKED_KEY = "$i32le"  # a key no request of a client writes by chance
 PACK_MIN_TOKENS = 64  # shorter arrays stay JSON lists (readable in logs and tests, and as fast)
 
@@ -76,3 +79,30 @@ def decode(line: bytes) -> dict[str, Any]:
     if not isinstance(msg, dict) or "id" not in msg:
         raise ValueError(f"not a protocol message: {line[:200]!r}")
     return msg
+
+
+def generate_args(args: ops.GenerateArgs) -> dict[str, Any]:
+    """A ``generate`` request's arguments as they travel: its fields but the defaults, the prompt packed as it is
+    (a model built with ``model_construct`` carries a long prompt unvalidated and is not copied here).
+
+    Raises:
+        EngineError: ``bad_request``: a prompt token id that does not fit 32 bits.
+    """
+    out = args.model_dump(mode="json", exclude={"prompt"}, exclude_defaults=True)
+    out["prompt"] = packed(args.prompt)
+    return out
+
+
+def generate_event(msg: dict[str, Any]) -> ops.GenerateEvent | None:
+    """A ``generate`` stream's message (an event, or the client's ``{"result": ...}``) as its typed event; None for
+    an event kind this side does not know. The result is validated (once a request); a token or prefill event is
+    the worker's own, typed where it is built (:mod:`engine_bridge.worker.serving`), and not validated again on
+    the hot path (one a token)."""
+    if "result" in msg:
+        return {"type": "result", "result": ops.GenerateResult.model_validate(msg["result"])}
+    kind = msg.get("type")
+    if kind == "token":
+        return cast(ops.TokenEvent, msg)
+    if kind == "prefill":
+        return cast(ops.PrefillEvent, msg)
+    return None

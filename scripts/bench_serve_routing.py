@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine_bridge import ops  # noqa: E402
 from engine_bridge.client import WorkerClient  # noqa: E402
 from engine_bridge.params import EngineParams  # noqa: E402
+from engine_bridge.sampling import GREEDY  # noqa: E402
 
 SETTINGS = {"off": 0, "installed": 1 << 30, "1 in 8": 8, "every step": 1}
 
@@ -33,12 +34,12 @@ def decode_ms_per_token(model: Path, every: int, tokens: int, threads: int) -> t
     prompt = np.random.default_rng(0).integers(0, 500, size=32).tolist()
     with WorkerClient() as w:
         w.request(ops.SERVE_LOAD, ops.ServeLoadArgs(model=str(model), params=params, routing_every=every))
-        result: dict[str, float] = {}
-        for msg in w.stream("generate", {"rid": "r", "prompt": prompt, "max_tokens": tokens, "temperature": 0.0}):
-            if "result" in msg:
+        result = ops.GenerateResult(finish_reason="cancelled", prompt_tokens=len(prompt))
+        for msg in w.generate(ops.GenerateArgs(rid="r", prompt=prompt, max_tokens=tokens, sampling=GREEDY)):
+            if msg["type"] == "result":
                 result = msg["result"]
         steps = w.request(ops.SERVE_ROUTING).steps
-    return result["decode_ms"] / max(1, int(result["completion_tokens"]) - 1), steps
+    return result.decode_ms / max(1, result.completion_tokens - 1), steps
 
 
 def main() -> int:

@@ -36,6 +36,7 @@ from engine_bridge import ops
 from engine_bridge.errors import EngineError
 from engine_bridge.gbnf import GrammarSpec
 from engine_bridge.ops import TokenEvent
+from engine_bridge.sampling import SamplingParams
 from server.errors import ApiError, error_event
 from server.formats import Builder, ToolCallBody, usage_body
 from server.journal import Entry, Journal
@@ -49,26 +50,13 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class SamplingArgs:
-    """A request's sampling, every field decided (llama-server's defaults for what the request left out)."""
-
-    temperature: float = 0.8
-    top_p: float = 0.95
-    top_k: int = 40
-    min_p: float = 0.05
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int = 0
-
-
-@dataclass(frozen=True)
 class GenSpec:
     """What to generate, as admitted."""
 
     rid: str
     prompt: list[int]
     max_tokens: int
-    sampling: SamplingArgs
+    sampling: SamplingParams
     stops: list[str]
     logprobs: bool
     top_logprobs: int
@@ -276,36 +264,30 @@ class Generation:
                            completion_tokens=self._acc.n_tokens, prefill_s=r.prefill_ms / 1e3, decode_s=r.decode_ms / 1e3,
                            ttft_s=None if self._first_token is None else self._first_token - t0, duration_s=now - t0)
 
-    def _args(self) -> dict[str, Any]:
-        """The op's arguments, built as its model (unvalidated here: the worker validates them once, so a long
-        prompt is not checked twice on the way to its first token)."""
+    def _args(self) -> ops.GenerateArgs:
+        """The op's arguments, built unvalidated: the worker validates them once, so a long prompt is not checked
+        twice on the way to its first token."""
         s = self.spec
-        args = ops.GenerateArgs.model_construct(
-            rid=s.rid, prompt=[], max_tokens=s.max_tokens, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
-            grammar=s.grammar, temperature=s.sampling.temperature, top_p=s.sampling.top_p, top_k=s.sampling.top_k,
-            min_p=s.sampling.min_p, seed=s.sampling.seed, presence_penalty=s.sampling.presence_penalty,
-            frequency_penalty=s.sampling.frequency_penalty).model_dump(exclude_defaults=True)
-        args["prompt"] = s.prompt  # as it is: the client packs it, a dump would copy it first
-        return args
+        return ops.GenerateArgs.model_construct(
+            rid=s.rid, prompt=s.prompt, max_tokens=s.max_tokens, sampling=s.sampling, logprobs=s.logprobs,
+            top_logprobs=s.top_logprobs, grammar=s.grammar)
 
     async def _pump(self) -> ops.GenerateResult:
         """Consume the worker's events until its result; returns the result."""
         cancelled = ops.GenerateResult(finish_reason="cancelled", prompt_tokens=len(self.spec.prompt))
         if self._cancel_requested:
             return cancelled
-        result = cancelled  # a stream that ends without a result (the engine went away) raised before this
         events = self.ctx.engine.generate(self._args(), self.ctx.wait_s, self.ctx.timeout_s)
         async with contextlib.aclosing(events):
-            async for msg in events:
-                if "result" in msg:
-                    result = ops.GenerateResult.model_validate(msg["result"])
-                    break
-                if msg.get("type") != "token" or self._matcher.stopped:
+            async for ev in events:
+                if ev["type"] == "result":
+                    return ev["result"]
+                if ev["type"] != "token" or self._matcher.stopped:
                     continue  # tokens after a stop sequence, before the cancel lands: dropped
-                self._token(msg)  # type: ignore[arg-type]  # the protocol's ops.TokenEvent, not re-validated
+                self._token(ev)
                 if self._matcher.stopped or self._cancel_requested:
                     self._send_cancel()
-        return result
+        return cancelled  # a stream that ends without a result (the engine went away) raised before this
 
     def _token(self, ev: TokenEvent) -> None:
         if self._first_token is None:

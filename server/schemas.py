@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engine_bridge.sampling import SamplingParams
 from server.errors import InvalidRequest
 
 MAX_STOPS = 4
@@ -21,7 +22,6 @@ MAX_TOKENS_LIMIT = 2**31 - 1
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 MAX_TOOLS = 128  # OpenAI's limit
-SEED_RANGE = (-(2**63), 2**64 - 1)
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
@@ -157,25 +157,34 @@ ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Fie
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+_SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
 
 
-class Sampling(_Req):
-    """Fields shared by chat and text completions."""
+class Sampling(SamplingParams):
+    """Fields shared by chat and text completions. The sampling knobs are :class:`SamplingParams`' own fields
+    (the same names, ranges and defaults; ``null`` leaves one at its default): :meth:`sampling` gives them."""
+
+    model_config = _Req.model_config
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, ge=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
     n: int | None = Field(None, ge=1, le=128)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unset_nulls(cls, data: Any) -> Any:
+        """A sampling knob sent as ``null`` is one left out (OpenAI's clients send them so)."""
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in _SAMPLING_FIELDS):
+            return {k: v for k, v in data.items() if v is not None or k not in _SAMPLING_FIELDS}
+        return data
+
+    def sampling(self) -> SamplingParams:
+        """The request's sampling, every knob decided (a default where the request left one out)."""
+        return SamplingParams.model_construct(self.model_fields_set & _SAMPLING_FIELDS,
+                                              **{k: getattr(self, k) for k in _SAMPLING_FIELDS})
 
     @field_validator("stop")
     @classmethod

@@ -38,7 +38,7 @@ from server.errors import (
     from_engine,
 )
 from server.formats import BUILDERS, Kind
-from server.generation import GenContext, Generation, GenSpec, SamplingArgs
+from server.generation import GenContext, Generation, GenSpec
 from server.journal import Journal, RequestIdInUse
 from server.kv_pages import (
     PARK_MAX_BYTES,
@@ -63,7 +63,6 @@ from server.transport import Refusal
 log = logging.getLogger(__name__)
 
 __all__ = ["PARK_MAX_BYTES", "FluxService", "load_spec", "park_budget"]
-MIN_TOP_P = 1e-6  # a cut between two pieces can change the tokens near it by this many
 _RID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
@@ -293,7 +292,7 @@ class FluxService:
             if isinstance(exc, RequestIdInUse):
                 raise Conflict(str(exc), code="request_id_in_use", param="x-request-id") from exc
             raise
-        spec = GenSpec(rid=rid, prompt=prompt, max_tokens=max_tokens, sampling=self._sampling(req), stops=req.stops(),
+        spec = GenSpec(rid=rid, prompt=prompt, max_tokens=max_tokens, sampling=req.sampling(), stops=req.stops(),
                        logprobs=logprobs, top_logprobs=top_logprobs, include_usage=req.include_usage() or not req.stream,
                        echo=echo, stream=bool(req.stream), arrived=arrived, grammar=reply.grammar if reply else None,
                        tool_format=self.tool_format if reply and reply.parse_tools else None,
@@ -374,19 +373,6 @@ class FluxService:
             raise NotFound(f"request '{rid}' is not running and its journal expired (or it never existed)",
                            code="request_not_found", param="rid")
         return {"id": rid, "object": "request", "status": "completed", "cancelled": False}
-
-    @staticmethod
-    def _sampling(req: Sampling) -> SamplingArgs:
-        d = SamplingArgs()
-        seed = req.seed if req.seed is not None else secrets.randbits(32)
-        return SamplingArgs(
-            temperature=d.temperature if req.temperature is None else req.temperature,
-            # OpenAI allows top_p 0 (= only the top token); llama.cpp wants > 0
-            top_p=max(d.top_p if req.top_p is None else req.top_p, MIN_TOP_P),
-            top_k=d.top_k if req.top_k is None else req.top_k, min_p=d.min_p if req.min_p is None else req.min_p,
-            presence_penalty=d.presence_penalty if req.presence_penalty is None else req.presence_penalty,
-            frequency_penalty=d.frequency_penalty if req.frequency_penalty is None else req.frequency_penalty,
-            seed=seed % 2**32)
 
     # -- reports --------------------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:

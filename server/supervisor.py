@@ -212,9 +212,9 @@ class WorkerSupervisor:
                                    timeout=self.spec.rpc_s)
         return got.text
 
-    async def generate(self, args: Mapping[str, Any], wait_s: float,
-                       timeout: float) -> AsyncGenerator[dict[str, Any], None]:
-        """Events of one generation, then ``{"result": ...}`` (the worker batches concurrent ones)."""
+    async def generate(self, args: ops.GenerateArgs, wait_s: float,
+                       timeout: float) -> AsyncGenerator[ops.GenerateEvent, None]:
+        """Events of one generation, then its result event (the worker batches concurrent ones)."""
         worker = await self.ready(wait_s)
         try:
             async with contextlib.aclosing(worker.generate(args, timeout=timeout)) as events:

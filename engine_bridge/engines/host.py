@@ -29,6 +29,7 @@ from engine_bridge.engines.stream import chunk_tokens
 from engine_bridge.errors import EngineError
 from engine_bridge.grammar_spec import GrammarSpec
 from engine_bridge.protocol import PROTOCOL_VERSION, decode, encode
+from engine_bridge.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 ENGINE_EXIT = 3  # this process's exit code when its engine died
@@ -44,6 +45,13 @@ def grammar_fields(g: GrammarSpec) -> dict[str, Any]:
     return out
 
 
+def sampling_fields(s: SamplingParams) -> dict[str, Any]:
+    """Every knob of ``s`` as the request field of its name (llama-server's and OpenAI's names are the declaration's),
+    a knob at "off" included: an engine's own default for a field left out is not off (llama-server's top_k is 40).
+    Only a seed left to chance is left out (the engine draws its own)."""
+    return s.model_dump(exclude_none=True)
+
+
 def request_body(spec: EngineSpec, a: ops.GenerateArgs) -> dict[str, Any]:
     """The ``/v1/completions`` body of one ``generate``.
 
@@ -51,15 +59,8 @@ def request_body(spec: EngineSpec, a: ops.GenerateArgs) -> dict[str, Any]:
         EngineError: ``bad_request``: a grammar (tools, structured output) for an engine that takes none.
     """
     body: dict[str, Any] = {
-        "prompt": a.prompt, "max_tokens": a.max_tokens, "temperature": a.temperature, "top_p": a.top_p,
-        "presence_penalty": a.presence_penalty, "frequency_penalty": a.frequency_penalty, "stream": True,
-        "stream_options": {"include_usage": True}, "logprobs": max(1, a.top_logprobs), "cache_prompt": True}
-    if a.seed is not None:
-        body["seed"] = a.seed
-    if a.top_k:
-        body["top_k"] = a.top_k
-    if a.min_p:
-        body["min_p"] = a.min_p
+        "prompt": a.prompt, "max_tokens": a.max_tokens, "stream": True, "stream_options": {"include_usage": True},
+        "logprobs": max(1, a.top_logprobs), "cache_prompt": True, **sampling_fields(a.sampling)}
     if a.grammar is not None:
         if not spec.grammar:
             raise EngineError("bad_request", f"this plan's engine {spec.name} takes no grammar: tool_choice, forced "

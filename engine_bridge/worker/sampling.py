@@ -2,7 +2,8 @@
 token text that is always valid UTF-8, and the tokenizer calls.
 
 Runs inside the worker process only (imports llama_cpp). Sampling itself is llama.cpp's sampler chain, one
-chain per request; logprobs are computed here from the raw logits (before temperature and penalties), as
+chain per request, built from the request's :class:`~engine_bridge.sampling.SamplingParams` (:func:`build_chain`
+is where a knob declared there takes effect); logprobs are computed here from the raw logits (before temperature and penalties), as
 OpenAI reports them.
 """
 
@@ -17,33 +18,35 @@ import numpy as np
 
 from engine_bridge import ops
 from engine_bridge.errors import EngineError
-from engine_bridge.ops import GenerateArgs
+from engine_bridge.sampling import SamplingParams
 
 
-def build_chain(args: GenerateArgs, n_vocab: int) -> Any:
-    """A new llama.cpp sampler chain for ``args``; the caller frees it with ``llama_sampler_free``.
+def build_chain(s: SamplingParams, n_vocab: int, penalty_last_n: int) -> Any:
+    """A new llama.cpp sampler chain applying every knob of ``s``; the caller frees it with ``llama_sampler_free``.
 
-    Order as llama.cpp's defaults: penalties, top-k, top-p, min-p, temperature, then the random draw
-    (or greedy when the temperature is 0). Penalties cover every token this request generates.
+    Order as llama.cpp's defaults: penalties (over the last ``penalty_last_n`` tokens: a request passes its
+    ``max_tokens``, so they cover every token it generates), top-k, top-p, min-p, temperature, then the random
+    draw (or greedy when the temperature is 0). A knob at its "off" value adds no stage.
     """
     cp = llama_cpp.llama_sampler_chain_default_params()
     cp.no_perf = True
     chain = llama_cpp.llama_sampler_chain_init(cp)
     stages: list[Any] = []
-    if args.presence_penalty or args.frequency_penalty:
-        stages.append(llama_cpp.llama_sampler_init_penalties(
-            n_vocab, args.max_tokens, 1.0, args.frequency_penalty, args.presence_penalty))
-    if args.temperature == 0.0:
+    presence, frequency = s.presence_penalty, s.frequency_penalty
+    if presence or frequency:
+        stages.append(llama_cpp.llama_sampler_init_penalties(n_vocab, penalty_last_n, 1.0, frequency, presence))
+    if s.temperature == 0.0:
         stages.append(llama_cpp.llama_sampler_init_greedy())
     else:
-        if args.top_k > 0:
-            stages.append(llama_cpp.llama_sampler_init_top_k(args.top_k))
-        if args.top_p < 1.0:
-            stages.append(llama_cpp.llama_sampler_init_top_p(args.top_p, 1))
-        if args.min_p > 0.0:
-            stages.append(llama_cpp.llama_sampler_init_min_p(args.min_p, 1))
-        seed = llama_cpp.LLAMA_DEFAULT_SEED if args.seed is None else args.seed & 0xFFFFFFFF
-        stages += [llama_cpp.llama_sampler_init_temp(args.temperature), llama_cpp.llama_sampler_init_dist(seed)]
+        top_k, top_p, min_p = s.top_k, s.top_p, s.min_p
+        if top_k > 0:
+            stages.append(llama_cpp.llama_sampler_init_top_k(top_k))
+        if top_p < 1.0:
+            stages.append(llama_cpp.llama_sampler_init_top_p(top_p, 1))
+        if min_p > 0.0:
+            stages.append(llama_cpp.llama_sampler_init_min_p(min_p, 1))
+        seed = llama_cpp.LLAMA_DEFAULT_SEED if s.seed is None else s.seed & 0xFFFFFFFF
+        stages += [llama_cpp.llama_sampler_init_temp(s.temperature), llama_cpp.llama_sampler_init_dist(seed)]
     for stage in stages:
         llama_cpp.llama_sampler_chain_add(chain, stage)  # the chain owns its stages
     return chain

@@ -42,8 +42,7 @@ class ServeDrafter(Protocol):
 
 def drafts(args: GenerateArgs) -> bool:
     """True when a request may be drafted: its output is the target's argmax at every step."""
-    return (args.temperature == 0.0 and args.grammar is None and not args.presence_penalty
-            and not args.frequency_penalty)
+    return args.sampling.greedy() and args.grammar is None
 
 
 class NgramDrafter:

@@ -120,7 +120,7 @@ class ServeEngine:
             raise EngineError("busy", f"all {self.n_seq_max} sequences are generating: retry when one finishes")
         grammar = GrammarSampler(self.vocab, args.grammar) if args.grammar is not None else None
         slot, cached = self._place(prompt, free)
-        slot.req = _Request(key=key, args=args, chain=build_chain(args, self.vocab.n_vocab),
+        slot.req = _Request(key=key, args=args, chain=build_chain(args.sampling, self.vocab.n_vocab, args.max_tokens),
                             pending=args.prompt[cached:], cached=cached, grammar=grammar, t0=t0)
         slot.last_used, slot.conversation, slot.prompt_n = next(self._clock), args.conversation, len(prompt)
         self._by_rid[args.rid] = slot

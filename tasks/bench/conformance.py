@@ -30,6 +30,7 @@ from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.llama_server import LlamaServer
+from engine_bridge.sampling import GREEDY
 from tasks.bench.conformance_rules import Finding, explain
 from tasks.bench.context import BenchContext, Progress
 from tasks.bench.host import load_avg
@@ -92,13 +93,13 @@ class Session:
     def generate(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str, dict[str, Any]]:
         """Greedy generation in the serving engine: (tokens, text, result)."""
         tokens, text, result = [], [], {}
-        args = {"rid": f"conf-{time.monotonic_ns()}", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
-        for msg in self.w.stream(ops.GENERATE.name, args, timeout=self.ctx.timeout_s):
-            if "result" in msg:
-                result = msg["result"]
-            elif msg.get("type") == "token":
-                tokens.append(int(msg["token"]))
-                text.append(str(msg["text"]))
+        args = ops.GenerateArgs(rid=f"conf-{time.monotonic_ns()}", prompt=prompt, max_tokens=max_tokens, sampling=GREEDY)
+        for msg in self.w.generate(args, timeout=self.ctx.timeout_s):
+            if msg["type"] == "result":
+                result = msg["result"].model_dump()
+            elif msg["type"] == "token":
+                tokens.append(msg["token"])
+                text.append(msg["text"])
         return tokens, "".join(text) + str(result.get("text_tail", "")), result
 
 

@@ -14,6 +14,7 @@ import httpx
 
 from engine_bridge import ops
 from engine_bridge.aclient import AsyncWorkerClient
+from engine_bridge.sampling import GREEDY
 from tasks.bench.context import BenchContext
 from tasks.bench.errors import BenchError
 from tasks.bench.http import FluxServe
@@ -52,9 +53,9 @@ async def worker_first(w: AsyncWorkerClient, rid: str, text: str, max_tokens: in
     t0 = time.perf_counter()
     ids = await w.tokenize(text, special=True, add_special=True, timeout=60)
     t1, first = time.perf_counter(), None
-    async for msg in w.generate({"rid": rid, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0},
-                                timeout=60):
-        if msg.get("type") == "token" and first is None:
+    args = ops.GenerateArgs.model_construct(rid=rid, prompt=ids, max_tokens=max_tokens, sampling=GREEDY)
+    async for msg in w.generate(args, timeout=60):
+        if msg["type"] == "token" and first is None:
             first = time.perf_counter()
     return t1 - t0, (first or time.perf_counter()) - t0
 

@@ -35,6 +35,7 @@ from artifacts.records.serving import ServingChoice, ServingPoint
 from engine_bridge import ops
 from engine_bridge.aclient import AsyncWorkerClient
 from engine_bridge.errors import EngineError
+from engine_bridge.sampling import GREEDY
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
@@ -63,9 +64,9 @@ def _percentile(xs: Sequence[float], q: float) -> float:
 async def _stream(w: AsyncWorkerClient, rid: str, prompt: list[int], n_gen: int, timeout_s: float) -> list[float]:
     """The arrival time of each token of one greedy stream."""
     times: list[float] = []
-    async for msg in w.generate({"rid": rid, "prompt": prompt, "max_tokens": n_gen, "temperature": 0.0},
-                                timeout=timeout_s):
-        if msg.get("type") == "token":
+    args = ops.GenerateArgs.model_construct(rid=rid, prompt=prompt, max_tokens=n_gen, sampling=GREEDY)
+    async for msg in w.generate(args, timeout=timeout_s):
+        if msg["type"] == "token":
             times.append(time.perf_counter())
     return times
 

@@ -1,8 +1,20 @@
-"""A serving engine's sink for tests: what each request streamed and how it ended."""
+"""A serving engine's sink for tests: what each request streamed and how it ended; and the arguments of a request."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from engine_bridge.sampling import SamplingParams
+
+# top-k, top-p and min-p off: temperature alone draws from the whole vocabulary (rare bytes, EOG tokens, long replies)
+WHOLE_VOCABULARY: dict[str, Any] = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
+
+
+def gen_args(rid: str, prompt: Any, n: int, **kw: Any) -> dict[str, Any]:
+    """A ``generate`` request's arguments as they travel: greedy unless ``kw`` says otherwise (the sampling knobs
+    among ``kw``, :class:`SamplingParams`' fields, go into its ``sampling``)."""
+    sampling = {"temperature": 0.0} | {k: kw.pop(k) for k in list(kw) if k in SamplingParams.model_fields}
+    return {"rid": rid, "prompt": prompt, "max_tokens": n, "sampling": sampling, **kw}
 
 
 class Recorder:

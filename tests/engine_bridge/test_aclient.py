@@ -21,6 +21,7 @@ from engine_bridge.aclient import AsyncWorkerClient
 from engine_bridge.errors import EngineError, WorkerDied, WorkerTimeout
 from engine_bridge.params import EngineParams
 from engine_bridge.protocol import PROTOCOL_VERSION
+from tests.engine_bridge.sinks import gen_args
 
 PARAMS = EngineParams(n_ctx=4096, n_seq_max=4, n_batch=256, n_ubatch=256, n_threads=1, n_threads_batch=1)
 Body = Callable[[AsyncWorkerClient], Awaitable[None]]
@@ -42,10 +43,6 @@ def with_worker(tmp_path: Path, model: Path | None, body: Body) -> None:
             await w.close()
 
     asyncio.run(main())
-
-
-def gen_args(rid: str, prompt: list[int], n: int, **kw: Any) -> dict[str, Any]:
-    return {"rid": rid, "prompt": prompt, "max_tokens": n, "temperature": 0.0, **kw}
 
 
 async def collect(w: AsyncWorkerClient, args: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -22,6 +22,7 @@ from engine_bridge.params import EngineParams, TensorOverride
 from engine_bridge.worker.native import NativeModel
 from engine_bridge.worker.sampling import new_text_decoder
 from engine_bridge.worker.serving import MIN_PARK_TOKENS, ServeEngine
+from tests.engine_bridge.sinks import WHOLE_VOCABULARY, gen_args
 
 PARAMS = EngineParams(n_ctx=512, n_seq_max=4, n_batch=128, n_ubatch=128, n_threads=1, n_threads_batch=1)
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly zebras".split()
@@ -68,7 +69,7 @@ def text(i: int, n_words: int) -> str:
 
 
 def run(engine: ServeEngine, key: int, prompt: list[int], n: int = 24, **kw: Any) -> None:
-    engine.submit(key, {"rid": f"r{key}", "prompt": prompt, "max_tokens": n, "temperature": 0.0, **kw})
+    engine.submit(key, gen_args(f"r{key}", prompt, n, **kw))
     while engine.has_work():
         engine.step()
 
@@ -84,7 +85,7 @@ def test_batched_greedy_matches_each_alone(ctx_model: Path) -> None:
         solo.close()
     assert len({tuple(a) for a in alone}) > 1, "the model must be context-sensitive for this test to mean anything"
     for i, p in enumerate(prompts):
-        engine.submit(i, {"rid": f"b{i}", "prompt": p, "max_tokens": 24, "temperature": 0.0})
+        engine.submit(i, gen_args(f"b{i}", p, 24))
     while engine.has_work():
         engine.step()
     assert [rec.tokens(i) for i in range(4)] == alone, "batched greedy decoding is exact on CPU"
@@ -96,7 +97,7 @@ def test_batched_greedy_matches_each_alone(ctx_model: Path) -> None:
 
 def test_long_prefill_is_chunked_while_others_keep_decoding(ctx_model: Path) -> None:
     engine, rec = make(ctx_model, n_seq_max=2, n_batch=64, n_ubatch=64)
-    engine.submit(1, {"rid": "a", "prompt": engine.vocab.tokenize(text(8, 5)), "max_tokens": 40, "temperature": 0.0})
+    engine.submit(1, gen_args("a", engine.vocab.tokenize(text(8, 5)), 40))
     engine.step()
     assert len(rec.events[1]) == 1
     long_prompt = engine.vocab.tokenize(text(9, 100))
@@ -143,7 +144,7 @@ def test_text_pieces_are_valid_utf8_and_eog_stops(ctx_model: Path) -> None:
     engine, rec = make(ctx_model, n_seq_max=1)
     prompt = engine.vocab.tokenize(text(2, 12))
     for seed in range(6):  # hot sampling over a byte-level vocabulary: stray UTF-8 lead bytes, EOG tokens
-        run(engine, seed, prompt, n=120, temperature=1.5, seed=seed)
+        run(engine, seed, prompt, n=120, temperature=1.5, seed=seed, **WHOLE_VOCABULARY)
         events, result = rec.events.get(seed, []), rec.results[seed]
         pieces = b"".join(engine.vocab.piece(e["token"]) for e in events)
         streamed = "".join(e["text"] for e in events) + result["text_tail"]
@@ -296,7 +297,7 @@ def test_grammar_constrains_every_reply_to_the_schema(ctx_model: Path) -> None:
     spec = schema_grammar(WEATHER).model_dump()
     prompt = engine.vocab.tokenize(text(3, 12))
     for seed in range(6):
-        run(engine, seed, prompt, n=120, temperature=1.0, seed=seed, grammar=spec)
+        run(engine, seed, prompt, n=120, temperature=1.0, seed=seed, grammar=spec, **WHOLE_VOCABULARY)
         assert rec.results[seed]["finish_reason"] == "stop", "a complete value ends the reply"
         jsonschema.validate(json.loads(_reply(engine, rec, seed)), WEATHER)
     run(engine, 10, prompt, n=120, temperature=0.0, grammar=spec)
@@ -313,7 +314,7 @@ def test_lazy_grammar_starts_at_its_trigger(ctx_model: Path) -> None:
     prompt = engine.vocab.tokenize(text(4, 12))
     hits = 0
     for seed in range(8):
-        run(engine, seed, prompt, n=60, temperature=1.0, seed=seed, grammar=spec)
+        run(engine, seed, prompt, n=60, temperature=1.0, seed=seed, grammar=spec, **WHOLE_VOCABULARY)
         out = _reply(engine, rec, seed)
         if "e" in out:
             hits += 1
@@ -335,7 +336,7 @@ def test_served_greedy_tokens_are_llama_cpps_greedy_samplers(ctx_model: Path) ->
     the vocabulary into candidates each token): the tokens are the chain's, step for step."""
     import llama_cpp
 
-    from engine_bridge.ops import GenerateArgs
+    from engine_bridge.sampling import GREEDY
     from engine_bridge.worker.sampling import build_chain
 
     engine, rec = make(ctx_model, n_seq_max=1)
@@ -343,7 +344,7 @@ def test_served_greedy_tokens_are_llama_cpps_greedy_samplers(ctx_model: Path) ->
     run(engine, 1, prompt, n=32)
     engine.close()
     m = NativeModel(ctx_model, PARAMS.model_copy(update={"n_seq_max": 1}))
-    chain = build_chain(GenerateArgs(rid="g", prompt=prompt, max_tokens=32, temperature=0.0), m.n_vocab)
+    chain = build_chain(GREEDY, m.n_vocab, 32)
     try:
         m._clear()
         m._decode(prompt, 0)

@@ -14,7 +14,7 @@ import pytest
 
 from artifacts.synth import synthesize
 from engine_bridge.params import EngineParams
-from tests.engine_bridge.sinks import Recorder
+from tests.engine_bridge.sinks import Recorder, gen_args
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
 
@@ -39,7 +39,7 @@ def _engine(model: Path, park_bytes: int = 64 << 20) -> tuple[ServeEngine, Recor
 
 
 def _run(engine: ServeEngine, key: int, prompt: list[int], n: int = 8) -> None:
-    engine.submit(key, {"rid": f"r{key}", "prompt": prompt, "max_tokens": n, "temperature": 0.0, "logprobs": True})
+    engine.submit(key, gen_args(f"r{key}", prompt, n, logprobs=True))
     while engine.has_work():
         engine.step()
 

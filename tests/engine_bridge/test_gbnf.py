@@ -13,6 +13,7 @@ from engine_bridge.errors import GrammarError
 from engine_bridge.gbnf import GrammarBuilder, literal, rule_name, schema_grammar
 from engine_bridge.params import EngineParams
 from engine_bridge.worker.serving import ServeEngine
+from tests.engine_bridge.sinks import WHOLE_VOCABULARY, gen_args
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -87,8 +88,8 @@ def test_every_constrained_reply_validates(tiny_moe: Path) -> None:
         spec = schema_grammar(schema).model_dump()
         for seed in range(3):
             key += 1
-            engine.submit(key, {"rid": f"r{key}", "prompt": prompt, "max_tokens": 200, "temperature": 1.0,
-                                "seed": seed, "grammar": spec})
+            engine.submit(key, gen_args(f"r{key}", prompt, 200, temperature=1.0, seed=seed, grammar=spec,
+                                         **WHOLE_VOCABULARY))
             while engine.has_work():
                 engine.step()
             if finished[key] == "stop":

@@ -21,6 +21,7 @@ from artifacts.synth.draft import draft_twin
 from engine_bridge.drafting import Drafting, ngram_proposals
 from engine_bridge.errors import EngineError
 from engine_bridge.worker.serving import ServeEngine
+from tests.engine_bridge.sinks import WHOLE_VOCABULARY, gen_args
 
 pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
 PARAMS = BATCH_PARAMS.model_copy(update={"flash_attn": True})
@@ -36,7 +37,7 @@ def _run_all(model: Path, drafting: Drafting | None, prompts: list[list[int]], n
     rec = Recorder()
     engine = ServeEngine(model, PARAMS, 0, rec, drafting)
     for i, p in enumerate(prompts):
-        engine.submit(i, {"rid": f"r{i}", "prompt": p, "max_tokens": n, "temperature": 0.0, **kw})
+        engine.submit(i, gen_args(f"r{i}", p, n, **kw))
     while engine.has_work():
         engine.step()
     return engine, rec
@@ -69,8 +70,8 @@ def test_sampled_and_grammar_requests_are_not_drafted(ctx_model: Path, draft_of:
     rec = Recorder()
     engine = ServeEngine(ctx_model, PARAMS, 0, rec, Drafting(kind="model", model=str(draft_of)))
     p = engine.vocab.tokenize(text(3, 20))
-    engine.submit(1, {"rid": "a", "prompt": p, "max_tokens": 16, "temperature": 0.8, "seed": 3})
-    engine.submit(2, {"rid": "b", "prompt": p, "max_tokens": 16, "temperature": 0.0, "presence_penalty": 0.5})
+    engine.submit(1, gen_args("a", p, 16, temperature=0.8, seed=3, **WHOLE_VOCABULARY))
+    engine.submit(2, gen_args("b", p, 16, presence_penalty=0.5))
     while engine.has_work():
         engine.step()
     assert len(rec.tokens(1)) == len(rec.tokens(2)) == 16 and engine.stats()["drafted"] == 0

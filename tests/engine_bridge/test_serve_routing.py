@@ -14,6 +14,7 @@ import numpy as np
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.params import EngineParams, ExpertSplit
+from engine_bridge.sampling import GREEDY
 
 # n_batch 16, below the op-offload threshold: a split layer takes the split path
 PARAMS = EngineParams(n_ctx=256, n_batch=16, n_ubatch=16, n_threads=1, n_threads_batch=1, n_seq_max=2)
@@ -23,8 +24,8 @@ PROMPT = np.random.default_rng(0).integers(0, 500, size=24).tolist()
 def _serve(w: WorkerClient, model: Path, params: EngineParams, every: int, prompt: list[int], n: int) -> list[int]:
     w.request(ops.SERVE_LOAD, ops.ServeLoadArgs(model=str(model), params=params, routing_every=every,
                                                 routing_window=8))
-    return [int(m["token"]) for m in w.stream("generate", {"rid": "r", "prompt": prompt, "max_tokens": n,
-                                                           "temperature": 0.0}) if m.get("type") == "token"]
+    args = ops.GenerateArgs(rid="r", prompt=prompt, max_tokens=n, sampling=GREEDY)
+    return [m["token"] for m in w.generate(args) if m["type"] == "token"]
 
 
 def _trace(w: WorkerClient, model: Path, tokens: list[int]) -> np.ndarray:

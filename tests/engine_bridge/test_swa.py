@@ -15,7 +15,7 @@ import pytest
 from artifacts.model_info import kv_cache_bytes, model_info
 from artifacts.synth import synthesize
 from engine_bridge.params import EngineParams
-from tests.engine_bridge.sinks import Recorder
+from tests.engine_bridge.sinks import Recorder, gen_args
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
 
@@ -52,7 +52,7 @@ def _engine(model: Path) -> tuple[ServeEngine, Recorder]:
 
 
 def _run(engine: ServeEngine, key: int, prompt: list[int], n: int = 16) -> None:
-    engine.submit(key, {"rid": f"r{key}", "prompt": prompt, "max_tokens": n, "temperature": 0.0})
+    engine.submit(key, gen_args(f"r{key}", prompt, n))
     while engine.has_work():
         engine.step()
 

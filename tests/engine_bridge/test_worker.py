@@ -16,6 +16,7 @@ from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError, WorkerDied, WorkerTimeout
 from engine_bridge.params import EngineParams, TensorOverride
 from engine_bridge.protocol import PROTOCOL_VERSION
+from engine_bridge.sampling import GREEDY
 
 PARAMS = EngineParams(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=2, n_threads_batch=2)
 
@@ -69,9 +70,8 @@ def test_measuring_and_serving_load_the_same_engine(tiny_moe: Path) -> None:
         toks = w.tokenize("the same engine")
         measured = w.request(ops.GREEDY, ops.GreedyArgs(prompt=toks, n_gen=8, stop_eog=False)).tokens
         w.request(ops.SERVE_LOAD, ops.ServeLoadArgs(model=str(tiny_moe), params=params))
-        served = [int(m["token"]) for m in w.stream("generate", {"rid": "r", "prompt": toks, "max_tokens": 8,
-                                                                 "temperature": 0.0})
-                  if m.get("type") == "token"]
+        args = ops.GenerateArgs(rid="r", prompt=toks, max_tokens=8, sampling=GREEDY)
+        served = [m["token"] for m in w.generate(args) if m["type"] == "token"]
     assert served[:len(measured)] == measured
 
 
@@ -198,5 +198,5 @@ def test_token_arrays_travel_packed_and_arrive_as_lists(tiny_moe: Path) -> None:
         got = w.tokenize(text)
         assert got == want and len(got) > 300
         result = [m for m in w.stream("generate", {"rid": "p", "prompt": packed(got), "max_tokens": 2,
-                                                   "temperature": 0.0}) if "result" in m][0]["result"]
+                                                   "sampling": {"temperature": 0.0}}) if "result" in m][0]["result"]
     assert result["prompt_tokens"] == len(got)

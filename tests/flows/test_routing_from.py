@@ -23,6 +23,7 @@ from artifacts.store import Store
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.params import EngineParams
+from engine_bridge.sampling import GREEDY
 from engine_bridge.serve_trace import served_table, served_trace_path, trace_array, write_trace
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,7 +40,7 @@ def served_counts(model: Path, n_tokens: int) -> ops.ServeRouting:
     with WorkerClient() as w:
         w.request(ops.SERVE_LOAD, ops.ServeLoadArgs(model=str(model), params=PARAMS, routing_every=1))
         prompt = np.random.default_rng(1).integers(0, 500, size=32).tolist()
-        for _ in w.stream("generate", {"rid": "r", "prompt": prompt, "max_tokens": n_tokens + 1, "temperature": 0.0}):
+        for _ in w.generate(ops.GenerateArgs(rid="r", prompt=prompt, max_tokens=n_tokens + 1, sampling=GREEDY)):
             pass
         return w.request(ops.SERVE_ROUTING)
 
