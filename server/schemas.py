@@ -160,11 +160,21 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 _SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
 
 
+def _nullable_knobs(schema: dict[str, Any]) -> None:
+    """The JSON schema says what the body takes: a sampling knob may be ``null`` (left out)."""
+    props = schema.get("properties", {})
+    for name in _SAMPLING_FIELDS & props.keys():
+        prop = props[name]
+        if "anyOf" not in prop:
+            keep = {k: prop.pop(k) for k in ("default", "description", "title") if k in prop}
+            props[name] = {"anyOf": [prop, {"type": "null"}], **keep}
+
+
 class Sampling(SamplingParams):
     """Fields shared by chat and text completions. The sampling knobs are :class:`SamplingParams`' own fields
     (the same names, ranges and defaults; ``null`` leaves one at its default): :meth:`sampling` gives them."""
 
-    model_config = _Req.model_config
+    model_config = ConfigDict(**_Req.model_config, json_schema_extra=_nullable_knobs)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)

@@ -1,7 +1,8 @@
 """One SamplingParams: every knob it declares reaches each place a request's sampling goes, found by introspection
 of its fields (a new knob is its field and its stage in the worker's sampler chain: nothing else to edit).
 
-- the OpenAI request schemas take it by its name, with its range and default (``server.schemas.Sampling``);
+- the OpenAI request schemas take it by its name, with its range and default (``server.schemas.Sampling``), and
+  their OpenAPI document says so;
 - the ``generate`` op carries it whole, and the defaults are one set (the request's, the op's, the declaration's);
 - an engine other than the worker gets it as the request field of its name (``engines.host.request_body``);
 - the worker's sampler chain reads it (``worker.sampling.build_chain``, with llama.cpp's real samplers);
@@ -25,6 +26,7 @@ from engine_bridge.engines.host import request_body
 from engine_bridge.engines.spec import EngineKind, EngineSpec
 from engine_bridge.params import EngineParams
 from engine_bridge.sampling import GREEDY, SamplingParams
+from server.openapi import body_schema
 from server.schemas import ChatRequest, CompletionRequest, parse_body
 
 KNOBS = tuple(SamplingParams.model_fields)
@@ -65,6 +67,10 @@ def test_the_request_schemas_take_every_knob(model: type[ChatRequest] | type[Com
     assert sent.sampling() == CHANGED and type(sent.sampling()) is SamplingParams
     nulls = parse_body(json.dumps({**base, **dict.fromkeys(KNOBS)}).encode(), model)
     assert nulls.sampling() == parse_body(json.dumps(base).encode(), model).sampling() == SamplingParams()
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = body_schema(model)  # the OpenAPI document says so too
+    for body in ({**base, **CHANGED.model_dump()}, {**base, **dict.fromkeys(KNOBS)}):
+        jsonschema.validate(body, schema)
 
 
 def test_one_set_of_defaults() -> None:
