@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from artifacts.model_info import KV_TYPES, ModelInfo, head_bytes, kv_cache_bytes, kv_read_bytes
+from artifacts.model_info import KV_TYPES, ModelInfo, head_bytes
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.search import Candidate, Placement, Prediction
 from tasks.gpu_memory import offload_step
+from tasks.kv_traffic import kv_bus_reads, kv_reads, state_reads
 from tasks.rpc_link import link_ms
 
 EXPERT_PARTS = ("gate", "up", "down")
@@ -187,26 +188,6 @@ def _transitions(placement: Placement) -> int:
     return sum(1 for a, b in zip(seq, seq[1:], strict=False) if a != b)
 
 
-def kv_reads(info: ModelInfo, cand: Candidate, depth: float) -> tuple[float, float]:
-    """(host, GPU) bytes of KV cache one decoded token reads at ``depth`` tokens of context.
-
-    Each sequence reads its own cells: a device's share of the KV cache in proportion to the cells it holds at
-    that depth (a sliding-window layer's at most its window-sized cache). A candidate without a per-device KV
-    budget (hand-made) reads it where its layers are.
-    """
-    p = cand.params
-    if not cand.kv_bytes:
-        per_tok = kv_read_bytes(info, p.type_k, depth, p.n_ubatch)
-        on_cpu = not any(d != "CPU" for d in cand.placement.layer_device) or not p.offload_kqv
-        return (per_tok, 0.0) if on_cpu else (0.0, per_tok)
-    scale = min(depth, p.n_ctx) / (p.n_ctx * max(1, p.n_seq_max))
-    if info.n_swa:
-        scale = kv_read_bytes(info, p.type_k, min(depth, p.n_ctx), p.n_ubatch) / max(1, kv_cache_bytes(
-            info, p.type_k, p.n_ctx, max(1, p.n_seq_max), p.n_ubatch))
-    cpu = cand.kv_bytes.get("CPU", 0) * scale
-    return cpu, sum(b for d, b in cand.kv_bytes.items() if d != "CPU") * scale
-
-
 def _picked_expert_bytes(info: ModelInfo, layer: int) -> float:
     """Expert bytes one token reads in ``layer`` (``n_used / n_expert`` of its expert tensors)."""
     frac = info.n_expert_used / info.n_expert if info.n_expert else 0.0
@@ -256,18 +237,6 @@ def _host_attention_layers(cand: Candidate) -> int:
     return sum(1 for i, d in enumerate(devs) if d != "CPU" and (not p.offload_kqv or i < first_offloaded))
 
 
-def state_reads(info: ModelInfo, cand: Candidate) -> tuple[float, float]:
-    """(host, GPU) bytes of recurrent state one decoded token moves (hybrid models: each recurrent layer reads its
-    fixed-size state and writes it back, whatever the depth). The state lives with the layer's cache: on the
-    layer's device when the cache is offloaded, else on the host; spread evenly over the layers' devices."""
-    if not info.recurrent_state_bytes:
-        return 0.0, 0.0
-    moved = 2.0 * info.recurrent_state_bytes
-    devs = cand.placement.layer_device
-    on_gpu = sum(1 for d in devs if d != "CPU") / max(1, len(devs)) if cand.params.offload_kqv else 0.0
-    return moved * (1.0 - on_gpu), moved * on_gpu
-
-
 def decode_reads(info: ModelInfo, cand: Candidate, depth: float = 0.0) -> tuple[float, float]:
     """(host, GPU) bytes one decoded token reads under ``cand``: weights where the placement puts them, the
     expert picks a per-expert split serves from GPU copies moved to the GPU, the KV cache at ``depth`` and a
@@ -293,13 +262,15 @@ def host_attention_ms(info: ModelInfo, hw: HardwareReport, cand: Candidate, kv_c
     return max(kv_cpu_bytes / (cpu_bandwidth(hw, cand.params.n_threads) * eff), flops / rate) * 1e3
 
 
-def roofline_decode(info: ModelInfo, hw: HardwareReport, cand: Candidate) -> float | None:
+def roofline_decode(info: ModelInfo, hw: HardwareReport, cand: Candidate, depth: float = 0.0) -> float | None:
     """Decode tokens/s if every device only had to read its bytes per token (:func:`decode_reads`, the
-    plan's split included) at its bandwidth: the host's measured for the plan's threads, the GPU's."""
-    cpu_read, gpu_read = decode_reads(info, cand)
+    plan's split and the KV cache at ``depth`` tokens included) at its bandwidth: the host's measured for the
+    plan's threads, the GPU's, and the bus's for what the GPU reads from pinned host memory (a mapped split's
+    cold picks, a KV window's cells past the window)."""
+    cpu_read, gpu_read = decode_reads(info, cand, depth)
     seconds = cpu_read / cpu_bandwidth(hw, cand.params.n_threads) if cpu_read > 0 else 0.0
     seconds += gpu_read / _gpu_bandwidth(hw)[0] if gpu_read > 0 else 0.0
-    seconds += mapped_reads(info, cand) / mapped_bandwidth(hw)
+    seconds += (mapped_reads(info, cand) + kv_bus_reads(info, cand, depth)) / mapped_bandwidth(hw)
     return 1 / seconds if seconds > 0 else None
 
 
@@ -334,6 +305,7 @@ def predict(info: ModelInfo, hw: HardwareReport, cand: Candidate, work: Workload
             decode_ms += split_host_parts(info, cand) * SPLIT_HOST_PART_MS
         if p.expert_cache == "adaptive" and p.expert_split:
             decode_ms += len(p.expert_split.layers) * CACHE_READ_MS
+        decode_ms += kv_bus_reads(info, cand, work.mean_prompt_tokens) / mapped_bandwidth(hw) * 1e3
     if gpu_read and p.flash_attn != _gpu_probe_fa(hw):  # flash attention: ~15% off a GPU step (notes)
         decode_ms *= 0.85 if p.flash_attn else 1 / 0.85
     lengths = work.prompt_lengths or (work.mean_prompt_tokens,)
