@@ -70,19 +70,6 @@ def plan_key(model_hash: str, hw: HardwareReport, backend_build: str, req: PlanR
     flags = req.model_dump(exclude={"model"})
     if not any(d.get("kind") == "gpu" for d in hw.ggml_devices):
         flags["gpu_mem_budget_gib"] = None
-    if flags["workload"] == "agent":  # the default before there was a choice: plans saved then still match
-        del flags["workload"]
-    for name in ("host_mem_budget_gib", "rpc", "rpc_mem_budget_gib", "prefer_engine", "routing_from",
-                 "serving_p95_ms"):  # unset: plans saved before them still match
-        if flags.get(name) is None:
-            flags.pop(name, None)
-    if flags.get("domains") is None:  # unset: plans saved before --domains still match
-        flags.pop("domains", None)
-    for name, default in (("speculation", False), ("draft_model", None), ("heads", None)):  # saved before them: match
-        if flags.get(name, default) == default:
-            flags.pop(name, None)
-    if flags.get("engines") in (None, ["native"]):  # the default: plans saved before engines were a flag still match
-        flags.pop("engines", None)
     key = {"model_hash": model_hash, "hardware": hw.fingerprint, "backend_build": backend_build,
            "driver": hw.driver, "flags": flags, "settings": settings_view}
     if code is not None:

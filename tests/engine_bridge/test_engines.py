@@ -57,7 +57,7 @@ def test_the_registry_resolves_and_refuses(tmp_path: Path) -> None:
         assert says in str(err.value)
 
 
-def test_the_default_engines_leave_the_plan_key_as_it_was() -> None:
+def test_the_engines_measured_are_part_of_the_plan_key() -> None:
     from artifacts.records.hardware import HardwareReport
     from artifacts.records.keys import plan_key
 
@@ -66,7 +66,7 @@ def test_the_default_engines_leave_the_plan_key_as_it_was() -> None:
     assert flags["engines"] == ["native"] and flags["prefer_engine"] is None
     hw = HardwareReport.model_construct(fingerprint="f", driver=None, ggml_devices=[])
     key = plan_key("h", hw, "b", req, {})
-    assert "engines" not in key["flags"] and "prefer_engine" not in key["flags"]
+    assert key["flags"]["engines"] == ["native"] and key["flags"]["prefer_engine"] is None
     other = plan_key("h", hw, "b", req.model_copy(update={"engines": ["native", "llama-server"]}), {})
     assert other["flags"]["engines"] == ["native", "llama-server"]
 
