@@ -177,15 +177,14 @@ def test_chat_workload_is_its_own_plan_timed_on_long_replies(planned: dict[str, 
     assert bad.returncode == 2 and "invalid choice: 'batch'" in bad.stderr and "agent" in bad.stderr
 
 
-def test_agent_plans_keep_the_key_they_had_before_workloads(tiny_moe: Path) -> None:
-    # plans saved before --workload existed were keyed without it: the default must still find them
+def test_the_workload_is_part_of_the_plan_key(tiny_moe: Path) -> None:
     from artifacts.records.keys import plan_key
     from tasks.testing import h200_report
 
     hw = h200_report(0)
     agent = plan_key("m", hw, "b", PlanRequest(model=str(tiny_moe)), {})
     chat = plan_key("m", hw, "b", PlanRequest(model=str(tiny_moe), workload="chat"), {})
-    assert "workload" not in agent["flags"] and chat["flags"]["workload"] == "chat"
+    assert agent["flags"]["workload"] == "agent" and chat["flags"]["workload"] == "chat"
 
 
 def test_flux_sql_shows_plans_and_their_trials(planned: dict[str, object]) -> None:
