@@ -66,8 +66,9 @@ def serve_toml(settings: Settings) -> str:
     """A flux.toml that gives a server subprocess exactly these settings' locations and [serve] section."""
     lines = [f"{k} = {_toml_value(getattr(settings, k))}" for k in ("models_dir", "cache_dir", "data_dir",
                                                                       "host_reserve_percent")]
+    # TOML has no null: a setting left at None (serve.kv_host_bytes) is left out, which gives it its default
     lines += ["", "[serve]"] + [f"{k} = {_toml_value(v)}" for k, v in
-                                settings.serve.model_dump(exclude={"worker_timeouts"}).items()]
+                                settings.serve.model_dump(exclude={"worker_timeouts"}).items() if v is not None]
     lines += ["", "[serve.worker_timeouts]"] + [f"{k} = {_toml_value(v)}" for k, v in
                                                 settings.serve.worker_timeouts.model_dump().items()]
     return "\n".join(lines) + "\n"
