@@ -31,6 +31,7 @@ from tasks.bench.errors import BenchError
 from tasks.bench.record import SUMMARY_KIND, BenchRun, overall
 from tasks.bench.record import summary_table as summary_rows
 from tasks.bench.registry import suites as declared_suites
+from tasks.bench.served_depths import depth_lines
 
 log = logging.getLogger(__name__)
 STYLE = {"pass": "green", "fail": "bold red", "info": "yellow", "invalid": "bold magenta"}
@@ -115,6 +116,8 @@ def print_rows(rows: Sequence[dict[str, Any]], raw: pa.Table | None, title: str)
         for extra in (engine_table(raw), findings_table(raw)):
             if extra is not None:
                 con.print(extra)
+    for line in depth_lines(rows):  # a run with --depths: a table per depth
+        con.print(line, markup=False)
 
 
 def print_run(run: BenchRun) -> None:

@@ -19,6 +19,22 @@ def tokenize_prompts(ctx: BenchContext, lengths: Sequence[int], split: str, seed
         return sized_prompts(tok, list(lengths), split=split, seed=seed)
 
 
+def distinct_prompts(ctx: BenchContext, lengths: Sequence[int], split: str, seed: int) -> list[list[int]]:
+    """Like :func:`tokenize_prompts`, but no two prompts share a beginning, however long: each opens with its own
+    number, then corpus text cut on a seed of its own. (Prompts longer than any corpus prompt are joins of corpus
+    prompts, which one call joins in one order, and ``flux serve`` reuses a cached prefix whatever the request
+    asks: a shared beginning would let one prompt's prefill ride on another's.) The corpus is tokenized once."""
+    seen: dict[str, list[int]] = {}
+    with tokenizer(ctx.model, ctx.worker_log, ctx.timeout_s) as tok:
+        def cached(text: str) -> list[int]:
+            if text not in seen:
+                seen[text] = tok(text)
+            return seen[text]
+
+        return [(tok(f"{seed + i}: ") + sized_prompts(cached, [n], split=split, seed=seed + i)[0])[:n]
+                for i, n in enumerate(lengths)]
+
+
 
 def ratio_row(baseline: str, pre: RatioCI, dec: RatioCI, verdict: Any, detail: str,
               metrics: dict[str, Any]) -> SummaryRow:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from artifacts.model_info import model_info
 from artifacts.records.machine import cpu_info
@@ -73,6 +73,19 @@ class RunOptions(BaseModel):
         "flux serve against llama-server at the plan's GPU budget and context"))
     turns: tuple[tuple[int, int], ...] = Field((), description="serve: (prompt, generated) tokens per turn")
     gpu_mem_budget_gib: list[float] | None = Field(None, description="serve: GiB per GPU (default: the plan's)")
+    depths: tuple[int, ...] = Field((), description=(
+        "serve: tokens of context already in the cache; each contender prefills a prompt that long and decodes "
+        "--depth-gen tokens after it, one row per (contender, depth) with the plan's bytes bound "
+        "(tasks/bench/served_depths.py); depths past the plan's context are skipped"))
+    depth_gen: int = Field(64, ge=2, le=1024, description="serve, with --depths: tokens decoded at each depth")
+
+    @model_validator(mode="after")
+    def _depths_are_served(self) -> RunOptions:
+        if self.depths and self.via != "serve":
+            raise ValueError("--depths races the plan's flux serve: add --via serve")
+        if any(d < 1 for d in self.depths):
+            raise ValueError("--depths are positive token counts, e.g. 4096,32768")
+        return self
 
 
 SERVED_BASELINES = ("fit", "n-cpu-moe", "most-ngl")
@@ -249,9 +262,10 @@ def bench_run(ctx: BenchContext, opts: RunOptions, progress: Progress | None = N
     """
     if opts.via == "serve":
         from tasks.bench.served import bench_served
+        from tasks.bench.served_depths import bench_depths
 
-        run: BenchRun = bench_served(ctx, opts.model_copy(update={"baselines": opts.baselines or SERVED_BASELINES}),
-                                     progress)
+        served = bench_depths if opts.depths else bench_served
+        run: BenchRun = served(ctx, opts.model_copy(update={"baselines": opts.baselines or SERVED_BASELINES}), progress)
         return run
     opts = opts.model_copy(update={"baselines": opts.baselines or tuple(BASELINES)})
     unknown = [b for b in opts.baselines if b not in BASELINES]
@@ -287,6 +301,14 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in csv(text)]
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    """Comma-separated token counts (``32k`` for 32,768)."""
+    try:
+        return tuple(int(x[:-1]) * 1024 if x.lower().endswith("k") else int(x) for x in csv(text))
+    except ValueError:
+        raise ValueError(f"expected token counts, e.g. 4096,32768 or 4k,32k, got {text!r}") from None
+
+
 SUITE = Suite(
     name="run", help="race the plan against llama-server auto-fit and llama-cpp-python defaults",
     description="Paired, randomized rounds on the same corpus prompts, each engine started fresh per round; prints "
@@ -295,8 +317,13 @@ SUITE = Suite(
                 "llama-server --fit, the best --n-cpu-moe and the most -ngl at the plan's GPU budget and context. "
                 "Exit 1 on fail.",
     options=RunOptions, run=bench_run,
-    flags=("rounds", "prompts", "n_gen", "baselines", "via", "turns", "gpu_mem_budget_gib", "seed"),
+    flags=("rounds", "prompts", "n_gen", "baselines", "via", "turns", "gpu_mem_budget_gib", "depths", "depth_gen",
+           "seed"),
     rename={"gpu_mem_budget_gib": "--gpu-mem-budget"},
-    parsers={"baselines": csv, "turns": _turns, "gpu_mem_budget_gib": _floats},
+    parsers={"baselines": csv, "turns": _turns, "gpu_mem_budget_gib": _floats, "depths": _ints},
     help_text={"turns": "with --via serve: PROMPT:GEN tokens per turn, e.g. 512:128,2048:32 (the default)",
-               "gpu_mem_budget_gib": "with --via serve: GiB per GPU for the baselines (default: the plan's budget)"})
+               "gpu_mem_budget_gib": "with --via serve: GiB per GPU for the baselines (default: the plan's budget)",
+               "depths": "with --via serve: decode and prefill by depth instead of the turns: tokens of context "
+                         "already in the cache, e.g. 4096,32768,131072; each contender alone, one row per "
+                         "(contender, depth), the plan's beside the bytes bound of its decode there; depths past "
+                         "the plan's context are skipped, past a baseline's are 'not held' for it"})

@@ -176,7 +176,7 @@ def summary_row(c: Contender, table: pa.Table, turns: Sequence[Turn], opts: Any,
     return ratio_row(name, pre, dec, "fail" if slower else "pass", detail, metrics)
 
 
-def _baselines(ctx: BenchContext, opts: Any, info: ModelInfo, budget: int | None, meter: GpuMemoryMeter,
+def find_baselines(ctx: BenchContext, opts: Any, info: ModelInfo, budget: int | None, meter: GpuMemoryMeter,
                sweep_prompts: list[list[int]], turn: Turn, threads: BaselineThreads,
                say: Progress) -> tuple[list[Contender], dict[str, Probe], dict[str, str]]:
     """The baselines asked for, each found alone (the sweeps): contenders, their sweep probes, and why the
@@ -212,7 +212,7 @@ def plan_agreement(ctx: BenchContext, served: float | None) -> float | None:
     return abs(served - measured) / measured if served and measured else None
 
 
-def _turns(ctx: BenchContext, opts: Any) -> tuple[Turn, ...]:
+def race_turns(ctx: BenchContext, opts: Any) -> tuple[Turn, ...]:
     """The turns asked for (or the defaults), each cut to fit the plan's context with its reply."""
     asked = tuple(Turn(name=f"p{p}-g{g}", prompt=p, gen=g) for p, g in opts.turns) if opts.turns else DEFAULT_TURNS
     room = ctx.params.n_ctx - 16
@@ -242,14 +242,19 @@ def _plan_notes(ctx: BenchContext, plan_c: Contender, table: pa.Table, budget: i
             "plan_served_vs_measured": served_vs}
 
 
+def budget_of(ctx: BenchContext, opts: Any) -> tuple[list[float] | None, int | None]:
+    """(GiB per GPU asked for, else the plan's; the largest in bytes): the budget every baseline is held to."""
+    budget_gib = opts.gpu_mem_budget_gib if opts.gpu_mem_budget_gib is not None else ctx.plan.request.gpu_mem_budget_gib
+    return budget_gib, int(max(budget_gib) * GIB) if budget_gib else None
+
+
 def bench_served(ctx: BenchContext, opts: Any, progress: Progress | None = None) -> Any:
     """The served race (module docstring); one summary row per baseline."""
     from tasks.bench.record import BenchRun, SummaryRow
 
     say = progress or log.info
-    turns = _turns(ctx, opts)
-    budget_gib = opts.gpu_mem_budget_gib if opts.gpu_mem_budget_gib is not None else ctx.plan.request.gpu_mem_budget_gib
-    budget = int(max(budget_gib) * GIB) if budget_gib else None
+    turns = race_turns(ctx, opts)
+    budget_gib, budget = budget_of(ctx, opts)
     info = model_of(ctx)
     # one warm-up prompt, TURNS_PER_VISIT per round (every contender of a round gets the same), two for the sweeps
     prompts = _prompts(ctx, turns, 1 + opts.rounds * TURNS_PER_VISIT + 2, opts.seed)
@@ -259,7 +264,7 @@ def bench_served(ctx: BenchContext, opts: Any, progress: Progress | None = None)
     host_start = read_host()  # before any contender loads the machine
     t0 = time.monotonic()
     threads = BaselineThreads(ctx.params.n_threads)
-    found, probes, skipped = _baselines(ctx, opts, info, budget, meter, sweep_prompts, turns[0], threads, say)
+    found, probes, skipped = find_baselines(ctx, opts, info, budget, meter, sweep_prompts, turns[0], threads, say)
     contenders = [plan_contender(ctx), *found]
     race_prompts = {k: v[:-2] for k, v in prompts.items()}
     table = race_solo(contenders, race_prompts, turns, opts.rounds, ctx.timeout_s, opts.seed, say, meter)

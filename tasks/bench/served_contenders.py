@@ -15,13 +15,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from artifacts.model_info import ModelInfo
 from engine_bridge.gpumem import GpuMemoryMeter, GpuReading
-from engine_bridge.llama_server import LlamaServer
+from engine_bridge.llama_server import LlamaServer, ServerTimings
 from tasks.bench.context import BenchContext, Progress
-from tasks.bench.engines import TrialTiming
+from tasks.bench.engines import TrialTiming, server_timing
 from tasks.bench.errors import BenchError
 from tasks.bench.http import FluxServe, client_limits
 
@@ -42,17 +42,26 @@ class Turn(BaseModel):
 DEFAULT_TURNS = (Turn(name="pp512-tg128", prompt=512, gen=128), Turn(name="agent", prompt=2048, gen=32))
 
 
-def streamed_completion(base: str, prompt: Sequence[int], n_gen: int, timeout_s: float) -> TrialTiming:
-    """POST /v1/completions (streamed, greedy, EOS ignored where the engine honours it), timed by the client.
+class StreamTiming(TrialTiming):
+    """A streamed completion timed by the client, with the server's own timing of it where the stream's last
+    chunk carries one (llama-server's ``timings``: measured inside llama.cpp; ``flux serve`` sends none)."""
+
+    server: TrialTiming | None = None
+
+
+def streamed_completion(base: str, prompt: Sequence[int], n_gen: int, timeout_s: float) -> StreamTiming:
+    """POST /v1/completions (streamed, greedy, EOS ignored where the engine honours it, no prompt cache where the
+    engine honours it), timed by the client.
 
     ``prompt_ms``: request sent to first generated text; ``gen_ms``: first to last generated text, over
-    ``completion_tokens - 1`` steps (the usage chunk's count).
+    ``completion_tokens - 1`` steps (the usage chunk's count). ``server``: the server's own timing, if it sent one.
     """
     body = {"prompt": list(prompt), "max_tokens": n_gen, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True, "cache_prompt": False}
     t0 = time.perf_counter()
     first = last = None
     n_tokens = 0
+    timings: dict[str, float] | None = None
     with httpx.Client(timeout=timeout_s, limits=client_limits()) as client, \
             client.stream("POST", f"{base}/v1/completions", json=body) as r:
         if r.status_code != 200:
@@ -66,10 +75,34 @@ def streamed_completion(base: str, prompt: Sequence[int], n_gen: int, timeout_s:
                 first = first or last
             usage = chunk.get("usage") or {}
             n_tokens = int(usage.get("completion_tokens") or n_tokens)
+            timings = chunk.get("timings") or timings
     if first is None or last is None:
         raise BenchError(f"{base}: the stream carried no generated text")
-    return TrialTiming(prompt_tokens=len(prompt), prompt_ms=(first - t0) * 1e3, gen_tokens=max(0, n_tokens - 1),
-                       gen_ms=(last - first) * 1e3, source="client stream (/v1/completions)")
+    return StreamTiming(prompt_tokens=len(prompt), prompt_ms=(first - t0) * 1e3, gen_tokens=max(0, n_tokens - 1),
+                        gen_ms=(last - first) * 1e3, source="client stream (/v1/completions)",
+                        server=_server_timing(timings))
+
+
+def _server_timing(timings: dict[str, float] | None) -> TrialTiming | None:
+    """The server's ``timings`` object as a trial timing (llama-server's normalization), or None."""
+    if not timings:
+        return None
+    try:
+        return server_timing(ServerTimings.model_validate(timings))
+    except ValidationError:
+        return None
+
+
+def served_context(base: str, timeout_s: float = 10.0) -> int | None:
+    """The context a started server holds per sequence, as ``GET /v1/models`` says (``meta.n_ctx``: llama-server's
+    slot context, which ``--fit`` may have shrunk; ``flux serve``'s plan context), or None when it does not say."""
+    try:
+        with httpx.Client(timeout=timeout_s) as client:
+            cards = client.get(f"{base}/v1/models").json().get("data") or []
+        n_ctx = (cards[0].get("meta") or {}).get("n_ctx") if cards else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return int(n_ctx) if isinstance(n_ctx, int | float) and n_ctx > 0 else None
 
 
 # fit overshot the memory it was told to use by 0.11-0.15 GiB on the H200 (8.11 of 8, 12.15 of 12, 16.14 of
@@ -112,6 +145,7 @@ class Contender:
     gpu: GpuReading | None = None
     flag: str | None = None
     readings: dict[str, float] = field(default_factory=dict)
+    n_ctx: int | None = None  # tokens a sequence holds, as the started server says (:func:`served_context`)
 
     @property
     def gpu_bytes(self) -> int | None:
@@ -119,9 +153,15 @@ class Contender:
         return self.gpu.total if self.gpu else None
 
     def start(self) -> None:
-        """Start the engine and wait until it answers (a failed start leaves no pid of an earlier visit)."""
-        self.base, self.pid = "", None
+        """Start the engine and wait until it answers (a failed start leaves no pid of an earlier visit), then
+        read the context it holds (``--fit`` may shrink it from one start to the next)."""
+        self.base, self.pid, self.n_ctx = "", None, None
         self.base, self.pid, self.stop_fn = self.start_fn()
+        self.n_ctx = served_context(self.base) if self.base else None
+
+    def holds(self, turn: Turn) -> bool:
+        """Whether its context holds ``turn``'s prompt and reply (unknown: it is tried)."""
+        return self.n_ctx is None or turn.prompt + turn.gen <= self.n_ctx
 
     def stop(self) -> None:
         """Stop it (idempotent); its pid is forgotten, since the process is gone."""

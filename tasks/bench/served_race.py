@@ -19,7 +19,7 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 import pyarrow as pa
@@ -42,7 +42,12 @@ TRIAL_SCHEMA = pa.schema([
     ("gen_tokens", pa.int32()), ("gen_ms", pa.float64()), ("prefill_tps", pa.float64()),
     ("decode_tps", pa.float64()), ("turn_s", pa.float64()), ("start_s", pa.float64()), ("gpu_bytes", pa.int64()),
     ("error", pa.string()),
+    # the server's own timing of the turn where it sends one (llama-server), the context the contender held that
+    # visit, and why a turn was not run (its prompt and reply past that context: not held, not a failure)
+    ("server_prefill_tps", pa.float64()), ("server_decode_tps", pa.float64()), ("n_ctx", pa.int64()),
+    ("not_held", pa.string()),
 ])
+Warmup = Literal["each", "first"]  # a visit's untimed turn: one of each kind, or of the first kind it holds
 
 
 def visit_order(n: int, rounds: int, seed: int) -> list[list[int]]:
@@ -54,14 +59,18 @@ def visit_order(n: int, rounds: int, seed: int) -> list[list[int]]:
 
 def race_solo(contenders: list[Contender], prompts: dict[str, list[list[int]]], turns: Sequence[Turn],
               rounds: int, timeout_s: float, seed: int, progress: Progress, meter: GpuMemoryMeter | None = None,
-              turns_per_visit: int = TURNS_PER_VISIT, gone_timeout_s: float = GONE_TIMEOUT_S) -> pa.Table:
+              turns_per_visit: int = TURNS_PER_VISIT, gone_timeout_s: float = GONE_TIMEOUT_S,
+              warmup: Warmup = "each") -> pa.Table:
     """Every contender visited alone once a round (module docstring); one row per timed turn.
 
-    ``prompts[turn.name][0]`` is the warm-up prompt of every visit; round ``r`` times
-    ``prompts[turn.name][1 + r * turns_per_visit + k]`` (wrapping around), the same prompts for every
-    contender of the round. A contender that fails to start is an error row (turn -1) and is not visited
-    again; ``c.gpu`` ends as the largest of its visits' readings. A stopped contender's processes must be
-    gone within ``gone_timeout_s`` (:func:`stopped_alone`).
+    ``prompts[turn.name][0]`` is the warm-up prompt of every visit (``warmup="first"``: of the first turn kind
+    the contender holds only, where a warm-up of every kind would cost as much as the timing, e.g. prompts of
+    100k tokens); round ``r`` times ``prompts[turn.name][1 + r * turns_per_visit + k]`` (wrapping around), the
+    same prompts for every contender of the round. A turn past the context the started contender holds
+    (:meth:`Contender.holds`) is one row a visit saying so (``not_held``), not a failure. A contender that
+    fails to start is an error row (turn -1) and is not visited again; ``c.gpu`` ends as the largest of its
+    visits' readings. A stopped contender's processes must be gone within ``gone_timeout_s``
+    (:func:`stopped_alone`).
 
     Raises:
         BenchError: too few prompts for one visit, or a stopped contender's process that could not be killed.
@@ -81,7 +90,7 @@ def race_solo(contenders: list[Contender], prompts: dict[str, list[list[int]]], 
             picked = {t.name: [(0, prompts[t.name][0])] + [
                 (p, prompts[t.name][p]) for k in range(turns_per_visit)
                 for p in [1 + (rnd * turns_per_visit + k) % (len(prompts[t.name]) - 1)]] for t in turns}
-            got = _visit(c, rnd, visit, picked, turns, timeout_s, meter, progress, gone_timeout_s)
+            got = _visit(c, rnd, visit, picked, turns, timeout_s, meter, progress, gone_timeout_s, warmup)
             if got and got[0]["turn"] == -1:
                 failed.add(c.name)
             rows += got
@@ -92,7 +101,7 @@ def race_solo(contenders: list[Contender], prompts: dict[str, list[list[int]]], 
 
 def _visit(c: Contender, rnd: int, visit: int, picked: dict[str, list[tuple[int, list[int]]]],
            turns: Sequence[Turn], timeout_s: float, meter: GpuMemoryMeter, progress: Progress,
-           gone_timeout_s: float) -> list[dict[str, Any]]:
+           gone_timeout_s: float, warmup: Warmup = "each") -> list[dict[str, Any]]:
     """Start ``c`` alone, read its memory once warm, time its turns, stop it and see its processes gone."""
     head: dict[str, Any] = {"engine": c.name, "round": rnd, "visit": visit}
     rows: list[dict[str, Any]] = []
@@ -101,18 +110,22 @@ def _visit(c: Contender, rnd: int, visit: int, picked: dict[str, list[tuple[int,
         meter.rebase()
         t0 = time.monotonic()
         c.start()
-        head["start_s"] = time.monotonic() - t0
-        for t in turns:  # warm-up: one untimed full-size turn of each kind (a cold first turn runs slow)
+        head.update(start_s=time.monotonic() - t0, n_ctx=c.n_ctx)
+        held = [t for t in turns if c.holds(t)]
+        for t in held if warmup == "each" else held[:1]:  # warm-up: untimed full-size turns (a cold one runs slow)
             streamed_completion(c.base, picked[t.name][0][1], t.gen, timeout_s)
         reading = meter.read(c.pid)
         if reading is not None and (c.gpu is None or reading.total > c.gpu.total):
             c.gpu = reading
         head["gpu_bytes"] = reading.total if reading else None
         procs = _tree(c.pid)
+        rows += [{**head, "turn": j, "prompt_index": picked[t.name][1][0], "not_held": not_held(c, t)}
+                 for j, t in enumerate(turns) if not c.holds(t)]
         for k in range(1, len(picked[turns[0].name])):
             for j, t in enumerate(turns):
                 index, prompt = picked[t.name][k]
-                rows.append(_timed_row({**head, "turn": j, "prompt_index": index}, c, prompt, t, timeout_s))
+                if c.holds(t):
+                    rows.append(_timed_row({**head, "turn": j, "prompt_index": index}, c, prompt, t, timeout_s))
     except Exception as exc:  # noqa: BLE001 - a contender that fails to start is an error row
         rows = [{**head, "turn": -1, "error": f"{type(exc).__name__}: {exc}"[:500]}]
     finally:
@@ -120,6 +133,9 @@ def _visit(c: Contender, rnd: int, visit: int, picked: dict[str, list[tuple[int,
         procs += [p for p in _tree(c.pid) if p.pid not in seen]  # and any child started since
         c.stop()
         stopped_alone(c.name, procs, progress, gone_timeout_s)
+    for r in rows:
+        if r.get("not_held"):
+            progress(f"round {rnd + 1}, {c.name}: {r['not_held']}")
     dec = [r["decode_tps"] for r in rows if r.get("decode_tps") and r["turn"] == 0]
     gpu = f"GPU {(head.get('gpu_bytes') or 0) / GIB:.2f} GiB{f' ({c.gpu.method})' if c.gpu else ''}, "
     progress(f"round {rnd + 1}, {c.name}: " + (rows[0]["error"] if rows and rows[0]["turn"] == -1 else
@@ -133,10 +149,19 @@ def _timed_row(row: dict[str, Any], c: Contender, prompt: list[int], t: Turn, ti
         tm = streamed_completion(c.base, prompt, t.gen, timeout_s)
     except Exception as exc:  # noqa: BLE001 - one failed request is a row, the race goes on
         return {**row, "error": f"{type(exc).__name__}: {exc}"[:500]}
+    srv = tm.server
     return {**row, "prompt_tokens": tm.prompt_tokens, "prompt_ms": tm.prompt_ms, "gen_tokens": tm.gen_tokens,
             "gen_ms": tm.gen_ms, "prefill_tps": tm.prompt_tokens / tm.prompt_ms * 1e3 if tm.prompt_ms else None,
             "decode_tps": tm.gen_tokens / tm.gen_ms * 1e3 if tm.gen_ms else None,
-            "turn_s": (tm.prompt_ms + tm.gen_ms) / 1e3}
+            "turn_s": (tm.prompt_ms + tm.gen_ms) / 1e3,
+            "server_prefill_tps": srv.prompt_tokens / srv.prompt_ms * 1e3 if srv and srv.prompt_ms else None,
+            "server_decode_tps": srv.gen_tokens / srv.gen_ms * 1e3 if srv and srv.gen_ms and srv.gen_tokens else None}
+
+
+def not_held(c: Contender, t: Turn) -> str:
+    """Why ``t`` was not run on ``c``: its prompt and reply past the context ``c`` holds."""
+    return (f"{t.name} not held: {t.prompt:,} prompt + {t.gen} generated tokens, {c.name} holds {c.n_ctx or 0:,} "
+            "tokens per sequence")
 
 
 def _tree(pid: int | None) -> list[psutil.Process]:
@@ -227,8 +252,9 @@ def probe_decode(probe: Probe | None) -> float | None:
     return t.gen_tokens / t.gen_ms * 1e3 if t is not None and t.gen_ms and t.gen_tokens else None
 
 
-def solo_check(name: str, probe: Probe | None, table: pa.Table) -> dict[str, Any]:
-    """A baseline's solo reading of decode (first turn kind) beside its race reading, and whether they agree.
+def solo_check(name: str, probe: Probe | None, table: pa.Table, turn: int = 0) -> dict[str, Any]:
+    """A baseline's solo reading of decode (turn kind ``turn``, the first by default) beside its race reading, and
+    whether they agree.
 
     The solo reading is the sweep's probe of the same configuration (started alone, one warm turn). A
     baseline without a probe (``fit``: nothing sweeps it) has its first visit as the solo reading, compared
@@ -236,7 +262,7 @@ def solo_check(name: str, probe: Probe | None, table: pa.Table) -> dict[str, Any
     the row cannot stand when the two are more than :data:`AGREE` apart: something else ran during one of
     them, or the host changed between them, and nothing tells which reading is the true one.
     """
-    visits = visit_readings(table, name, 0, "decode_tps")
+    visits = visit_readings(table, name, turn, "decode_tps")
     race = statistics.median(visits.values()) if visits else None
     solo, against = probe_decode(probe), race
     source = "sweep probe (started alone before the race, one warm turn)"
