@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """GPU benchmark record, on the path a user runs: `flux plan` → the persisted plan → `flux serve` / `flux bench`.
 
-For each ``MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD][+spec|+draftK|+heads][%PLAN_S]`` pair
+For each ``MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD][+spec|+draftK|+heads][%PLAN_S][#D1/D2/...]`` pair
 (:mod:`tasks.bench.gpu_pairs`: GiB per GPU, 0 = the whole cards; CTX = ``--ctx``, else the model's trained context;
 WORKLOAD = ``flux plan --workload``, agent unless given; ``+spec``: ``--speculation``, ``+draftK``: also
 ``--draft-model`` of a draft twin of the model's first K layers, ``+heads``: also ``--heads``, the twin's
-next-token block grafted on llama-server; ``%PLAN_S``: this pair's ``--budget-s``):
+next-token block grafted on llama-server; ``%PLAN_S``: this pair's ``--budget-s``; ``#D1/D2/...``: the
+depths this pair's plan is raced at, below):
 
 1. ``flux plan <twin> --gpu-mem-budget BUDGET [--ctx CTX] --budget-s S`` — the Prefect flow with its store,
    exactly as a user runs it; the plan id it prints is the plan raced below, and its wall time is
@@ -20,15 +21,19 @@ next-token block grafted on llama-server; ``%PLAN_S``: this pair's ``--budget-s`
    time, ``plan_id`` and ``ctx``, the ``card`` and ``date``, and the ``race`` (how the contenders were held:
    ``co-resident`` unless the race's metrics say otherwise; ``superseded_by`` empty, tasks/bench/standing.py).
 
-With ``--depths``, after every pair, the first pair's plan is raced once more against ``--fit`` alone, one turn per depth
-(``flux bench run --via serve --turns D:32,...``, one round): decode at each depth, plan and ``--fit``, one row
-per depth in ``h200_depths.parquet`` (``--import --record R`` appends them to ``R``'s sibling depths.parquet).
+With ``--depths`` (or a pair's ``#D1/D2/...``), after every pair, each such pair's plan is raced once more at each
+depth its context holds (``flux bench run --via serve --depths ...``, tasks/bench/served_depths.py): against
+``--depth-baselines`` (``fit`` unless given), each contender alone, ``--depth-rounds`` rounds, ``--depth-gen``
+tokens decoded after a prompt of each depth; one row per depth in ``h200_depths.parquet`` with the plan's
+prefill and decode there beside the bytes bound of its decode, each baseline's readings and the ratios, and the
+depths skipped or not held (``--import --record R`` appends them to ``R``'s sibling depths.parquet).
 
 Nothing here plans, times or races on its own: it drives the ``flux`` commands and reads what they stored.
 
     python3 scripts/bench_gpu.py --out DIR --model-dir DIR --pairs qwen3-30b-a3b/skewed:8,qwen3-30b-a3b:12@8192 \\
         [--plan-budget-s 300] [--rounds 3] [--run NAME]
-    python3 scripts/bench_gpu.py ... --depths 4096,32768,131072   # and the first pair's plan at those depths
+    python3 scripts/bench_gpu.py ... --depths 4096,32768,131072   # and every pair's plan at those depths
+    python3 scripts/bench_gpu.py ... --pairs 'qwen3.6-35b-a3b/skewed:12#4096/65536/262144,llama3-8b:8'   # one pair's
     python3 scripts/bench_gpu.py --import --out DIR      # put DIR's record into the store (table bench_gpu)
     python3 scripts/bench_gpu.py --import --out DIR --record docs/benchmarks/h200/record.parquet   # and append
         # its rows to the docs' record (a row already there, same run and plan, is not added twice)
@@ -51,7 +56,7 @@ import pyarrow.parquet as pq
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tasks.bench.gpu_pairs import Pair, parse_pair, refused_budget  # noqa: E402
+from tasks.bench.gpu_pairs import Pair, parse_depths, parse_pair, refused_budget  # noqa: E402
 from tasks.bench.host_state import flag_record, host_columns, probe_readings  # noqa: E402
 from tasks.bench.spec_facts import speculation_facts  # noqa: E402
 from tasks.bench.standing import gpu_card, race_of_metrics  # noqa: E402
@@ -60,7 +65,6 @@ from tasks.bench.step_facts import step_facts, step_facts_from_show, step_times 
 GIB = 2**30
 RESULTS = "h200_results.parquet"
 DEPTHS = "h200_depths.parquet"
-DEPTH_GEN = 32
 BASELINE_KEYS = {"fit": "fit", "n-cpu-moe": "ncmoe", "most-ngl": "ngl"}
 
 
@@ -250,28 +254,35 @@ def record_row(run: str, preset: str, routing: str, budget: float, plan_id: str,
 
 
 def depth_rows(run: str, tag: str, plan_id: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per depth from a depth race's summary rows (``per_turn`` of the race against ``--fit``): the
-    prompt each turn actually held (a turn is shortened to fit the plan's context), decode and prefill of the
-    plan and of ``--fit``, the paired turn speedup, and whether ``--fit`` held its budget."""
-    fit = next((r for r in rows if r["baseline"] == "fit"), None)
-    if fit is None:
-        return []
-    m = json.loads(fit["metrics"] or "{}")
-    specs = {t["name"]: t for t in m.get("turn_specs") or []}
-    out = []
-    for name, turn in (m.get("per_turn") or {}).items():
-        plan, base = turn.get("plan") or {}, turn.get("fit") or {}
-        speedup = turn.get("turn_speedup") or {}
-        out.append({"run": run, "pair": tag, "plan_id": plan_id, "ctx": m.get("ctx"),
-                    "depth_tokens": (specs.get(name) or {}).get("prompt"), "gen_tokens": (specs.get(name) or {}).get("gen"),
-                    "plan_decode_tps": plan.get("decode_tps"), "fit_decode_tps": base.get("decode_tps"),
-                    "plan_prefill_tps": plan.get("prefill_tps"), "fit_prefill_tps": base.get("prefill_tps"),
-                    "tg_vs_fit": (plan["decode_tps"] / base["decode_tps"]
-                                  if plan.get("decode_tps") and base.get("decode_tps") else None),
-                    "turn_vs_fit": speedup.get("ratio"), "fit_valid": m.get("baseline_valid"),
-                    "fit_gpu_gib": (m.get("baseline_gpu_bytes") or 0) / GIB or None,
-                    "plan_gpu_gib": (m.get("plan_gpu_bytes") or 0) / GIB or None})
-    return sorted(out, key=lambda r: r["depth_tokens"] or 0)
+    """One record row per depth from a depth race's summary rows (``flux bench run --via serve --depths``: a row
+    per contender and depth, tasks/bench/served_depths.py): the plan's prefill and decode there beside the bytes
+    bound of its decode and the cost model's prediction, each baseline's readings and the plan/baseline ratios
+    (no ratio where the row is no result), the depths not held by a baseline's own context and those the plan's
+    context does not hold (``skipped``)."""
+    by: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        m = json.loads(r["metrics"] or "{}")
+        depth = m.get("depth")
+        if depth is None:
+            continue
+        out = by.setdefault(depth, {"run": run, "pair": tag, "plan_id": plan_id, "ctx": m.get("ctx"),
+                                    "depth_tokens": depth, "gen_tokens": m.get("gen_tokens"), "skipped": False,
+                                    "race": m.get("race")})
+        who = m.get("contender", "plan")
+        if m.get("skipped"):
+            out["skipped"] = True
+        elif who == "plan":
+            out.update({f"plan_{k}": m.get(k) for k in ("decode_tps", "prefill_tps", "bound_decode_tps",
+                                                         "predicted_decode_tps", "of_bound")})
+            out.update(plan_verdict=r["verdict"], plan_gpu_gib=(m.get("plan_gpu_bytes") or 0) / GIB or None)
+        elif who in BASELINE_KEYS:
+            key = BASELINE_KEYS[who]
+            out.update({f"{key}_decode_tps": m.get("decode_tps"), f"{key}_prefill_tps": m.get("prefill_tps"),
+                        f"{key}_server_decode_tps": m.get("server_decode_tps"), f"tg_vs_{key}": r["ratio_decode"],
+                        f"pp_vs_{key}": r["ratio_prefill"], f"{key}_not_held": m.get("not_held"),
+                        f"{key}_valid": r["verdict"] == "info" and not m.get("baseline_flag") and not m.get("not_held"),
+                        f"{key}_gpu_gib": (m.get("baseline_gpu_bytes") or 0) / GIB or None})
+    return [by[d] for d in sorted(by)]
 
 
 def mask_invalid(row: dict[str, Any]) -> dict[str, Any]:
@@ -353,19 +364,25 @@ def store_results(out: Path) -> None:
     log(f"stored {out / RESULTS} as bench_gpu/{key[:12]}")
 
 
-def race_depths(args: argparse.Namespace, tag: str, plan_id: str) -> None:
-    """The plan against ``--fit`` at each of ``--depths`` (one turn each, one round), rows in DEPTHS."""
-    turns = ",".join(f"{int(d)}:{DEPTH_GEN}" for d in args.depths.split(","))
+def race_depths(args: argparse.Namespace, pair: Pair, plan_id: str) -> None:
+    """The plan against ``--depth-baselines`` at each of the pair's depths (``flux bench run --via serve --depths``),
+    one record row per depth in DEPTHS."""
+    depths = pair.depths or parse_depths(args.depths)
     t1 = time.time()
-    bench = flux("bench", "run", plan_id, "--via", "serve", "--rounds", "1", "--baselines", "fit", "--turns", turns,
-                 out=args.out, name=f"depths-{tag}")
-    rows = depth_rows(args.run, tag, plan_id, summary_rows(plan_id, t1))
+    bench = flux("bench", "run", plan_id, "--via", "serve", "--depths", ",".join(map(str, depths)), "--depth-gen",
+                 str(args.depth_gen), "--rounds", str(args.depth_rounds), "--baselines", args.depth_baselines,
+                 out=args.out, name=f"depths-{pair.tag}")
+    rows = depth_rows(args.run, pair.tag, plan_id, summary_rows(plan_id, t1))
     if not rows:
-        log(f"{tag}: the depth race stored nothing ({bench.returncode}): {bench.stderr.strip()[-300:]}")
+        log(f"{pair.tag}: the depth race stored nothing ({bench.returncode}): {bench.stderr.strip()[-300:]}")
         return
     for r in rows:
-        log(f"{tag} at {r['depth_tokens']} tokens: decode {r['plan_decode_tps'] or 0:.1f} vs --fit "
-            f"{r['fit_decode_tps'] or 0:.1f} tok/s")
+        if r["skipped"]:
+            log(f"{pair.tag} at {r['depth_tokens']} tokens: skipped (past the plan's {r['ctx']} tokens)")
+            continue
+        log(f"{pair.tag} at {r['depth_tokens']} tokens: decode {r.get('plan_decode_tps') or 0:.1f} tok/s (bound "
+            f"{r.get('plan_bound_decode_tps') or 0:.1f}) vs --fit " + (
+                "not held" if r.get("fit_not_held") else f"{r.get('fit_decode_tps') or 0:.1f}"))
     write_rows(rows, args.out / DEPTHS)
 
 
@@ -399,8 +416,13 @@ def main() -> int:
     ap.add_argument("--baselines", default="fit,n-cpu-moe,most-ngl")
     ap.add_argument("--run", default=time.strftime("run-%Y%m%d-%H%M"))
     ap.add_argument("--synth", default="", help="extra flux synth flags, e.g. '--routing skewed'")
-    ap.add_argument("--depths", default="", help="prompt tokens, e.g. 4096,32768,131072: the first pair's plan "
-                    "raced against --fit at each depth (one round)")
+    ap.add_argument("--depths", default="", help="tokens of context in the cache, e.g. 4096,32768,131072: every "
+                    "pair's plan raced at each depth it holds against --depth-baselines (`flux bench run --via serve "
+                    "--depths`); a pair's own #D1/D2/... suffix replaces them for that pair")
+    ap.add_argument("--depth-baselines", default="fit", help="the baselines of the depth races")
+    ap.add_argument("--depth-rounds", type=int, default=2, help="rounds of the depth races (two or more compare "
+                    "each depth's visits with each other)")
+    ap.add_argument("--depth-gen", type=int, default=64, help="tokens decoded at each depth")
     ap.add_argument("--backfill-steps", type=Path, default=None, metavar="RECORD",
                     help="give RECORD's older rows the step columns (from the show logs beside it) and exit")
     ap.add_argument("--no-retry", action="store_true", help="a plan refused for its budget is not planned again at "
@@ -420,8 +442,8 @@ def main() -> int:
             append_record(args.out, args.record)
         return 0
     args.model_dir.mkdir(parents=True, exist_ok=True)
-    first: tuple[str, str] | None = None
-    for i, text in enumerate(args.pairs.split(",")):
+    deep: list[tuple[Pair, str]] = []
+    for text in args.pairs.split(","):
         try:
             pair = parse_pair(text)
         except ValueError as exc:
@@ -454,10 +476,10 @@ def main() -> int:
                                    if k.endswith(("_vs_fit", "_vs_whole", "_vs_plan_decode", "spec_speedup", "acceptance"))
                                    and isinstance(v, float)))
         write_rows([row], args.out / RESULTS)
-        if i == 0:
-            first = (tag, plan_id)
-    if args.depths and first:  # last: a long prompt's race may take what is left of the machine's time
-        race_depths(args, *first)
+        if pair.depths or args.depths:
+            deep.append((pair, plan_id))
+    for pair, plan_id in deep:  # last: a long prompt's race may take what is left of the machine's time
+        race_depths(args, pair, plan_id)
     store_results(args.out)
     return 0
 

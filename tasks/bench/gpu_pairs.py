@@ -1,12 +1,14 @@
 """The GPU record's pairs (``scripts/bench_gpu.py --pairs``): what to plan, and how to ask ``flux plan`` for it.
 
-    MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD][+spec|+draftK|+heads][%PLAN_S]
+    MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD][+spec|+draftK|+heads][%PLAN_S][#D1/D2/...]
 
 BUDGET is GiB per GPU (0: the whole cards), CTX ``flux plan --ctx`` (else the model's trained context), WORKLOAD
 ``--workload`` (agent unless given), ``+spec`` ``--speculation``, ``+draftK`` also ``--draft-model`` of a draft twin
 of the model's first K layers, ``+heads`` also ``--heads`` (the twin's next-token block, grafted by llama-server:
-``--engines native,llama-server``), ``%PLAN_S`` this pair's ``--budget-s`` (else the run's ``--plan-budget-s``). A
-plan refused for its budget names the budget that can work (:func:`refused_budget`): the script plans again at it.
+``--engines native,llama-server``), ``%PLAN_S`` this pair's ``--budget-s`` (else the run's ``--plan-budget-s``),
+``#D1/D2/...`` the depths (tokens of context in the cache; ``64k`` is 65,536) this pair's plan is raced at after
+the pairs' races (``flux bench run --via serve --depths``; else the run's ``--depths``). A plan refused for its
+budget names the budget that can work (:func:`refused_budget`): the script plans again at it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Pair(BaseModel):
     speculation: bool = False
     heads: bool = False
     plan_budget_s: float | None = None
+    depths: tuple[int, ...] = ()
 
     @property
     def tag(self) -> str:
@@ -68,8 +71,26 @@ def split_drafting(text: str) -> tuple[str, int | None, bool, bool]:
     return pair, layers, True, drafting == "heads"
 
 
+def parse_depths(text: str) -> tuple[int, ...]:
+    """Depths in tokens, separated by ``/`` or ``,`` (``4096/32k/256k``: a ``k`` is 1,024 tokens); ValueError, in one
+    line, for a list it cannot read."""
+    parts = [x.strip() for x in text.replace(",", "/").split("/") if x.strip()]
+    try:
+        got = tuple(int(x[:-1]) * 1024 if x.lower().endswith("k") else int(x) for x in parts)
+    except ValueError:
+        got = ()
+    if not got or min(got) < 1:
+        raise ValueError(f"depths {text!r}: expected positive token counts, e.g. 4096/32768/131072 or 4k/32k/128k")
+    return got
+
+
 def parse_pair(text: str) -> Pair:
     """A pair from its text (the module's grammar); ValueError, in one line, for one it cannot read."""
+    text, hash_, depth_text = text.partition("#")
+    try:
+        depths = parse_depths(depth_text) if hash_ else ()
+    except ValueError as exc:
+        raise ValueError(f"--pairs {text + hash_ + depth_text!r}: after '#' give the {exc}") from None
     rest, pct, plan_s = text.partition("%")
     try:
         plan_budget = float(plan_s) if pct else None
@@ -87,7 +108,7 @@ def parse_pair(text: str) -> Pair:
     try:
         return Pair(preset=preset, routing=routing or "uniform", budget_gib=float(budget or 0),
                     ctx=int(ctx) if ctx else None, workload=workload, draft_layers=layers, speculation=spec,
-                    heads=heads, plan_budget_s=plan_budget)
+                    heads=heads, plan_budget_s=plan_budget, depths=depths)
     except ValueError:
         raise ValueError(f"--pairs {text!r}: expected MODEL[/ROUTING]:BUDGET[@CTX], e.g. qwen3-30b-a3b/skewed:12@8192") from None
 

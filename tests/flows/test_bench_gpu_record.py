@@ -59,30 +59,42 @@ def test_a_per_expert_plan_is_compared_with_its_best_whole_tensor_finalist() -> 
     assert bench_gpu.whole_tensor_facts(plan) == {}, "a whole-tensor plan has no such comparison"
 
 
-def test_a_depth_race_gives_one_row_per_depth_held(tmp_path: Path) -> None:
-    """--depths (#22): the race's per-turn medians become one row per depth, in depth order, with the prompt
-    the turn held (a turn longer than the plan's context is shortened by the race), and they are appended to the
-    record's depths.parquet once."""
+def test_a_depth_race_gives_one_row_per_depth(tmp_path: Path) -> None:
+    """--depths (issue 53): the depth race's rows (one per contender and depth, tasks/bench/served_depths.py) become
+    one record row per depth, in depth order: the plan's readings beside its bytes bound, --fit's readings and the
+    ratios, a depth --fit's context did not hold and one the plan's did not; appended to the record's
+    depths.parquet once."""
     import json
 
     bench_gpu = _script()
-    specs = [{"name": "p32768-g32", "prompt": 32768, "gen": 32}, {"name": "p4096-g32", "prompt": 4096, "gen": 32}]
-    per_turn = {"p32768-g32": {"plan": {"decode_tps": 60.0, "prefill_tps": 900.0}, "fit": {"decode_tps": 50.0},
-                               "turn_speedup": {"ratio": 1.1}},
-                "p4096-g32": {"plan": {"decode_tps": 80.0}, "fit": {"decode_tps": 64.0}, "turn_speedup": None}}
-    metrics = {"turn_specs": specs, "per_turn": per_turn, "ctx": 262144, "baseline_valid": True,
-               "baseline_gpu_bytes": 15 * 2**30, "plan_gpu_bytes": 14 * 2**30}
-    rows = [{"baseline": "fit", "metrics": json.dumps(metrics)}]
-    got = bench_gpu.depth_rows("r17", "m-skewed-16", "p1", rows)
-    assert [r["depth_tokens"] for r in got] == [4096, 32768]
-    assert got[0]["tg_vs_fit"] == 80.0 / 64.0 and got[0]["turn_vs_fit"] is None
-    assert got[1]["turn_vs_fit"] == 1.1 and got[1]["fit_gpu_gib"] == 15 and got[1]["ctx"] == 262144
-    assert bench_gpu.depth_rows("r17", "t", "p1", [{"baseline": "n-cpu-moe", "metrics": "{}"}]) == []
+
+    def row(name: str, verdict: str = "info", ratio: float | None = None, **m: object) -> dict[str, object]:
+        return {"baseline": name, "verdict": verdict, "ratio_decode": ratio, "ratio_prefill": ratio and ratio * 2,
+                "metrics": json.dumps({"ctx": 262144, "gen_tokens": 64, "race": "solo visits", **m})}
+
+    rows = [row("plan@32768", depth=32768, contender="plan", decode_tps=60.0, prefill_tps=900.0, bound_decode_tps=120.0,
+                of_bound=0.5, plan_gpu_bytes=12 * 2**30),
+            row("fit@32768", ratio=1.2, depth=32768, contender="fit", decode_tps=50.0, baseline_gpu_bytes=12 * 2**30),
+            row("plan@4096", depth=4096, contender="plan", decode_tps=80.0, bound_decode_tps=130.0),
+            row("fit@4096", ratio=1.25, depth=4096, contender="fit", decode_tps=64.0),
+            row("plan@262144", depth=262144, contender="plan", decode_tps=20.0, bound_decode_tps=40.0),
+            row("fit@262144", depth=262144, contender="fit", not_held="d262144 not held: ..."),
+            row("plan@524288", depth=524288, skipped=True),
+            row("n-cpu-moe", detail="n/a: dense model")]
+    got = bench_gpu.depth_rows("r30", "m-skewed-12", "p1", rows)
+    assert [r["depth_tokens"] for r in got] == [4096, 32768, 262144, 524288]
+    assert got[0]["tg_vs_fit"] == 1.25 and got[0]["plan_decode_tps"] == 80.0 and got[0]["plan_bound_decode_tps"] == 130.0
+    assert got[1]["plan_of_bound"] == 0.5 and got[1]["fit_gpu_gib"] == 12 and got[1]["ctx"] == 262144
+    assert got[1]["fit_valid"] is True and got[1]["pp_vs_fit"] == 2.4
+    assert got[2]["fit_not_held"] and got[2]["fit_valid"] is False and got[2]["tg_vs_fit"] is None
+    assert got[3]["skipped"] is True and got[3].get("plan_decode_tps") is None
+    assert bench_gpu.depth_rows("r30", "t", "p1", [{"baseline": "n-cpu-moe", "verdict": "info", "metrics": "{}"}]) == []
     out = tmp_path / "out"
     out.mkdir()
-    bench_gpu.write_rows([{"run": "r17", "plan_id": "p1"}], out / bench_gpu.RESULTS)
+    bench_gpu.write_rows([{"run": "r30", "plan_id": "p1"}], out / bench_gpu.RESULTS)
     bench_gpu.write_rows(got, out / bench_gpu.DEPTHS)
     record = tmp_path / "record.parquet"
     bench_gpu.append_record(out, record)
     bench_gpu.append_record(out, record)
-    assert [r["depth_tokens"] for r in pq.read_table(tmp_path / "depths.parquet").to_pylist()] == [4096, 32768]
+    assert [r["depth_tokens"] for r in pq.read_table(tmp_path / "depths.parquet").to_pylist()] == [
+        4096, 32768, 262144, 524288]

@@ -54,3 +54,16 @@ def test_a_refusal_names_the_budget_to_plan_again_at() -> None:
     text = RUN17.read_text()
     assert [refused_budget(line) for line in text.splitlines() if "use --budget-s" in line] == [303, 338]
     assert refused_budget("error: something else") is None
+
+
+def test_a_pair_names_the_depths_its_plan_is_raced_at() -> None:
+    """`scripts/gpu-e2e.sh OUT 'qwen3.6-35b-a3b/skewed:12#4096/64k/262144'`: that pair's plan is raced at those
+    depths (flux bench run --via serve --depths); the pair's tag and its flux plan command are unchanged."""
+    pair = parse_pair("qwen3.6-35b-a3b/skewed:12~chat%300#4096/64k/262144")
+    assert pair.depths == (4096, 65536, 262144) and pair.plan_budget_s == 300 and pair.workload == "chat"
+    assert pair.tag == parse_pair("qwen3.6-35b-a3b/skewed:12~chat%300").tag == "qwen3.6-35b-a3b-skewed-12-chat"
+    assert parse_pair("llama3-8b:8@131072").depths == ()
+    for bad in ("llama3-8b:8#", "llama3-8b:8#4096/deep", "llama3-8b:8#0"):
+        with pytest.raises(ValueError, match=r"--pairs .*after '#'") as err:
+            parse_pair(bad)
+        assert "\n" not in str(err.value)
