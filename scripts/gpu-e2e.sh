@@ -9,7 +9,8 @@
 #      (scripts/bench_gpu.py drives those commands and writes the record);
 #   5. `flux serve` of the first plan, answered by the `openai` client (chat, streamed chat, models).
 #
-#   scripts/gpu-e2e.sh OUT [MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD][+spec|+draftK][%PLAN_S],...] [bench_gpu.py flags...]
+#   scripts/gpu-e2e.sh OUT [MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD][+spec|+draftK][%PLAN_S][#D1/D2/...],...] [bench_gpu.py flags...]
+#   (--depths D1,D2,... or a pair's #D1/D2/...: that plan raced by depth too, docs/benchmarks/race.md)
 #   (the pair grammar: tasks/bench/gpu_pairs.py)
 #
 # Steps that are already done (wheels installed, backend built, twins written) are skipped, so the same
