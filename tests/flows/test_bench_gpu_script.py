@@ -26,7 +26,7 @@ def test_bench_gpu_drives_the_user_path_and_records_the_plan_it_raced(tiny_moe: 
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "bench_gpu.py"), "--out", str(out), "--model-dir", str(models),
          "--pairs", "tiny-moe:0@1024", "--plan-budget-s", "30", "--rounds", "1", "--baselines", "fit",
-         "--depths", "256,2048"],
+         "--depths", "256,2048", "--depth-rounds", "1"],
         env=flux_env, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (row,) = pq.read_table(out / "h200_results.parquet").to_pylist()
@@ -39,11 +39,15 @@ def test_bench_gpu_drives_the_user_path_and_records_the_plan_it_raced(tiny_moe: 
     assert row["race_ram_read_gbs"] > 0 and row["probe_ram_read_gbs"] > 0, "the host was read around the race"
     bench_log = (out / "bench-tiny-moe-uniform-0@1024.log").read_text()
     assert "flux serve" in bench_log and "stored run" in bench_log
-    # --depths: the plan raced against --fit once more, one turn per depth; 2,048 tokens do not fit the plan's
-    # 1,024-token context, so that turn held what the context leaves (the race shortens it, the row says so)
+    # --depths: the plan raced against --fit once more at each depth (flux bench run --via serve --depths); 2,048
+    # tokens do not fit the plan's 1,024-token context: skipped, and the row says so
     depths = pq.read_table(out / "h200_depths.parquet").to_pylist()
-    assert [r["depth_tokens"] for r in depths] == [256, 1024 - 16 - 32]
-    assert all(r["plan_id"] == row["plan_id"] and r["plan_decode_tps"] and r["fit_decode_tps"] for r in depths)
+    assert [r["depth_tokens"] for r in depths] == [256, 2048]
+    held, past = depths
+    assert held["plan_id"] == row["plan_id"] and held["plan_decode_tps"] and held["fit_decode_tps"]
+    assert held["plan_bound_decode_tps"], "the plan's decode beside the bytes bound of its probe"
+    assert past["skipped"] is True and not past.get("plan_decode_tps")
+    assert "depth 2,048: skipped" in (out / "depths-tiny-moe-uniform-0@1024.log").read_text()
     data = Path(flux_env["XDG_DATA_HOME"]) / "flux"
     tables = list(data.rglob("bench_gpu/*.parquet"))
     assert tables, f"no bench_gpu table under {data}"
