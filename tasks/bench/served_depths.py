@@ -60,6 +60,10 @@ from tasks.costmodel import Workload, predict, roofline_decode
 
 log = logging.getLogger(__name__)
 DEPTH_TURNS_PER_VISIT = 1  # a deep prompt's prefill is the visit's cost: more rounds, not more turns a visit
+# The slowest prefill a depth turn waits for before its first token (the request's read timeout is the deepest
+# depth over this rate, at least the bench's own): a 262,144-token prompt on a baseline whose KV and attention
+# fit moved to the host may take many minutes, and a reading that takes long is still a reading.
+DEPTH_MIN_PREFILL_TPS = 200.0
 RACE = "solo visits: one contender resident at a time, one timed turn per depth a visit"
 
 
@@ -257,7 +261,8 @@ def _race(ctx: BenchContext, opts: Any, turns: Sequence[Turn],
     threads = BaselineThreads(ctx.params.n_threads)
     found, _, not_found = find_baselines(ctx, opts, info, budget, meter, sweep_prompts, sweep, threads, say)
     contenders = [plan_contender(ctx), *found]
-    table = race_solo(contenders, prompts, turns, opts.rounds, ctx.timeout_s, opts.seed, say, meter,
+    timeout_s = max(ctx.timeout_s, max(t.prompt for t in turns) / DEPTH_MIN_PREFILL_TPS)
+    table = race_solo(contenders, prompts, turns, opts.rounds, timeout_s, opts.seed, say, meter,
                       turns_per_visit=DEPTH_TURNS_PER_VISIT, warmup="first")
     host = host_check(ctx, host_start, say)
     for c in found:
