@@ -88,7 +88,7 @@ def test_a_plan_refitted_from_a_served_plan_is_keyed_by_its_trace(env: dict[str,
     new, log = plan_of(env, str(tiny_moe), "--routing-from", old.id[:12])
     tid = new.request.routing_from
     assert new.id != old.id and tid is not None and new.key["routing"] == tid == new.routing_trace
-    assert new.key["flags"]["routing_from"] == tid and "routing_from" not in old.key["flags"]
+    assert new.key["flags"]["routing_from"] == tid and old.key["flags"]["routing_from"] is None
     stored = Store(data_dir(env)).get_table(ROUTING_TABLE, tid)
     from engine_bridge.serve_trace import read_trace
 
