@@ -4,7 +4,8 @@ The suites live in :mod:`tasks.bench` (each module declares ``SUITE``, :class:`t
 ``show`` and ``matrix`` read stored results (:mod:`flows.bench_report`). Suites that measure a plan save their
 results in the store (``bench_<suite>_raw`` + ``bench_summary``), print them, and exit 1 when their verdict is
 ``fail`` (0 for pass and info), so CI can gate on them. A suite whose subject is a synth preset
-(``flux bench synth PRESET``) stores its rows the same way, with no plan id.
+(``flux bench synth PRESET``) or the GPU record's pairs (``flux bench record PAIRS``) stores its rows the same way,
+with no plan id.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from artifacts.errors import FluxError
 from artifacts.logs import console
 from tasks.bench.context import BenchSite, open_bench, open_site
 from tasks.bench.record import save_run
-from tasks.bench.registry import Suite, csv, suites
+from tasks.bench.registry import Subject, Suite, csv, suites
 
 
 def run_plan_suite(args: argparse.Namespace, suite: Suite, opts: BaseModel) -> int:
@@ -44,6 +45,8 @@ def _run(suite: Suite, ctx: BenchSite, opts: BaseModel, then: str) -> int:
 
     err = console(stderr=True)
     run = suite.run(ctx, opts, lambda msg: err.print(f"bench: {msg}", markup=False))
+    if run is None:  # nothing measured: the suite filed earlier results (flux bench record --import)
+        return 0
     paths = save_run(run)
     print_run(run)
     err.print(f"stored run {run.run_id[:12]}: {paths[0]} (+{len(paths) - 1} bench_summary rows); {then}",
@@ -72,14 +75,34 @@ def _parser(suite: Suite, name: str, info: FieldInfo) -> Callable[[str], Any] | 
     return kind if kind in (int, float, str) else None
 
 
-def add_flags(p: argparse.ArgumentParser, suite: Suite) -> None:
-    """The suite's positional subject (a plan, or a synth preset) and one flag per option it offers."""
-    if suite.subject == "preset":
-        from artifacts.synth import PRESETS
+def _plan_arg(p: argparse.ArgumentParser, suite: Suite) -> None:
+    """A plan suite's positional: the plan."""
+    p.add_argument("plan", help="a unique prefix of a plan id")
 
-        p.add_argument("preset", choices=sorted(PRESETS), metavar="PRESET", help="a synth preset, as `flux synth --like` takes")
-    else:
-        p.add_argument("plan", help="a unique prefix of a plan id")
+
+def _preset_arg(p: argparse.ArgumentParser, suite: Suite) -> None:
+    """A preset suite's positional: a synth preset."""
+    from artifacts.synth import PRESETS
+
+    p.add_argument("preset", choices=sorted(PRESETS), metavar="PRESET", help="a synth preset, as `flux synth --like` takes")
+
+
+def _pairs_arg(p: argparse.ArgumentParser, suite: Suite) -> None:
+    """The GPU record's positional: its pairs, optional (``--import`` and ``--backfill-steps`` race none)."""
+    info = suite.options.model_fields["pairs"]
+    p.add_argument("pairs", nargs="?", default=None, metavar="PAIRS",
+                   help=f"{info.description} (default {info.get_default()})".replace("%", "%%"))  # argparse's %
+
+
+# each subject's positional argument; its value is the options model's field of the subject's name (not a plan's)
+SUBJECT_ARGS: dict[Subject, Callable[[argparse.ArgumentParser, Suite], None]] = {
+    "plan": _plan_arg, "preset": _preset_arg, "pairs": _pairs_arg}
+
+
+def add_flags(p: argparse.ArgumentParser, suite: Suite) -> None:
+    """The suite's positional subject (a plan, a synth preset, the record's pairs) and one flag per option it
+    offers."""
+    SUBJECT_ARGS[suite.subject](p, suite)
     for name in suite.flags:
         info = suite.options.model_fields[name]
         default = info.get_default(call_default_factory=True)
@@ -100,8 +123,8 @@ def add_flags(p: argparse.ArgumentParser, suite: Suite) -> None:
 def _handler(suite: Suite) -> Callable[[argparse.Namespace], int]:
     def handle(args: argparse.Namespace) -> int:
         given = {name: getattr(args, name) for name in suite.flags if getattr(args, name) is not None}
-        if suite.subject == "preset":
-            given["preset"] = args.preset
+        if suite.subject != "plan" and getattr(args, suite.subject) is not None:
+            given[suite.subject] = getattr(args, suite.subject)
         try:
             opts = suite.options.model_validate(given)
         except ValidationError as exc:

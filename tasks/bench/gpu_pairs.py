@@ -1,4 +1,5 @@
-"""The GPU record's pairs (``scripts/bench_gpu.py --pairs``): what to plan, and how to ask ``flux plan`` for it.
+"""The GPU record's pairs (``flux bench record PAIRS``, :mod:`tasks.bench.gpu_record`): what to plan, and how to ask
+``flux plan`` for it.
 
     MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD][+spec|+draftK|+heads][%PLAN_S][#D1/D2/...]
 
@@ -8,7 +9,7 @@ of the model's first K layers, ``+heads`` also ``--heads`` (the twin's next-toke
 ``--engines native,llama-server``), ``%PLAN_S`` this pair's ``--budget-s`` (else the run's ``--plan-budget-s``),
 ``#D1/D2/...`` the depths (tokens of context in the cache; ``64k`` is 65,536) this pair's plan is raced at after
 the pairs' races (``flux bench run --via serve --depths``; else the run's ``--depths``). A plan refused for its
-budget names the budget that can work (:func:`refused_budget`): the script plans again at it.
+budget names the budget that can work (:func:`refused_budget`): the record plans again at it.
 """
 
 from __future__ import annotations
@@ -62,12 +63,12 @@ def split_drafting(text: str) -> tuple[str, int | None, bool, bool]:
         return pair, None, False, False
     m = _DRAFTING.match(drafting)
     if m is None:
-        raise ValueError(f"--pairs {text!r}: after '+' give spec (flux plan --speculation), draftK (a draft twin "
+        raise ValueError(f"pair {text!r}: after '+' give spec (flux plan --speculation), draftK (a draft twin "
                          "of the model's first K layers, e.g. llama3-8b:0~chat+draft2) or heads (the twin's "
                          "next-token block grafted on llama-server)")
     layers = int(m.group(2)) if m.group(2) else None
     if layers is not None and layers < 1:
-        raise ValueError(f"--pairs {text!r}: a draft twin needs at least one layer (draft1, draft2, ...)")
+        raise ValueError(f"pair {text!r}: a draft twin needs at least one layer (draft1, draft2, ...)")
     return pair, layers, True, drafting == "heads"
 
 
@@ -90,27 +91,27 @@ def parse_pair(text: str) -> Pair:
     try:
         depths = parse_depths(depth_text) if hash_ else ()
     except ValueError as exc:
-        raise ValueError(f"--pairs {text + hash_ + depth_text!r}: after '#' give the {exc}") from None
+        raise ValueError(f"pair {text + hash_ + depth_text!r}: after '#' give the {exc}") from None
     rest, pct, plan_s = text.partition("%")
     try:
         plan_budget = float(plan_s) if pct else None
     except ValueError:
-        raise ValueError(f"--pairs {text!r}: after '%' give the pair's flux plan --budget-s in seconds, e.g. %300") from None
+        raise ValueError(f"pair {text!r}: after '%' give the pair's flux plan --budget-s in seconds, e.g. %300") from None
     rest, layers, spec, heads = split_drafting(rest)
     rest, _, workload = rest.partition("~")
     if workload not in ("", "agent", "chat"):
-        raise ValueError(f"--pairs {text!r}: the workload must be agent or chat (flux plan --workload)")
+        raise ValueError(f"pair {text!r}: the workload must be agent or chat (flux plan --workload)")
     model, _, sizes = rest.partition(":")
     preset, _, routing = model.partition("/")
     budget, _, ctx = sizes.partition("@")
     if routing not in ("", "uniform", "skewed", "local"):
-        raise ValueError(f"--pairs {text!r}: routing must be uniform, skewed or local, e.g. qwen3-30b-a3b/skewed:10")
+        raise ValueError(f"pair {text!r}: routing must be uniform, skewed or local, e.g. qwen3-30b-a3b/skewed:10")
     try:
         return Pair(preset=preset, routing=routing or "uniform", budget_gib=float(budget or 0),
                     ctx=int(ctx) if ctx else None, workload=workload, draft_layers=layers, speculation=spec,
                     heads=heads, plan_budget_s=plan_budget, depths=depths)
     except ValueError:
-        raise ValueError(f"--pairs {text!r}: expected MODEL[/ROUTING]:BUDGET[@CTX], e.g. qwen3-30b-a3b/skewed:12@8192") from None
+        raise ValueError(f"pair {text!r}: expected MODEL[/ROUTING]:BUDGET[@CTX], e.g. qwen3-30b-a3b/skewed:12@8192") from None
 
 
 def refused_budget(stderr: str) -> int | None:

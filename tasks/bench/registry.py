@@ -8,8 +8,11 @@ suite left out comes after those, by name).
 
 A suite measures a saved plan (``flux bench SUITE PLAN``: its run function gets a :class:`BenchContext`), or,
 where ``subject`` says so, something a plan is not needed for: ``"preset"``, a synth preset named on the command
-line (``flux bench synth tiny-moe``), given to the options model as its ``preset`` field; its run function
-gets the machine alone (a :class:`~tasks.bench.context.BenchSite`) and its rows are stored with no plan id.
+line (``flux bench synth tiny-moe``), given to the options model as its ``preset`` field, or ``"pairs"``, the GPU
+record's ``MODEL:BUDGET`` pairs (``flux bench record qwen3-30b-a3b/skewed:12 --out DIR``), given as its ``pairs``
+field and optional (the field's default); its run function gets the machine alone (a
+:class:`~tasks.bench.context.BenchSite`) and its rows are stored with no plan id. A run function returns None
+where it measured nothing, only filed earlier results (``flux bench record --import``): nothing is stored.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ from tasks.bench.record import BenchRun
 
 # The one order of the suites: ``flux bench --help``, its subcommands and the matrix's columns.
 ORDER: tuple[str, ...] = ("run", "quality", "conformance", "soak", "arrivals", "ablate", "oracle", "serve", "ttft",
-                          "synth")
-Subject = Literal["plan", "preset"]
+                          "synth", "record")
+Subject = Literal["plan", "preset", "pairs"]
 # (a BenchContext, or a BenchSite for a suite whose subject is not a plan; its options; progress) -> the run
-RunFn = Callable[[Any, Any, Progress | None], BenchRun]
+# (None: nothing measured, nothing to store)
+RunFn = Callable[[Any, Any, Progress | None], BenchRun | None]
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,8 @@ class Suite:
         rename: field -> flag name where it differs from ``--field-name`` (e.g. ``n_tokens`` -> ``--tokens``).
         parsers: field -> parser of the flag's text, where the field's type alone does not say.
         help_text: field -> help where the field's description is not what a user needs.
-        subject: what the suite measures: a saved plan, or a synth preset (see the module's docstring).
+        subject: what the suite measures: a saved plan, a synth preset or the GPU record's pairs (see the module's
+            docstring).
     """
 
     name: str

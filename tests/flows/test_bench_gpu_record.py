@@ -1,4 +1,5 @@
-"""scripts/bench_gpu.py --import --record: a run's rows are appended to the docs' record once, columns united."""
+"""The GPU record's rows and files (`flux bench record`, tasks/bench/gpu_rows.py and gpu_files.py): a run's rows are
+appended to the docs' record once, columns united; scripts/bench_gpu.py is the suite under its old name."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from types import ModuleType
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from tasks.bench import gpu_files, gpu_rows
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,16 +25,24 @@ def _script() -> ModuleType:
     return mod
 
 
+def test_the_old_script_is_flux_bench_record() -> None:
+    record_argv = _script().record_argv
+    assert record_argv(["--out", "o", "--pairs", "a:8,b:0", "--rounds", "2"]) == [
+        "bench", "record", "a:8,b:0", "--out", "o", "--rounds", "2"]
+    assert record_argv(["--pairs=a:8#4k/64k", "--out", "o"]) == ["bench", "record", "a:8#4k/64k", "--out", "o"]
+    assert record_argv(["--import", "--out", "o", "--record", "r.parquet"]) == [
+        "bench", "record", "--import", "--out", "o", "--record", "r.parquet"]
+
+
 def test_rows_append_once_with_every_column(tmp_path: Path) -> None:
-    bench_gpu = _script()
     record = tmp_path / "record.parquet"
     pq.write_table(pa.Table.from_pylist([{"run": "r7", "plan_id": "a", "tg_vs_fit": None}]), record)
     out = tmp_path / "out"
     out.mkdir()
-    bench_gpu.write_rows([{"run": "r9", "plan_id": "b", "tg_vs_fit": 0.55, "fit_gpu_gib": 9.82}],
-                         out / bench_gpu.RESULTS)
-    assert bench_gpu.append_record(out, record) == 1
-    assert bench_gpu.append_record(out, record) == 0, "the same run and plan are not added twice"
+    gpu_files.write_rows([{"run": "r9", "plan_id": "b", "tg_vs_fit": 0.55, "fit_gpu_gib": 9.82}],
+                         out / gpu_files.RESULTS)
+    assert gpu_files.append_record(out, record) == 1
+    assert gpu_files.append_record(out, record) == 0, "the same run and plan are not added twice"
     rows = pq.read_table(record).to_pylist()
     assert [r["plan_id"] for r in rows] == ["a", "b"]
     assert rows[1]["fit_gpu_gib"] == 9.82 and rows[0]["fit_gpu_gib"] is None, "a later row's new column is kept"
@@ -42,7 +53,6 @@ def test_a_per_expert_plan_is_compared_with_its_best_whole_tensor_finalist() -> 
     split, with its context suffix, against the fastest measured finalist whose experts stay whole tensors."""
     from types import SimpleNamespace as NS
 
-    bench_gpu = _script()
 
     def summary(cid: str, decode: float | None, work: float | None) -> NS:
         return NS(candidate_id=cid, decode_tps=decode, prefill_tps=500.0, workload_s=work)
@@ -52,11 +62,11 @@ def test_a_per_expert_plan_is_compared_with_its_best_whole_tensor_finalist() -> 
     families = {"c1": "experts-mapped@32768", "c2": "milp-decode@32768", "c3": "milp-prefill", "c4": "all-gpu"}
     plan = NS(finalists=finalists, families=families, candidate=NS(family="experts-mapped@32768"),
               measured=NS(decode_tps=140.0, workload_s=2.2))
-    got = bench_gpu.whole_tensor_facts(plan)
+    got = gpu_rows.whole_tensor_facts(plan)  # type: ignore[arg-type]
     assert got["whole_id"] == "c3" and got["whole_family"] == "milp-prefill", "the fastest workload, not decode"
     assert got["tg_vs_whole"] == 140.0 / 90.0 and got["workload_vs_whole"] == 3.0 / 2.2
     plan.candidate = NS(family="milp-decode@32768")
-    assert bench_gpu.whole_tensor_facts(plan) == {}, "a whole-tensor plan has no such comparison"
+    assert gpu_rows.whole_tensor_facts(plan) == {}, "a whole-tensor plan has no such comparison"  # type: ignore[arg-type]
 
 
 def test_a_depth_race_gives_one_row_per_depth(tmp_path: Path) -> None:
@@ -66,7 +76,6 @@ def test_a_depth_race_gives_one_row_per_depth(tmp_path: Path) -> None:
     depths.parquet once."""
     import json
 
-    bench_gpu = _script()
 
     def row(name: str, verdict: str = "info", ratio: float | None = None, **m: object) -> dict[str, object]:
         return {"baseline": name, "verdict": verdict, "ratio_decode": ratio, "ratio_prefill": ratio and ratio * 2,
@@ -81,20 +90,20 @@ def test_a_depth_race_gives_one_row_per_depth(tmp_path: Path) -> None:
             row("fit@262144", depth=262144, contender="fit", not_held="d262144 not held: ..."),
             row("plan@524288", depth=524288, skipped=True),
             row("n-cpu-moe", detail="n/a: dense model")]
-    got = bench_gpu.depth_rows("r30", "m-skewed-12", "p1", rows)
+    got = gpu_rows.depth_rows("r30", "m-skewed-12", "p1", rows)
     assert [r["depth_tokens"] for r in got] == [4096, 32768, 262144, 524288]
     assert got[0]["tg_vs_fit"] == 1.25 and got[0]["plan_decode_tps"] == 80.0 and got[0]["plan_bound_decode_tps"] == 130.0
     assert got[1]["plan_of_bound"] == 0.5 and got[1]["fit_gpu_gib"] == 12 and got[1]["ctx"] == 262144
     assert got[1]["fit_valid"] is True and got[1]["pp_vs_fit"] == 2.4
     assert got[2]["fit_not_held"] and got[2]["fit_valid"] is False and got[2]["tg_vs_fit"] is None
     assert got[3]["skipped"] is True and got[3].get("plan_decode_tps") is None
-    assert bench_gpu.depth_rows("r30", "t", "p1", [{"baseline": "n-cpu-moe", "verdict": "info", "metrics": "{}"}]) == []
+    assert gpu_rows.depth_rows("r30", "t", "p1", [{"baseline": "n-cpu-moe", "verdict": "info", "metrics": "{}"}]) == []
     out = tmp_path / "out"
     out.mkdir()
-    bench_gpu.write_rows([{"run": "r30", "plan_id": "p1"}], out / bench_gpu.RESULTS)
-    bench_gpu.write_rows(got, out / bench_gpu.DEPTHS)
+    gpu_files.write_rows([{"run": "r30", "plan_id": "p1"}], out / gpu_files.RESULTS)
+    gpu_files.write_rows(got, out / gpu_files.DEPTHS)
     record = tmp_path / "record.parquet"
-    bench_gpu.append_record(out, record)
-    bench_gpu.append_record(out, record)
+    gpu_files.append_record(out, record)
+    gpu_files.append_record(out, record)
     assert [r["depth_tokens"] for r in pq.read_table(tmp_path / "depths.parquet").to_pylist()] == [
         4096, 32768, 262144, 524288]

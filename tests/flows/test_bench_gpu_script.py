@@ -1,6 +1,6 @@
-"""scripts/bench_gpu.py end to end on a CPU: `flux plan`, `flux show`, `flux bench run --via serve`, the record.
+"""`flux bench record` end to end on a CPU: `flux plan`, `flux show`, `flux bench run --via serve`, the record.
 
-The script only drives the user's commands; on a CPU the race still runs for real (flux serve of the plan
+The suite only drives the user's commands; on a CPU the race still runs for real (flux serve of the plan
 against llama-server --fit over HTTP) and its row carries the plan id, the context and the ratios.
 """
 
@@ -24,9 +24,9 @@ def test_bench_gpu_drives_the_user_path_and_records_the_plan_it_raced(tiny_moe: 
     shutil.copy(tiny_moe, models / "tiny-moe-Q4_0.gguf")
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_gpu.py"), "--out", str(out), "--model-dir", str(models),
-         "--pairs", "tiny-moe:0@1024", "--plan-budget-s", "30", "--rounds", "1", "--baselines", "fit",
-         "--depths", "256,2048", "--depth-rounds", "1"],
+        [sys.executable, "-m", "flows", "bench", "record", "tiny-moe:0@1024", "--out", str(out), "--model-dir",
+         str(models), "--plan-budget-s", "30", "--rounds", "1", "--baselines", "fit", "--depths", "256,2048",
+         "--depth-rounds", "1"],
         env=flux_env, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (row,) = pq.read_table(out / "h200_results.parquet").to_pylist()
@@ -51,5 +51,13 @@ def test_bench_gpu_drives_the_user_path_and_records_the_plan_it_raced(tiny_moe: 
     data = Path(flux_env["XDG_DATA_HOME"]) / "flux"
     tables = list(data.rglob("bench_gpu/*.parquet"))
     assert tables, f"no bench_gpu table under {data}"
-    got = duckdb.sql(f"SELECT plan_id, ctx FROM read_parquet('{tables[0]}')").fetchall()
+    rel = duckdb.sql(f"SELECT plan_id, ctx FROM read_parquet('{tables[0]}')")
+    assert rel is not None
+    got = rel.fetchall()
     assert got == [(row["plan_id"], 1024)]
+    # stored and printed as every suite's run: one info row per pair, the pair's row in its metrics
+    assert "flux bench record" in proc.stdout and "tiny-moe-uniform-0@1024" in proc.stdout
+    summary = list(data.rglob("bench_summary/*.parquet"))
+    mine = [r for t in summary for r in pq.read_table(t).to_pylist() if r["suite"] == "record"]
+    assert [(r["baseline"], r["verdict"], r["plan_id"]) for r in mine] == [("tiny-moe-uniform-0@1024", "info", "")]
+    assert mine[0]["ratio_decode"] == row["tg_vs_fit"] and row["plan_id"] in mine[0]["metrics"]

@@ -1,4 +1,4 @@
-"""The GPU record's pairs (scripts/bench_gpu.py --pairs): MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD][+spec|+draftK|+heads][%S]."""
+"""The GPU record's pairs (flux bench record PAIRS): MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD][+spec|+draftK|+heads][%S]."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_a_pair_names_its_drafting(text: str, want: tuple[str, int | None, bool,
 @pytest.mark.parametrize("text", ["llama3-8b:0+draft", "llama3-8b:0+draft0", "llama3-8b:0+ngram", "x:1~code",
                                   "x/hot:1", "x:big", "x:1%soon"])
 def test_a_pair_it_cannot_read_is_one_line(text: str) -> None:
-    with pytest.raises(ValueError, match=r"--pairs") as err:
+    with pytest.raises(ValueError, match=r"^pair ") as err:
         parse_pair(text)
     assert "\n" not in str(err.value)
 
@@ -64,6 +64,6 @@ def test_a_pair_names_the_depths_its_plan_is_raced_at() -> None:
     assert pair.tag == parse_pair("qwen3.6-35b-a3b/skewed:12~chat%300").tag == "qwen3.6-35b-a3b-skewed-12-chat"
     assert parse_pair("llama3-8b:8@131072").depths == ()
     for bad in ("llama3-8b:8#", "llama3-8b:8#4096/deep", "llama3-8b:8#0"):
-        with pytest.raises(ValueError, match=r"--pairs .*after '#'") as err:
+        with pytest.raises(ValueError, match=r"^pair .*after '#'") as err:
             parse_pair(bad)
         assert "\n" not in str(err.value)

@@ -52,25 +52,19 @@ def test_a_saved_show_gives_the_split(log: str, want: dict[str, object]) -> None
 
 
 def test_the_record_backfill_fills_older_rows_once(tmp_path: Path) -> None:
-    import importlib.util
     import shutil
-    import sys
 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "scripts" / "bench_gpu.py")
-    assert spec and spec.loader
-    bench_gpu = importlib.util.module_from_spec(spec)
-    sys.modules["bench_gpu"] = bench_gpu
-    spec.loader.exec_module(bench_gpu)
+    from tasks.bench.gpu_files import backfill_steps
     (tmp_path / "run17").mkdir()
     shutil.copy(RUN17 / "show-qwen3-next-80b-a3b-skewed-16-chat.log", tmp_path / "run17")
     plan = "98f61bb3cd780b04379b806bbc574141845377735cbe7c9bdaf8f4206548ce99"
     record = tmp_path / "record.parquet"
     pq.write_table(pa.Table.from_pylist([{"run": "r17", "plan_id": plan, "served_decode_tps": 50.0,
                                           "all_gpu_decode_tps": 171.5}, {"run": "r17", "plan_id": None}]), record)
-    assert bench_gpu.backfill_steps(record) == 1
+    assert backfill_steps(record) == 1
     row = pq.read_table(record).to_pylist()[0]
     assert row["experts_copied"] == 7694 and row["step_ms"] == 20.0 and row["of_whole_gpu"] == 50.0 / 171.5
-    assert bench_gpu.backfill_steps(record) == 0, "a row with its step figures is left as it is"
+    assert backfill_steps(record) == 0, "a row with its step figures is left as it is"
