@@ -8,6 +8,7 @@ Each stage is declared once (:class:`tasks.stage.Stage`) in a role package: ``pr
 ``validate`` (with ``quality_gate``), ``persist``; ``workload`` sizes the prompts to the budget and context and
 ``clock`` times the stages. The nouns every stage passes on (PlanRequest, Candidate, Plan, ...) are records
 (:mod:`artifacts.records`), shared with the server; ``corpus`` holds the bundled prompts and conversations.
-``tasks.bench`` holds one module per ``flux bench`` suite. Nothing here imports ``flows``: the flow
+``tasks.bench`` holds the benchmarks beside the planner, one module per ``flux bench`` suite (the GPU record's
+``flux bench record`` among them); no stage imports it. Nothing here imports ``flows``: the flow
 (flows/plan_model.py) and the CLI compose these.
 """

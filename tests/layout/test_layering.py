@@ -8,6 +8,8 @@
   in ``tasks.pipeline.STAGES``, and run by the flow (flows/plan_model.py) once each, in that order;
 - the server reads plans, it never plans: server/ imports nothing from tasks/ (the records both share are
   artifacts.records'); artifacts/ and engine_bridge/, which both import, import neither tasks/ nor server/;
+- the benchmarks sit beside the planner, never in it: only flows/ (``flux bench``, its reports) and the suites
+  themselves import ``tasks.bench``, so no planning stage's code (and key) holds a bench suite;
 - only the worker-side package engine_bridge.worker imports llama_cpp (the worker process links llama.cpp),
   only artifacts imports duckdb;
 - the worker-side package ``engine_bridge.worker`` is spawned, never imported, by any other package;
@@ -88,6 +90,31 @@ def test_the_server_and_the_shared_packages_import_no_planning_stage(pkg: str, b
            for m in MODS if m.split(".")[0] == pkg}
     bad = {m: found for m, found in bad.items() if found}
     assert not bad, f"{pkg} imports {banned}: {bad}; what they share belongs in artifacts.records"
+
+
+# Who may import the bench suites (tasks/bench/): the CLI and its reports, and the suites themselves.
+BENCH_IMPORTERS = ("flows", "tasks.bench")
+
+
+def bench_imports_outside(mods: dict[str, Path]) -> dict[str, list[str]]:
+    """Module -> the bench modules it imports, for each module that is not one of :data:`BENCH_IMPORTERS`."""
+    bad = {m: sorted(i for i in imports(m, p, False) if i == "tasks.bench" or i.startswith("tasks.bench."))
+           for m, p in mods.items() if not any(m == a or m.startswith(f"{a}.") for a in BENCH_IMPORTERS)}
+    return {m: found for m, found in bad.items() if found}
+
+
+def test_only_the_cli_imports_the_bench_suites() -> None:
+    bad = bench_imports_outside(MODS)
+    assert not bad, (f"the bench suites are imported outside flows/ and tasks/bench/: {bad}; a planning stage "
+                     "measures through tasks/measurement/, the benchmarks only read what it planned")
+
+
+def test_the_bench_rule_refuses_a_stage_importing_a_suite(tmp_path: Path) -> None:
+    stage, cli = tmp_path / "stage.py", tmp_path / "cli.py"
+    stage.write_text("def run():\n    from tasks.bench.gpu_rows import record_row\n")
+    cli.write_text("from tasks.bench.registry import suites\n")
+    got = bench_imports_outside({"tasks.search.stage": stage, "flows.commands.x": cli, "tasks.bench.x": cli})
+    assert got == {"tasks.search.stage": ["tasks.bench.gpu_rows", "tasks.bench.gpu_rows.record_row"]}
 
 
 @pytest.mark.parametrize(("lib", "owner"), [("llama_cpp", "engine_bridge.worker"), ("duckdb", "artifacts")])
