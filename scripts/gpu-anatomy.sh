@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The hybrid decode step's anatomy on a lent GPU machine, then the product path on one pair (docs/gpu.md):
-#   scripts/gpu-anatomy.sh OUT TWIN [PAIRS [bench_gpu.py flags...]]
+#   scripts/gpu-anatomy.sh OUT TWIN [PAIRS [flux bench record flags...]]
 # after `FLUX_E2E_STEPS=setup scripts/gpu-e2e.sh OUT PAIRS` has built the backend and written TWIN:
 #   1. scripts/gpu_anatomy.py: llama-bench decode variants with the scheduler's profile (OUT/anatomy/);
 #   2. the tiny twins' loads on the GPU, one process each (OUT/load-check.log), then the GPU-only tests of the

@@ -6,10 +6,10 @@
 #   3. the twins, written by `flux synth` into /dev/shm;
 #   4. for each MODEL:BUDGET[@CTX]: `flux plan` (the Prefect flow and its store), `flux show`, and
 #      `flux bench run --via serve` against llama-server --fit, the best --n-cpu-moe and the most -ngl
-#      (scripts/bench_gpu.py drives those commands and writes the record);
+#      (`flux bench record`, tasks/bench/gpu_record.py, drives those commands and writes the record);
 #   5. `flux serve` of the first plan, answered by the `openai` client (chat, streamed chat, models).
 #
-#   scripts/gpu-e2e.sh OUT [MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD][+spec|+draftK][%PLAN_S][#D1/D2/...],...] [bench_gpu.py flags...]
+#   scripts/gpu-e2e.sh OUT [MODEL[/ROUTING]:BUDGET[@CTX][~WORKLOAD][+spec|+draftK][%PLAN_S][#D1/D2/...],...] [flux bench record flags...]
 #   (--depths D1,D2,... or a pair's #D1/D2/...: that plan raced by depth too, docs/benchmarks/race.md)
 #   (the pair grammar: tasks/bench/gpu_pairs.py)
 #
@@ -24,7 +24,7 @@
 # FLUX_PATCH_AB_OVER_STOCK=1 the patched one is built over the stock build tree (scripts/patch-over-stock.sh),
 # and with FLUX_E2E_STEPS=patch-ab step 2 is left out: the pair costs one full compile.
 set -euo pipefail
-OUT=${1:?usage: scripts/gpu-e2e.sh OUT [MODEL:BUDGET[@CTX],...] [bench_gpu.py flags]}; shift
+OUT=${1:?usage: scripts/gpu-e2e.sh OUT [MODEL:BUDGET[@CTX],...] [flux bench record flags]}; shift
 PAIRS=${1:-qwen3-30b-a3b:10}; [ $# -gt 0 ] && shift
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -90,7 +90,7 @@ fi
 mkdir -p "$MODELS"
 for mr in $(echo "$PAIRS" | tr ',' '\n' | cut -d: -f1 | sort -u); do
   m=${mr%%/*}; r=uniform; [ "$mr" = "$m" ] || r=${mr#*/}
-  f="$MODELS/$m-Q4_0.gguf"; [ "$r" = uniform ] || f="$MODELS/$m-$r-Q4_0.gguf"  # bench_gpu.py's twin_path
+  f="$MODELS/$m-Q4_0.gguf"; [ "$r" = uniform ] || f="$MODELS/$m-$r-Q4_0.gguf"  # tasks/bench/gpu_commands.py's twin_path
   # artifacts.synth directly (what `flux synth` runs): it needs no database, so it runs before the second
   # call's wheels (DuckDB, Prefect) have arrived
   [ -f "$f" ] || { python3 -c "import sys; from pathlib import Path; from artifacts.synth import synthesize
@@ -125,7 +125,7 @@ fi
 [ "${FLUX_E2E_STEPS:-all}" = patch-ab ] && { say "patch A/B done"; exit 0; }
 
 # 4. plan, show, bench (each pair) and the record
-python3 scripts/bench_gpu.py --out "$OUT" --model-dir "$MODELS" --pairs "$PAIRS" "$@" 2>&1 | tee -a "$OUT/e2e.log"
+flux bench record "$PAIRS" --out "$OUT" --model-dir "$MODELS" "$@" 2>&1 | tee -a "$OUT/e2e.log"
 
 # 5. flux serve of the first plan, and the openai client against it
 PLAN=$(python3 - "$OUT" <<'EOF'

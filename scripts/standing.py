@@ -2,7 +2,7 @@
 """Rewrite the standing table of the GPU record (docs/benchmarks/gpu-record.md) from its Parquet record.
 
 The table, between ``<!-- standing:begin -->`` and ``<!-- standing:end -->``, is the latest valid row of each
-pair (:mod:`tasks.bench.standing`). Run it after ``scripts/bench_gpu.py --import --record`` appends a run;
+pair (:mod:`tasks.bench.standing`). Run it after ``flux bench record --import --record`` appends a run;
 tests/tasks/bench/test_standing.py fails while the doc and the record disagree.
 
     python3 scripts/standing.py                     # rewrite the block

@@ -55,7 +55,7 @@ def test_a_plan_measures_drafting_and_serves_it(tmp_path: Path, tiny_moe: Path) 
     assert all(t["acceptance"] is not None and 0.0 <= t["acceptance"] <= 1.0 and t["speedup"] > 0
                for t in trials.values()), (trials, measured)
     assert any(n.startswith("speculation ") for n in plan["notes"]), plan["notes"]
-    # the GPU record's row of this plan (scripts/bench_gpu.py, a `+draftK` pair): its drafting and its best trial
+    # the GPU record's row of this plan (flux bench record, a `+draftK` pair): its drafting and its best trial
     facts = speculation_facts(Plan.model_validate(plan))
     best = max(trials.values(), key=lambda t: t["speedup"])
     assert facts["spec_trials"] == len(trials) and facts["spec_candidate"] == best["candidate_id"]
