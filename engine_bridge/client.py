@@ -11,20 +11,19 @@ import contextlib
 import itertools
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
 from engine_bridge import ops
 from engine_bridge.errors import EngineError, ProtocolMismatch, WorkerDied, WorkerTimeout, from_wire
+from engine_bridge.procgroup import ManagedProcess, OwnsProcess
 from engine_bridge.protocol import PROTOCOL_VERSION, decode, encode, generate_args, generate_event
-from engine_bridge.worker_log import last_words
 
 A = TypeVar("A", bound=BaseModel)
 R = TypeVar("R", bound=BaseModel)
@@ -35,7 +34,7 @@ HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 _EOF = object()
 
 
-class WorkerClient:
+class WorkerClient(OwnsProcess):
     """One engine worker subprocess."""
 
     def __init__(self, log_path: Path | None = None, env: Mapping[str, str] | None = None,
@@ -44,27 +43,20 @@ class WorkerClient:
         self.extra_env = dict(env or {})
         self.hello_timeout_s = hello_timeout_s
         self.python = python
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.child: ManagedProcess | None = None
         self._ids = itertools.count(1)
         self._inbox: queue.Queue[Any] = queue.Queue()
-        self._log: IO[bytes] | None = None
-        self._log_start = 0
         self._lock = threading.Lock()
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> dict[str, Any]:
         """Spawn the worker and check its protocol version; returns its hello."""
-        env = {**os.environ, **self.extra_env}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log = self.log_path.open("ab")
-            self._log_start = self._log.tell()  # the log is shared: this worker's words start here
-        self.proc = subprocess.Popen(
-            [self.python, "-m", "engine_bridge.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._log if self._log is not None else subprocess.DEVNULL, env=env,
-            start_new_session=True, cwd=str(REPO_ROOT))
-        threading.Thread(target=self._read, args=(self.proc,), daemon=True, name="worker-reader").start()
+        path = self.extra_env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+        env = {**self.extra_env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), path]))}
+        self.child = ManagedProcess([self.python, "-m", "engine_bridge.worker"], log_path=self.log_path, env=env,
+                                    cwd=REPO_ROOT, pipes=True)
+        proc = self.child.start()
+        threading.Thread(target=self._read, args=(proc,), daemon=True, name="worker-reader").start()
         hello = self.call(ops.HELLO.name, timeout=self.hello_timeout_s)
         if hello.get("protocol") != PROTOCOL_VERSION:
             self.kill()
@@ -82,47 +74,24 @@ class WorkerClient:
                 continue
         self._inbox.put(_EOF)
 
-    @property
-    def alive(self) -> bool:
-        """True while the worker process runs."""
-        return self.proc is not None and self.proc.poll() is None
-
-    @property
-    def pid(self) -> int | None:
-        """The worker's process id."""
-        return self.proc.pid if self.proc else None
-
     def kill(self) -> None:
         """Kill the worker's process group at once."""
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait()
-        self._close_log()
+        if self.child is not None:
+            self.child.kill()
 
     def close(self, timeout: float = 10.0) -> None:
         """Ask the worker to exit; kill it if it does not."""
         if self.alive:
             try:
                 self.call("shutdown", timeout=timeout)
-                if self.proc is not None:
-                    self.proc.wait(timeout=timeout)
-            except (EngineError, subprocess.TimeoutExpired):
+                if self.child is not None:
+                    self.child.wait(timeout)
+            except EngineError:
                 pass
         self.kill()
 
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def __enter__(self) -> WorkerClient:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
+        """Ask the worker to exit; kill it if it does not (:meth:`close`, the way out of a with-block)."""
         self.close()
 
     # -- calls ------------------------------------------------------------------------------------
@@ -138,14 +107,13 @@ class WorkerClient:
         return rid
 
     def _died(self) -> WorkerDied:
-        code = self.proc.wait() if self.proc else None
-        self._close_log()
-        return WorkerDied(code, self._log_tail())
-
-    def _log_tail(self) -> str:
-        """This worker's last words: the assertion or error that ended it when it left one (a backtrace follows
-        ggml's), else its last line."""
-        return last_words(self.log_path, self._log_start)
+        """How the worker ended, with its last words: the assertion or error that ended it when it left one (a
+        backtrace follows ggml's), else its last line."""
+        if self.child is None:
+            return WorkerDied(None, "")
+        code = self.child.wait()
+        self.child.close_log()
+        return WorkerDied(code, self.child.last_words())
 
     def stream(self, op: str, args: Mapping[str, Any] | None = None,
                timeout: float = 120.0) -> Iterator[dict[str, Any]]:

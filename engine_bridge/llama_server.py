@@ -13,22 +13,20 @@ would make a repeated prompt look fast.
 from __future__ import annotations
 
 import logging
-import os
 import socket
-import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import httpx
 from pydantic import BaseModel, ConfigDict
 
+from engine_bridge.engines.spec import HOST, llama_server_argv
 from engine_bridge.errors import EngineError
-from engine_bridge.procgroup import log_tail, stop_group
+from engine_bridge.procgroup import ManagedProcess, OwnsProcess, log_tail
 
 log = logging.getLogger(__name__)
-HOST = "127.0.0.1"
 START_ATTEMPTS = 3  # a port picked free can be taken before the server binds it: try another
 
 
@@ -58,7 +56,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class LlamaServer:
+def answers(base: str, paths: Sequence[str] = ("/health",)) -> Callable[[], bool]:
+    """A readiness check of a server at ``base``: True once one of ``paths`` answers 200 (False while it does not
+    listen yet, or answers 503 while it loads)."""
+    def ready() -> bool:
+        for path in paths:
+            try:
+                if httpx.get(base + path, timeout=2.0).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                continue
+        return False
+
+    return ready
+
+
+class LlamaServer(OwnsProcess):
     """One llama-server subprocess serving one model on 127.0.0.1."""
 
     def __init__(self, exe: Path, model: Path, args: Sequence[str] = (), *, log_path: Path | None = None,
@@ -78,9 +91,8 @@ class LlamaServer:
         self.exe, self.model, self.args = exe, model, list(args)
         self.log_path, self.extra_env = log_path, dict(env or {})
         self.start_timeout_s, self.request_timeout_s = start_timeout_s, request_timeout_s
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.child: ManagedProcess | None = None
         self.port: int | None = None
-        self._log: IO[bytes] | None = None
         self._http: httpx.Client | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -109,28 +121,16 @@ class LlamaServer:
         """Spawn the process on ``port`` in its own session."""
         self.stop()
         self.port = port
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log = self.log_path.open("ab")
-        cmd = [str(self.exe), "-m", str(self.model), *self.args, "--host", HOST, "--port", str(port), "--no-webui"]
+        cmd = llama_server_argv((str(self.exe),), str(self.model), self.args, port)
         log.debug("starting %s", " ".join(cmd))
-        out = self._log if self._log is not None else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **self.extra_env}, start_new_session=True)
+        self.child = ManagedProcess(cmd, log_path=self.log_path, env=self.extra_env)
+        self.child.start()
         self._http = httpx.Client(base_url=f"http://{HOST}:{port}", timeout=self.request_timeout_s)
 
     def _wait_healthy(self, t0: float) -> bool:
         """Poll /health until 200; False when the process exits or the start timeout passes."""
-        while time.monotonic() - t0 < self.start_timeout_s:
-            if self.proc is None or self.proc.poll() is not None:
-                return False
-            try:
-                if self.http.get("/health", timeout=2.0).status_code == 200:
-                    return True
-            except httpx.HTTPError:
-                pass  # not listening yet, or 503 while loading
-            time.sleep(0.1)
-        return False
+        return self.child is not None and self.child.wait_ready(
+            answers(f"http://{HOST}:{self.port}"), self.start_timeout_s, since=t0) == "ready"
 
     def _port_taken(self) -> bool:
         """Whether the last start failed because another process had bound the port."""
@@ -138,43 +138,24 @@ class LlamaServer:
 
     def _failure(self) -> str:
         """Why the last start failed, for the error message."""
-        code = self.proc.poll() if self.proc is not None else None
+        child = self.child
+        code = child.returncode if child is not None else None
         what = f"exited with code {code}" if code is not None else f"not healthy within {self.start_timeout_s:g} s"
         self.stop()
-        tail = self.log_tail()
-        return f"{what}" + (f"; log {self.log_path}: {tail}" if tail else "")
+        return what + (child.log_note(600, 4) if child is not None else "")
 
     def log_tail(self, n_bytes: int = 600) -> str:
         """The last bytes of the server's log, as one line."""
         return log_tail(self.log_path, n_bytes, 4)
-
-    @property
-    def alive(self) -> bool:
-        """True while the server process runs."""
-        return self.proc is not None and self.proc.poll() is None
-
-    @property
-    def pid(self) -> int | None:
-        """The server's process id."""
-        return self.proc.pid if self.proc is not None else None
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the server's process group: SIGTERM, then SIGKILL after ``timeout_s``."""
         if self._http is not None:
             self._http.close()
             self._http = None
-        stop_group(self.proc, timeout_s)
-        self.proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def __enter__(self) -> LlamaServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        if self.child is not None:
+            self.child.stop(timeout_s)
+        self.child = None
 
     # -- HTTP -------------------------------------------------------------------------------------
     @property

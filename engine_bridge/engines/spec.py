@@ -9,6 +9,7 @@ placement's flags (:meth:`EngineParams.cli_args`) and environment (``FLUX_MOE_SP
 from __future__ import annotations
 
 import string
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -85,6 +86,12 @@ def check_template(command: tuple[str, ...] | list[str]) -> None:
         raise BadEngineTemplate("the command does not name {port}: Flux picks the port the engine listens on")
 
 
+def llama_server_argv(exe: Sequence[str], model: str, args: Sequence[str], port: int) -> list[str]:
+    """llama-server's command line (the one place it is built): ``exe`` serving ``model`` with ``args`` on
+    127.0.0.1:``port``, without its web UI."""
+    return [*exe, "-m", model, *args, "--host", HOST, "--port", str(port), "--no-webui"]
+
+
 def launch(spec: EngineSpec, model: str, params: EngineParams, port: int,
            drafting: Drafting | None = None) -> tuple[list[str], dict[str, str]]:
     """The argv and extra environment that start ``spec`` on ``model`` with the placement ``params``.
@@ -96,7 +103,7 @@ def launch(spec: EngineSpec, model: str, params: EngineParams, port: int,
     ctx = params.n_ctx
     env = params.environment()
     if spec.kind == "llama-server":
-        return [*spec.command, "-m", model, *params.server_args(), "--host", HOST,
-                "--port", str(port), "--no-webui", *(drafting.server_args(params) if drafting else [])], env
+        return [*llama_server_argv(spec.command, model, params.server_args(), port),
+                *(drafting.server_args(params) if drafting else [])], env
     values = {"port": str(port), "model": model, "ctx": str(ctx)}
     return [part.format(**values) for part in spec.command], env
