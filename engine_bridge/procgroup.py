@@ -1,4 +1,4 @@
-"""Every child process Flux starts (the worker, llama-server, configured engines) is one :class:`ManagedProcess`:
+"""The worker (engine_bridge.client), llama-server and configured engines each run as one :class:`ManagedProcess`:
 started in its own session (stopping it stops everything it started) with its output in its log file, waited on
 until a readiness check passes, stopped politely and then killed as a group, and reaped. The tail of its log
 says why it did not start."""
@@ -33,9 +33,7 @@ def _signal_group(pgid: int, sig: int) -> bool:
     """Send ``sig`` to the process group ``pgid``; False when the group is gone."""
     try:
         os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # only members that are no longer ours (or zombies on some kernels) are left
+    except (ProcessLookupError, PermissionError):  # gone, or only members no longer ours are left
         return False
     return True
 
