@@ -17,12 +17,12 @@ from pydantic import ValidationError
 from artifacts.config import Settings
 from artifacts.filehash import HashIndexEntry, index_path, model_hash
 from artifacts.model_info import ModelInfo
-from artifacts.records.machine import machine_facts
 from artifacts.records.plan import PlanRequest
 from artifacts.store import Store
 from engine_bridge import rpc
 from engine_bridge.backend import backend_info
 from engine_bridge.engines.spec import EngineSpec
+from engine_bridge.machine_facts import machine_facts
 from flows.request import check_draft, engine_specs
 from tasks.clock import StageClock
 from tasks.measurement.speculation import drafting_for

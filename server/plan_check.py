@@ -19,11 +19,11 @@ from artifacts.filehash import model_hash
 from artifacts.model_info import shard_paths
 from artifacts.records.keys import facts_fingerprint
 from artifacts.records.kinds import MODEL_PATH, PLAN, ROUTING_TABLE
-from artifacts.records.machine import machine_facts
 from artifacts.records.plan import Plan, plan_id
 from artifacts.records.store import Records
 from engine_bridge import rpc
 from engine_bridge.backend import backend_info
+from engine_bridge.machine_facts import machine_facts
 
 log = logging.getLogger(__name__)
 

@@ -53,9 +53,9 @@ def stored_plan(settings: Settings, model: Path, params: EngineParams, *, finali
     from artifacts.filehash import model_hash
     from artifacts.records.keys import facts_fingerprint
     from artifacts.records.kinds import PLAN
-    from artifacts.records.machine import machine_facts
     from artifacts.records.store import Records
     from engine_bridge.backend import backend_info
+    from engine_bridge.machine_facts import machine_facts
 
     facts = machine_facts()
     fingerprint = facts_fingerprint(facts)

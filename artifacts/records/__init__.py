@@ -4,10 +4,10 @@
   by), :mod:`.search` (placements, candidates, finalists), :mod:`.evidence` (measurements and validation),
   :mod:`.plan` (the request and the immutable plan), :mod:`.routing` (a routing profile);
 - :mod:`.keys`: the ids and keys records are found by (hardware fingerprint, probe key, plan key, plan id);
-- :mod:`.machine`: this machine's facts, read cheaply (no CUDA context), for keys and the serve-time check;
 - :mod:`.kinds`: one declaration per stored kind (name -> model), and :mod:`.store`: the typed store over them
   (``put``, ``get``, ``find_by_prefix``);
 - :mod:`.fit`: what a plan holds on a device, and the expert copies dropped to fit the memory free now.
 
-Nothing here imports ``tasks``, ``flows`` or ``server``: they all import it.
+Nothing here imports ``tasks``, ``flows`` or ``server``: they all import it. Records hold data: reading this
+machine's facts (``/proc``, NVML) is :mod:`engine_bridge.machine_facts`.
 """

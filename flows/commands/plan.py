@@ -83,7 +83,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     con = console(stderr=True)
     req = request_from_args(settings, args, model)
     if req.gpu_mem_budget_gib:  # said at once, not only in the plan's notes after the whole run
-        from artifacts.records.machine import machine_facts
+        from engine_bridge.machine_facts import machine_facts
 
         unused = gpu_budget_unused(req, len(machine_facts().gpus))
         if unused:

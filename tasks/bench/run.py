@@ -29,8 +29,8 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from artifacts.model_info import model_info
-from artifacts.records.machine import cpu_info
 from engine_bridge.errors import EngineError
+from engine_bridge.machine_facts import cpu_info
 from tasks.bench.context import BenchContext, Progress
 from tasks.bench.engines import (
     EngineSpec,

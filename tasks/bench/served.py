@@ -38,8 +38,8 @@ from typing import Any
 import pyarrow as pa
 
 from artifacts.model_info import ModelInfo, model_info
-from artifacts.records.machine import cpu_info
 from engine_bridge.gpumem import GpuMemoryMeter
+from engine_bridge.machine_facts import cpu_info
 from tasks.bench.context import BenchContext, Progress
 from tasks.bench.errors import BenchError
 from tasks.bench.host_state import HostCheck, HostState, host_flag, read_host, usual_state

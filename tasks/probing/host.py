@@ -1,5 +1,5 @@
 """Host measurements of the probe stage: RAM read bandwidth, storage read speed, and the CPU time other processes
-took while the probe ran (the CPU's identity and ISA are machine facts: :mod:`artifacts.records.machine`).
+took while the probe ran (the CPU's identity and ISA are machine facts: :mod:`engine_bridge.machine_facts`).
 
 Everything here is measured or read from the kernel on the machine at hand; nothing is looked up
 from a table of known parts.

@@ -1,6 +1,6 @@
 """Probe: measure the machine a plan is made for, and the model's own kernels on each of its devices.
 
-``probe(...) -> HardwareReport``. The machine's facts come from :mod:`artifacts.records.machine`, host
+``probe(...) -> HardwareReport``. The machine's facts come from :mod:`engine_bridge.machine_facts`, host
 figures from :mod:`tasks.probing.host`, copy bandwidth from :mod:`tasks.probing.gpu`; ggml devices and kernel
 timings come from engine workers (only the worker links llama.cpp). The fingerprint
 (:func:`artifacts.records.keys.hardware_fingerprint`) covers the stable facts only, so a plan keyed by it
@@ -21,12 +21,12 @@ from artifacts.config import Settings
 from artifacts.model_info import ModelInfo, model_info
 from artifacts.records.hardware import GpuInfo, GpuMemoryFit, HardwareReport, KernelTiming, RpcServer
 from artifacts.records.keys import facts_fingerprint
-from artifacts.records.machine import machine_facts
 from engine_bridge import ops, rpc
 from engine_bridge.client import HIDE_GPUS, WorkerClient
 from engine_bridge.errors import EngineError
 from engine_bridge.gpu_inventory import nvml_inventory
 from engine_bridge.gpumem import GpuMemoryMeter, GpuReading
+from engine_bridge.machine_facts import machine_facts
 from engine_bridge.params import EngineParams
 from tasks import gpu_memory
 from tasks.expert_hot import split_bytes

@@ -89,7 +89,7 @@ def test_lazy_imports_count_but_the_worker_op_table_names_its_ops_only() -> None
 
 
 def test_the_plan_key_and_the_probe_key_carry_the_code(copy: Path) -> None:
-    from artifacts.records.machine import machine_facts
+    from engine_bridge.machine_facts import machine_facts
 
     hw, req, facts = h200_report(1), PlanRequest(model="m"), machine_facts()
     old, old_probe = pipeline_code(copy), PROBE.code(copy)

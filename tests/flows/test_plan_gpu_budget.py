@@ -13,9 +13,9 @@ from artifacts.ids import content_id
 from artifacts.model_info import model_info
 from artifacts.records.keys import plan_key
 from artifacts.records.kinds import PLAN, PROBE
-from artifacts.records.machine import machine_facts
 from artifacts.records.plan import PlanRequest
 from artifacts.records.store import Records
+from engine_bridge.machine_facts import machine_facts
 from engine_bridge.params import EngineParams
 from flows.plan_context import plan_context
 from flows.request import gpu_budget_unused, plan_request

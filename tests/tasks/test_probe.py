@@ -15,8 +15,8 @@ from artifacts.ids import content_id
 from artifacts.model_info import model_info
 from artifacts.records.hardware import CpuInfo, GpuInfo, HardwareReport, MachineFacts
 from artifacts.records.keys import facts_fingerprint, hardware_fingerprint, probe_key
-from artifacts.records.machine import cpu_info, machine_facts, read_cpuinfo
 from engine_bridge.gpu_inventory import nvml_inventory
+from engine_bridge.machine_facts import cpu_info, machine_facts, read_cpuinfo
 from tasks.probing.gpu import host_to_device_bandwidth, load_cudart, measure_all, normalize_bus_id
 from tasks.probing.host import GIB, MIB, ram_buffer_bytes, ram_read_bandwidth, storage_read_speed
 from tasks.probing.machine import PREFILL_BATCH, probe

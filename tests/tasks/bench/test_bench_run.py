@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from bench_support import bench_settings, make_plan, session_cache
 
-from artifacts.records.machine import cpu_info
 from engine_bridge.llama_server import LlamaServer, LlamaServerError
+from engine_bridge.machine_facts import cpu_info
 from engine_bridge.params import EngineParams
 from tasks.bench.context import BenchContext, open_bench
 from tasks.bench.engines import EngineSpec
