@@ -179,7 +179,7 @@ def tokenizer(model: Path, log_path: Path | None = None, timeout: float = 300.0)
     """Text → this model's token ids (control tokens parsed, no BOS), while the block runs: one worker holding
     ``model``'s vocabulary alone (a vocab-only load: no weights read, which took 12-14 s of every plan of a
     30B model on the H200; the GPUs stay untouched)."""
-    from engine_bridge.params import EngineParams
+    from artifacts.engine_params import EngineParams
 
     params = EngineParams(n_ctx=256, n_batch=64, n_ubatch=64)
     with WorkerClient(log_path=log_path, env=HIDE_GPUS) as w:

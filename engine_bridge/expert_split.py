@@ -1,4 +1,4 @@
-"""Checks of a per-expert placement (:class:`~engine_bridge.params.ExpertSplit`) against a model's header.
+"""Checks of a per-expert placement (:class:`~artifacts.engine_params.ExpertSplit`) against a model's header.
 
 The patched llama.cpp checks the same things again when it loads (and, there only, that each split layer's
 full expert tensors ended up in host memory); checking here first gives a typed error before any weight is
@@ -7,9 +7,9 @@ read. Nothing here imports llama_cpp.
 
 from __future__ import annotations
 
+from artifacts.engine_params import ExpertSplit
 from artifacts.model_info import ModelInfo
 from engine_bridge.errors import ExpertSplitMismatch
-from engine_bridge.params import ExpertSplit
 
 # general.architecture values whose llama.cpp graph builds the plain gate/up/down expert path the split patches
 # (qwen3next and qwen35moe add a gated shared expert beside it, which stays with its layer's placement).

@@ -19,9 +19,9 @@ import numpy as np
 from numpy.typing import NDArray
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from engine_bridge.drafting import Drafting
+from artifacts.drafting import Drafting
+from artifacts.engine_params import EngineParams
 from engine_bridge.grammar_spec import GrammarSpec
-from engine_bridge.params import EngineParams
 from engine_bridge.sampling import SamplingParams
 
 MAX_TOP_LOGPROBS = 20

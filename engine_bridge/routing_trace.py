@@ -1,7 +1,7 @@
 """Routing traces: per-layer expert selection counts of a model on a workload, as the planner stores them.
 
 The worker op ``routing_counts`` (:data:`engine_bridge.ops.ROUTING_COUNTS`) loads a model with a
-plan's :class:`~engine_bridge.params.EngineParams`, prefills and greedily decodes the workload's prompts, and
+plan's :class:`~artifacts.engine_params.EngineParams`, prefills and greedily decodes the workload's prompts, and
 counts which experts llama.cpp's router selected in every layer (see :mod:`engine_bridge.worker.routing`).
 :func:`routing_table` turns the counts into the store's table (columns ``layer``, ``expert``, ``count``, with the
 model's identity in the schema metadata) and :func:`check_routing_table` refuses a table recorded for another
@@ -10,7 +10,6 @@ model. Nothing here imports llama_cpp.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -57,16 +56,6 @@ def check_routing_table(table: pa.Table, model_hash: str, n_layer: int, n_expert
     if (out < 0).any():
         raise RoutingMismatch("(layer, expert) rows", "each once", "some missing or repeated")
     return out
-
-
-def top_share(counts: NDArray[np.int64], fraction: float = 0.5) -> NDArray[np.float64]:
-    """Per layer, the share of selections that go to its busiest ``fraction`` of experts (``flux show``)."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    k = max(1, math.ceil(fraction * counts.shape[1]))
-    ordered = -np.sort(-counts, axis=1)
-    totals = counts.sum(axis=1)
-    return np.divide(ordered[:, :k].sum(axis=1), totals, out=np.zeros(len(totals)), where=totals > 0)
 
 
 def _metadata(table: pa.Table) -> Mapping[str, str]:

@@ -15,13 +15,13 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from artifacts.config import Settings
+from artifacts.engine_spec import EngineSpec
 from artifacts.filehash import HashIndexEntry, index_path, model_hash
 from artifacts.model_info import ModelInfo
 from artifacts.records.plan import PlanRequest
 from artifacts.store import Store
 from engine_bridge import rpc
 from engine_bridge.backend import backend_info
-from engine_bridge.engines.spec import EngineSpec
 from engine_bridge.machine_facts import machine_facts
 from flows.request import check_draft, engine_specs
 from tasks.clock import StageClock
@@ -62,8 +62,8 @@ def preflight_engines(engines: Sequence[EngineSpec], model: Path, n_ctx_train: i
     Raises:
         EngineRefused: an engine that did not start, answer or stream what Flux needs.
     """
+    from artifacts.engine_params import EngineParams
     from engine_bridge.engines.preflight import preflight
-    from engine_bridge.params import EngineParams
 
     for spec in engines:
         preflight(spec, model, EngineParams(n_ctx=min(n_ctx_train or 512, 512)), settings.logs_dir / "engines.log")

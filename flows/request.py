@@ -19,11 +19,11 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from artifacts.config import Settings
+from artifacts.engine_spec import EngineSpec
 from artifacts.errors import FluxError
 from artifacts.records.plan import PlanRequest
 from engine_bridge.backend import llama_server_path
 from engine_bridge.engines.registry import EngineRefused, resolve
-from engine_bridge.engines.spec import EngineSpec
 from engine_bridge.rpc import parse_endpoints
 from tasks.errors import ImpossiblePlan
 

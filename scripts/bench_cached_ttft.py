@@ -148,8 +148,8 @@ def twin_plan(root: Path, twin: str, model: Path | None, n_ctx: int, threads: in
     """A throwaway home holding a plan for ``model`` (else a twin with a 65,536-token trained context, written there):
     on the CPU, or with every layer on the GPU (flash attention)."""
     from artifacts.config import load_settings
+    from artifacts.engine_params import EngineParams
     from artifacts.synth import synthesize
-    from engine_bridge.params import EngineParams
     from tasks.testing import stored_plan
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLUX_", "XDG_"))}

@@ -20,9 +20,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from artifacts.engine_params import EngineParams  # noqa: E402
 from engine_bridge import ops  # noqa: E402
 from engine_bridge.client import WorkerClient  # noqa: E402
-from engine_bridge.params import EngineParams  # noqa: E402
 from engine_bridge.sampling import GREEDY  # noqa: E402
 
 SETTINGS = {"off": 0, "installed": 1 << 30, "1 in 8": 8, "every step": 1}

@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
+from artifacts.engine_params import EngineParams
 from engine_bridge.ops import RoutingRequest
-from engine_bridge.params import EngineParams
 from engine_bridge.worker.routing import TopkRecorder, trace
 
 Picks = list[NDArray[np.int32]]  # per layer: [tokens, n_used] in token order (sequences concatenated)

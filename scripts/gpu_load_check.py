@@ -19,7 +19,7 @@ CHILD = """
 import sys
 from pathlib import Path
 from artifacts.synth import synthesize
-from engine_bridge.params import EngineParams, TensorOverride
+from artifacts.engine_params import EngineParams, TensorOverride
 from engine_bridge.worker.native import NativeModel
 path = Path(sys.argv[1])
 if not path.exists():

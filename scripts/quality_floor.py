@@ -34,12 +34,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from artifacts.config import load_settings  # noqa: E402
+from artifacts.engine_params import EngineParams  # noqa: E402
 from artifacts.gguf_header import read_header  # noqa: E402
 from artifacts.records.evidence import FloorResult, QualityStats  # noqa: E402
 from artifacts.synth import synthesize  # noqa: E402
 from engine_bridge import ops  # noqa: E402
 from engine_bridge.client import WorkerClient  # noqa: E402
-from engine_bridge.params import EngineParams  # noqa: E402
 from tasks.quality_gate import Gate, compare_all  # noqa: E402
 from tasks.workload import validation_prompts  # noqa: E402
 

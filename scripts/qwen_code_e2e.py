@@ -149,7 +149,7 @@ def ensure_qwen(qwen_dir: Path) -> Path:
 
 def make_plan(model: Path, ctx: int, budget_s: float, quick: bool, env: dict[str, str]) -> str:
     if quick:
-        from engine_bridge.params import EngineParams
+        from artifacts.engine_params import EngineParams
         from tasks.testing import stored_plan
 
         params = EngineParams(n_ctx=ctx, n_seq_max=1, n_batch=512, n_ubatch=512, n_threads=2, n_threads_batch=2)

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from artifacts.drafting import Drafting
+from artifacts.engine_params import EngineParams
+from artifacts.engine_spec import EngineSpec
 from engine_bridge import ops, rpc
 from engine_bridge.aclient import AsyncWorkerClient, exit_detail
-from engine_bridge.drafting import Drafting
-from engine_bridge.engines.spec import EngineSpec
 from engine_bridge.errors import EngineError, WorkerDied
-from engine_bridge.params import EngineParams
 from server.errors import QueueFull, Unavailable
 
 log = logging.getLogger(__name__)

@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import numpy as np
 
+from artifacts.engine_spec import NATIVE, EngineSpec
 from artifacts.records.evidence import MeasureSummary
 from artifacts.records.search import Candidate, Finalists
 from engine_bridge.engines.process import EngineProcess, peak_rss
-from engine_bridge.engines.spec import NATIVE, EngineSpec
 from engine_bridge.engines.stream import body, client, completion, score
 from engine_bridge.errors import EngineError
 

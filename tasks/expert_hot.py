@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
+from artifacts.engine_params import ExpertSplit
 from artifacts.model_info import ModelInfo, block_bytes, expert_bytes
 from artifacts.records.search import Placement
-from engine_bridge.params import ExpertSplit
 from tasks.costmodel import EXPERT_PARTS, head_bytes
 
 

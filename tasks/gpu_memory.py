@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from artifacts.engine_params import EngineParams, ExpertSplit, TensorOverride
 from artifacts.model_info import ModelInfo, block_bytes, expert_bytes, head_bytes, kv_cache_bytes
 from artifacts.records.hardware import GpuMemoryFit, HardwareReport
 from artifacts.records.search import Candidate
-from engine_bridge.params import EngineParams, ExpertSplit, TensorOverride
 
 GIB = 2**30
 DEFAULT_MARGIN = GIB  # the old fixed margin: H200 finalists measured 0.3-0.9 GiB above the uncorrected model

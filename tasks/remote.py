@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import itertools
 
+from artifacts.engine_params import EngineParams
 from artifacts.model_info import ModelInfo
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.plan import PlanRequest
 from artifacts.records.search import Candidate, Placement
-from engine_bridge.params import EngineParams
 from tasks import layer_split
 from tasks.costmodel import EXPERT_PARTS, head_bytes, layer_bytes
 from tasks.gpu_memory import compute_bytes

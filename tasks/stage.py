@@ -16,14 +16,14 @@ from typing import Any, Generic, TypeVar
 
 from artifacts.code_id import ROOT, sources_id
 from artifacts.config import Settings
+from artifacts.drafting import Drafting
+from artifacts.engine_spec import NATIVE_SPEC, EngineSpec
 from artifacts.model_info import ModelInfo
 from artifacts.records.hardware import MachineFacts
 from artifacts.records.kinds import Kind
 from artifacts.records.plan import PlanRequest
 from artifacts.records.store import Records
 from artifacts.store import Store
-from engine_bridge.drafting import Drafting
-from engine_bridge.engines.spec import NATIVE_SPEC, EngineSpec
 from tasks.clock import StageClock
 from tasks.cores import CoreShare
 

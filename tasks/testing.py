@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from artifacts.config import Settings
+from artifacts.engine_params import EngineParams
 from artifacts.records.evidence import MeasureSummary, ValidationResult
 from artifacts.records.hardware import CpuInfo, GpuInfo, HardwareReport, KernelTiming
 from artifacts.records.plan import Plan, PlanRequest, seal
 from artifacts.records.search import Candidate, Placement, Prediction
-from engine_bridge.params import EngineParams
 
 H200_MEMORY = 143_771 * 2**20
 

@@ -17,12 +17,12 @@ from artifacts.corpus import (
     parse_domains,
     sized_prompts,
 )
+from artifacts.engine_params import ExpertSplit
 from artifacts.records.evidence import MeasureSummary
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.plan import PlanRequest
 from artifacts.records.search import Candidate, Finalists, Prediction
 from engine_bridge.client import tokenizer
-from engine_bridge.params import ExpertSplit
 from tasks.costmodel import Workload
 from tasks.errors import ImpossiblePlan
 from tasks.measurement.speculation import base_id

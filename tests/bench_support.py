@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from artifacts.config import Settings, load_settings
+from artifacts.engine_params import EngineParams
 from artifacts.records.plan import Plan
-from engine_bridge.params import EngineParams
 from tasks.testing import stored_plan
 
 # Short settings: the suites' own defaults are for real models.

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from artifacts.engine_params import EngineParams
 from artifacts.records.base import Record
 from artifacts.records.serving import ServingChoice
-from engine_bridge.params import EngineParams
 
 
 class QualityStats(Record):

@@ -15,10 +15,10 @@ import numpy as np
 from numpy.typing import NDArray
 from pydantic import BaseModel, ConfigDict
 
+from artifacts.engine_params import EngineParams, ExpertSplit
 from artifacts.model_info import ModelInfo, expert_bytes
 from artifacts.records.errors import SplitShortfall
 from artifacts.records.plan import Plan
-from engine_bridge.params import EngineParams, ExpertSplit
 
 log = logging.getLogger(__name__)
 GIB = 2**30

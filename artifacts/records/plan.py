@@ -11,13 +11,13 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from artifacts.engine_params import KvType
+from artifacts.engine_spec import EngineSpec
 from artifacts.ids import content_id
 from artifacts.records.base import Record
 from artifacts.records.evidence import MeasureSummary, ValidationResult
 from artifacts.records.search import Candidate, DeviceName, Prediction
 from artifacts.records.serving import ServingChoice
-from engine_bridge.engines.spec import EngineSpec
-from engine_bridge.params import KvType
 
 
 class PlanRequest(Record):

@@ -6,11 +6,22 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numpy.typing import NDArray
 
 from artifacts.records.base import Record
-from engine_bridge.routing_trace import top_share
+
+
+def top_share(counts: NDArray[np.int64], fraction: float = 0.5) -> NDArray[np.float64]:
+    """Per layer, the share of selections that go to its busiest ``fraction`` of experts (``flux show``)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    k = max(1, math.ceil(fraction * counts.shape[1]))
+    ordered = -np.sort(-counts, axis=1)
+    totals = counts.sum(axis=1)
+    return np.divide(ordered[:, :k].sum(axis=1), totals, out=np.zeros(len(totals)), where=totals > 0)
 
 
 class RoutingProfile(Record):

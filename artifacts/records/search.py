@@ -6,9 +6,9 @@ from typing import Literal
 
 from pydantic import Field
 
+from artifacts.drafting import Drafting
+from artifacts.engine_params import EngineParams
 from artifacts.records.base import Record
-from engine_bridge.drafting import Drafting
-from engine_bridge.params import EngineParams
 
 DeviceName = str  # "CPU", "CUDA0", ...
 ExpertPart = Literal["gate", "up", "down"]

@@ -1,6 +1,6 @@
 """Engines other than the native worker, and the seam that puts them behind the worker protocol.
 
-``spec.py``: what a plan records of its engine (:class:`EngineSpec`) and how one is started (a command
+``spec.py``: how the engine a plan records (:class:`artifacts.engine_spec.EngineSpec`) is started (a command
 template with ``{port}``, ``{model}`` and ``{ctx}``); ``registry.py``: the engines a name can mean (``native``,
 ``llama-server``, a configured ``[engines.NAME]``); ``process.py``: one engine process on a loopback port;
 ``stream.py``: the one OpenAI client every engine is timed and scored through; ``host.py`` (``python -m

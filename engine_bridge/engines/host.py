@@ -20,11 +20,11 @@ from typing import Any, Literal
 import httpx
 from pydantic import ValidationError
 
+from artifacts.engine_spec import EngineSpec
 from artifacts.gguf_header import read_header
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.engines.process import EngineProcess
-from engine_bridge.engines.spec import EngineSpec
 from engine_bridge.engines.stream import chunk_tokens
 from engine_bridge.errors import EngineError
 from engine_bridge.grammar_spec import GrammarSpec

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from artifacts.engine_params import EngineParams
+from artifacts.engine_spec import EngineSpec
 from engine_bridge.engines.process import EngineProcess
 from engine_bridge.engines.registry import EngineRefused
-from engine_bridge.engines.spec import EngineSpec
 from engine_bridge.engines.stream import body, client, completion
 from engine_bridge.errors import EngineError
-from engine_bridge.params import EngineParams
 
 PROBE_PROMPT = (1, 2, 3, 4)
 

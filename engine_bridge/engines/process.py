@@ -11,11 +11,12 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from engine_bridge.drafting import Drafting
-from engine_bridge.engines.spec import HOST, EngineSpec, launch
+from artifacts.drafting import Drafting
+from artifacts.engine_params import EngineParams
+from artifacts.engine_spec import EngineSpec
+from engine_bridge.engines.spec import HOST, launch
 from engine_bridge.errors import EngineError
 from engine_bridge.llama_server import answers, free_port
-from engine_bridge.params import EngineParams
 from engine_bridge.procgroup import ManagedProcess, OwnsProcess
 
 log = logging.getLogger(__name__)

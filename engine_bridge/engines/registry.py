@@ -8,15 +8,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from artifacts.config import EngineSettings
+from artifacts.engine_spec import LLAMA_SERVER, NATIVE, NATIVE_SPEC, EngineSpec
 from artifacts.errors import FluxError
-from engine_bridge.engines.spec import (
-    LLAMA_SERVER,
-    NATIVE,
-    NATIVE_SPEC,
-    BadEngineTemplate,
-    EngineSpec,
-    check_template,
-)
+from engine_bridge.engines.spec import BadEngineTemplate, check_template
 
 BUILTIN: dict[str, str] = {
     NATIVE: "Flux's own worker (llama-cpp-python on the pinned, patched llama.cpp)",

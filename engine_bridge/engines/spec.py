@@ -1,4 +1,4 @@
-"""What a plan records of the engine that runs it, and the command that starts that engine.
+"""The command that starts an engine a plan records (:class:`artifacts.engine_spec.EngineSpec`).
 
 ``native`` is Flux's own worker (``python -m engine_bridge.worker``); every other engine is a process that
 answers OpenAI's ``/v1/completions`` on a loopback port: llama.cpp's ``llama-server``, started with the
@@ -10,42 +10,17 @@ from __future__ import annotations
 
 import string
 from collections.abc import Sequence
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from artifacts.drafting import Drafting
+from artifacts.engine_params import EngineParams
+from artifacts.engine_spec import EngineSpec
 
-from engine_bridge.drafting import Drafting
-from engine_bridge.params import EngineParams
-
-EngineKind = Literal["native", "llama-server", "command"]
-NATIVE = "native"
-LLAMA_SERVER = "llama-server"
 TEMPLATE_FIELDS = frozenset({"port", "model", "ctx"})
 HOST = "127.0.0.1"
 
 
 class BadEngineTemplate(ValueError):
     """A command template naming a field other than ``{port}``, ``{model}`` or ``{ctx}`` (or malformed)."""
-
-
-class EngineSpec(BaseModel):
-    """One engine a plan can be measured and served on."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    name: str = Field(min_length=1)
-    kind: EngineKind
-    command: tuple[str, ...] = Field((), description="argv template ({port}, {model}, {ctx}); empty for native")
-    start_timeout_s: float = Field(120.0, gt=0, description="longest wait for the engine to answer after its start")
-    grammar: bool = Field(False, description="takes a GBNF grammar (llama.cpp's `grammar` field): tools and "
-                                             "structured output")
-
-    @property
-    def native(self) -> bool:
-        """True for Flux's own worker."""
-        return self.kind == "native"
-
-
-NATIVE_SPEC = EngineSpec(name=NATIVE, kind="native", grammar=True)
 
 
 def template_fields(command: tuple[str, ...] | list[str]) -> set[str]:

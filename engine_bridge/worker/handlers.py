@@ -92,7 +92,7 @@ def greedy(w: Worker, a: ops.GreedyArgs) -> ops.GreedyResult:
 def spec_greedy(w: Worker, a: ops.SpecGreedyArgs) -> ops.SpecGreedyResult:
     """Greedy speculative decoding: the loaded model's greedy tokens, drafted by ``a.draft_model`` (loaded with
     the draft's parameters beside the model's the first time, then kept with it) or by prompt lookup."""
-    from engine_bridge.drafting import draft_params
+    from artifacts.drafting import draft_params
     from engine_bridge.worker.native import NativeModel
     from engine_bridge.worker.speculative import Drafter, ModelDrafter, NgramDrafter, speculative_greedy
 

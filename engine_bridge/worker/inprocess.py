@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from engine_bridge.params import KV_TYPE_IDS, EngineParams
+from artifacts.engine_params import KV_TYPE_IDS, EngineParams
 
 
 def load(model: str, p: EngineParams) -> llama_cpp.Llama:

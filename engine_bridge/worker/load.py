@@ -1,4 +1,4 @@
-"""The one translation of :class:`~engine_bridge.params.EngineParams` into llama.cpp, for measuring and serving.
+"""The one translation of :class:`~artifacts.engine_params.EngineParams` into llama.cpp, for measuring and serving.
 
 :func:`load_model_and_context` loads a model and creates its context with the low-level API from an
 EngineParams and nothing else: the placement (``n_gpu_layers``, split mode, tensor split, tensor overrides
@@ -25,12 +25,12 @@ import llama_cpp
 import numpy as np
 from llama_cpp._ggml import libggml as _python_libggml
 
+from artifacts import native_switches as sw
+from artifacts.engine_params import KV_TYPE_IDS, SWA_FULL, EngineParams
 from artifacts.model_info import model_info
-from engine_bridge import native_switches as sw
 from engine_bridge.errors import EngineError, ExpertSplitMismatch
 from engine_bridge.expert_split import check_expert_split
 from engine_bridge.ops import Device
-from engine_bridge.params import KV_TYPE_IDS, SWA_FULL, EngineParams
 
 _SPLIT_MODES = {"none": llama_cpp.LLAMA_SPLIT_MODE_NONE, "layer": llama_cpp.LLAMA_SPLIT_MODE_LAYER,
                 "row": llama_cpp.LLAMA_SPLIT_MODE_ROW}

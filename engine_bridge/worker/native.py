@@ -1,6 +1,6 @@
 """The measuring engine: one model, one sequence, loaded through :func:`engine_bridge.worker.load.load_model_and_context`.
 
-Runs inside the worker process. It is configured from :class:`~engine_bridge.params.EngineParams` by the
+Runs inside the worker process. It is configured from :class:`~artifacts.engine_params.EngineParams` by the
 same translation the serving engine uses, so a placement is measured exactly as it is served. Prefill and
 decode are timed by the wall clock with the device synchronized; llama.cpp's own perf counters are kept
 beside them. ``chat`` is llama-cpp-python's own chat completion (its template formatter and sampler), a
@@ -17,9 +17,9 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from artifacts.engine_params import EngineParams
 from engine_bridge.errors import EngineError
 from engine_bridge.ops import Timing
-from engine_bridge.params import EngineParams
 from engine_bridge.worker.load import SeqBatch, load_model_and_context
 from engine_bridge.worker.sampling import Vocab
 

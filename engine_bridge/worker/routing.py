@@ -22,10 +22,10 @@ import numpy as np
 from llama_cpp._ggml import libggml
 from numpy.typing import NDArray
 
+from artifacts.engine_params import EngineParams
 from artifacts.errors import ModelFileError
 from engine_bridge.errors import EngineError
 from engine_bridge.ops import RoutingCounts, RoutingRequest
-from engine_bridge.params import EngineParams
 from engine_bridge.worker.load import SeqBatch, load_model_and_context
 from engine_bridge.worker.threads import SharedThreads
 

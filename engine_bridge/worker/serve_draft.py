@@ -18,10 +18,10 @@ from typing import Any, Protocol
 import llama_cpp
 import numpy as np
 
-from engine_bridge.drafting import Drafting, draft_params, ngram_proposals
+from artifacts.drafting import Drafting, draft_params, ngram_proposals
+from artifacts.engine_params import EngineParams
 from engine_bridge.errors import EngineError
 from engine_bridge.ops import GenerateArgs
-from engine_bridge.params import EngineParams
 from engine_bridge.worker.load import SeqBatch, keep_prefix, load_model_and_context
 from engine_bridge.worker.parking import common_prefix
 

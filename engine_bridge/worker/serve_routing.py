@@ -19,8 +19,8 @@ import llama_cpp
 import numpy as np
 from numpy.typing import NDArray
 
+from artifacts.engine_params import EngineParams
 from engine_bridge.ops import ServeRouting
-from engine_bridge.params import EngineParams
 from engine_bridge.worker.routing import TopkRecorder, _meta
 
 

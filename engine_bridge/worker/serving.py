@@ -28,11 +28,11 @@ import llama_cpp
 import numpy as np
 from pydantic import ValidationError
 
+from artifacts.drafting import Drafting
+from artifacts.engine_params import EngineParams
 from engine_bridge import ops
-from engine_bridge.drafting import Drafting
 from engine_bridge.errors import EngineCode, EngineError
 from engine_bridge.ops import GenerateArgs
-from engine_bridge.params import EngineParams
 from engine_bridge.worker.checkpoints import Checkpoints, needs_checkpoints, split_last
 from engine_bridge.worker.grammar import GrammarSampler
 from engine_bridge.worker.load import SeqBatch, SmallBatchThreads, keep_prefix, load_model_and_context

@@ -1,7 +1,7 @@
 """Greedy speculative decoding in the worker: a draft proposes tokens, the loaded model verifies them.
 
 The draft is a model sharing the target's vocabulary (:class:`ModelDrafter`) or prompt lookup
-(:class:`NgramDrafter`, :func:`engine_bridge.drafting.ngram_proposals`). Each step the model drafter decodes
+(:class:`NgramDrafter`, :func:`artifacts.drafting.ngram_proposals`). Each step the model drafter decodes
 up to ``n_draft`` tokens greedily after the last accepted one (prompt lookup copies what followed the context's
 last tokens the last time they appeared); the target then
 evaluates the last token and the proposals in one batch with an output row per position, keeps the proposals
@@ -20,8 +20,8 @@ from typing import Protocol
 import llama_cpp
 import numpy as np
 
+from artifacts.drafting import ngram_proposals
 from engine_bridge import ops
-from engine_bridge.drafting import ngram_proposals
 from engine_bridge.errors import EngineError
 from engine_bridge.worker.load import SmallBatchThreads
 from engine_bridge.worker.native import NativeModel

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from artifacts.config import Settings, default_toml, settings_toml
+from artifacts.engine_params import EngineParams
 from artifacts.gguf_header import read_header
 from artifacts.logs import console
 from artifacts.model_info import model_info
@@ -14,7 +15,6 @@ from engine_bridge import ops
 from engine_bridge.backend import backend_info
 from engine_bridge.bos import with_bos
 from engine_bridge.client import WorkerClient
-from engine_bridge.params import EngineParams
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from artifacts.errors import FluxError
 from artifacts.logs import console
+from artifacts.native_switches import BUILD_ID
 from engine_bridge.backend import backend_info, llama_server_path
-from engine_bridge.native_switches import BUILD_ID
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from artifacts.engine_params import EngineParams, TensorOverride
 from artifacts.records.search import Candidate
-from engine_bridge.params import EngineParams, TensorOverride
 from tasks.bench.context import BenchContext, Progress
 from tasks.bench.engines import (
     EngineSpec,

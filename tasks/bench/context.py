@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from artifacts.config import Settings
+from artifacts.engine_params import EngineParams
 from artifacts.filehash import model_hash
 from artifacts.model_info import shard_paths
 from artifacts.records.kinds import PLAN
@@ -16,7 +17,6 @@ from artifacts.records.plan import Plan
 from artifacts.records.store import Records
 from artifacts.store import Store
 from engine_bridge.backend import BackendMissing, backend_info, llama_server_path
-from engine_bridge.params import EngineParams
 from tasks.bench.errors import BenchError
 
 log = logging.getLogger(__name__)

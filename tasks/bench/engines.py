@@ -13,11 +13,11 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from artifacts.drafting import Drafting
+from artifacts.engine_params import EngineParams
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient
-from engine_bridge.drafting import Drafting
 from engine_bridge.llama_server import LlamaServer, ServerTimings
-from engine_bridge.params import EngineParams
 from tasks.bench.context import BenchContext
 from tasks.bench.errors import BenchError
 

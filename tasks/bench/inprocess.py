@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from engine_bridge.params import EngineParams
+from artifacts.engine_params import EngineParams
 from tasks.bench.errors import BenchError
 from tasks.bench.http import REPO_ROOT
 

@@ -27,9 +27,9 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from artifacts.corpus import conversation_text, load_conversations, sized_prompts
+from artifacts.engine_params import EngineParams
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient, tokenizer
-from engine_bridge.params import EngineParams
 from tasks.bench.context import BenchContext, Progress
 from tasks.bench.host import load_avg
 from tasks.bench.record import BenchRun, SummaryRow, Verdict

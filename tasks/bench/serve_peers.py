@@ -17,8 +17,8 @@ from contextlib import contextmanager
 
 import httpx
 
+from artifacts.engine_params import EngineParams
 from engine_bridge.llama_server import HOST, LlamaServer, free_port
-from engine_bridge.params import EngineParams
 from tasks.bench.context import BenchContext
 from tasks.bench.errors import BenchError
 from tasks.bench.http import FluxServe

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from engine_bridge.params import EngineParams
+from artifacts.engine_params import EngineParams
 from tasks.quality_gate import compare
 from tasks.validation.gate import reference_continuations, scored
 from tasks.workload import validation_prompts

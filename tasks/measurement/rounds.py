@@ -19,12 +19,12 @@ from typing import Any
 
 import pyarrow as pa
 
+from artifacts.engine_spec import NATIVE, EngineSpec
 from artifacts.records.evidence import MeasureSummary
 from artifacts.records.search import Candidate
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.engines.process import peak_rss
-from engine_bridge.engines.spec import NATIVE, EngineSpec
 from engine_bridge.errors import EngineError
 from engine_bridge.gpumem import OVER_BUDGET, GpuMemoryMeter, over_budget
 from tasks.engines import engine_visit, spec_of

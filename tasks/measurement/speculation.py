@@ -22,14 +22,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from artifacts.drafting import Drafting
+from artifacts.engine_params import EngineParams
+from artifacts.engine_spec import LLAMA_SERVER, NATIVE
 from artifacts.model_info import kv_cache_bytes, model_info, read_tensors, tensor_layer
 from artifacts.records.evidence import MeasureSummary
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.plan import DraftTrial, PlanRequest
 from artifacts.records.search import Candidate, Finalists
-from engine_bridge.drafting import Drafting
-from engine_bridge.engines.spec import LLAMA_SERVER, NATIVE
-from engine_bridge.params import EngineParams
 from tasks.engines import on_engines
 from tasks.gpu_budget import gpu_devices, gpu_limits
 from tasks.gpu_memory import predicted_gpu_bytes
@@ -77,7 +77,7 @@ def mtp_block_bytes(model: Path) -> int:
 
 
 def draft_bytes(d: Drafting, target: EngineParams, model: str | None = None) -> int:
-    """Bytes a draft model holds on its target's main GPU (:func:`engine_bridge.drafting.draft_params` puts the
+    """Bytes a draft model holds on its target's main GPU (:func:`artifacts.drafting.draft_params` puts the
     whole draft there when the target uses a GPU): its weights, its KV cache at the target's context, a compute
     buffer. 0 for prompt lookup and for a target on the CPU."""
     if not target.n_gpu_layers or d.kind == "ngram":

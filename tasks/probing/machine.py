@@ -18,6 +18,7 @@ from typing import Any
 import psutil
 
 from artifacts.config import Settings
+from artifacts.engine_params import EngineParams
 from artifacts.model_info import ModelInfo, model_info
 from artifacts.records.hardware import GpuInfo, GpuMemoryFit, HardwareReport, KernelTiming, RpcServer
 from artifacts.records.keys import facts_fingerprint
@@ -27,7 +28,6 @@ from engine_bridge.errors import EngineError
 from engine_bridge.gpu_inventory import nvml_inventory
 from engine_bridge.gpumem import GpuMemoryMeter, GpuReading
 from engine_bridge.machine_facts import machine_facts
-from engine_bridge.params import EngineParams
 from tasks import gpu_memory
 from tasks.expert_hot import split_bytes
 from tasks.probing.gpu import host_to_device_bandwidth

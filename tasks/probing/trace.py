@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from artifacts.engine_params import EngineParams
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.routing import RoutingProfile
 from engine_bridge import ops
 from engine_bridge.client import HIDE_GPUS, WorkerClient
 from engine_bridge.ops import RoutingCounts, RoutingRequest
-from engine_bridge.params import EngineParams
 
 TRACE_TOKENS = 2048  # prompt tokens traced in all: 2048 x 8 picks per layer is ~128 per expert of 128 (on the
 # H200 host's CPU, 4096 tokens took 78 s, a first plan's largest fixed cost after the reference)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from artifacts.engine_spec import NATIVE
 from artifacts.ids import content_id
 from artifacts.records.evidence import MeasureResults, ValidationReport
 from artifacts.records.hardware import HardwareReport
@@ -14,7 +15,6 @@ from artifacts.records.kinds import MODEL_PATH, PLAN, ROUTING_PROFILE, TRIALS_RA
 from artifacts.records.plan import ModelPath, Plan
 from artifacts.records.routing import RoutingProfile
 from artifacts.records.search import Finalists, PlacementSpace
-from engine_bridge.engines.spec import NATIVE
 from tasks import workload as wl
 from tasks.costmodel import all_gpu_decode, roofline_decode
 from tasks.engines import engine_notes, spec_of

@@ -15,6 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from artifacts.engine_spec import EngineSpec
 from artifacts.ids import content_id
 from artifacts.records.evidence import MeasureResults, MeasureSummary, ValidationReport
 from artifacts.records.hardware import HardwareReport
@@ -24,7 +25,6 @@ from artifacts.records.routing import RoutingProfile
 from artifacts.records.search import Candidate, Finalists, PlacementSpace
 from artifacts.records.store import Records
 from artifacts.store import Store
-from engine_bridge.engines.spec import EngineSpec
 from tasks.measurement.concurrency import serving_notes
 from tasks.probing.machine import load_words, taken_under_load
 from tasks.workload import split_shift

@@ -18,12 +18,12 @@ from typing import Literal
 import numpy as np
 from numpy.typing import NDArray
 
+from artifacts import engine_params
+from artifacts.engine_params import EngineParams, ExpertSplit, LoadMode, TensorOverride
 from artifacts.model_info import DEFAULT_UBATCH, ModelInfo, kv_cache_bytes
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.plan import PlanRequest
 from artifacts.records.search import Candidate, Placement, PlacementSpace
-from engine_bridge import params as engine_params
-from engine_bridge.params import EngineParams, ExpertSplit, LoadMode, TensorOverride
 from tasks import expert_select, layer_split
 from tasks.costmodel import EXPERT_PARTS, all_on, head_bytes, layer_bytes
 from tasks.errors import ImpossiblePlan, NeedsStorageStreaming

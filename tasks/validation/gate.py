@@ -25,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
+from artifacts.engine_params import EngineParams
 from artifacts.records.evidence import FloorResult, MeasureSummary, ValidationReport, ValidationResult
 from artifacts.records.search import Candidate
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
-from engine_bridge.params import EngineParams
 from tasks.quality_gate import Gate, compare_all
 
 log = logging.getLogger(__name__)

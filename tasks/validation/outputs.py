@@ -23,10 +23,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from artifacts.engine_params import EngineParams
 from artifacts.ids import content_id
 from artifacts.model_info import ModelInfo
 from artifacts.records.hardware import HardwareReport
-from engine_bridge.params import EngineParams
 from tasks.cores import CoreShare
 from tasks.quality_gate import FloorResult, Gate
 from tasks.validation.gate import (

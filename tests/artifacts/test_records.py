@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from artifacts.engine_params import EngineParams
 from artifacts.errors import NotFound, StoreError
 from artifacts.ids import content_id
 from artifacts.records.evidence import MeasureSummary, ValidationResult
@@ -18,7 +19,6 @@ from artifacts.records.routing import RoutingProfile
 from artifacts.records.search import Candidate, Placement, Prediction
 from artifacts.records.store import Records
 from artifacts.store import AmbiguousId, Store
-from engine_bridge.params import EngineParams
 from tasks.testing import h200_report
 
 

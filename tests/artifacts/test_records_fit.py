@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from artifacts.config import Settings, load_settings
+from artifacts.engine_params import EngineParams, ExpertSplit
 from artifacts.model_info import expert_bytes, model_info
 from artifacts.records.errors import SplitShortfall
 from artifacts.records.fit import device_need, fit_split
 from artifacts.records.search import Candidate, Placement
-from engine_bridge.params import EngineParams, ExpertSplit
 from tasks.testing import stored_plan
 
 HOT = {0: [0, 1, 2], 1: [3, 4], 2: [5], 3: [6, 7]}

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from artifacts.corpus import DOMAINS, UnknownDomain, domain_texts, sized_prompts
+from artifacts.engine_params import EngineParams
 from artifacts.synth import PRESETS, apply_overrides, synthesize
 from artifacts.synth.domains import Domains, design_jaccard, subsets, twin_tokens
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient, tokenizer
 from engine_bridge.ops import RoutingRequest
-from engine_bridge.params import EngineParams
 
 pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
 

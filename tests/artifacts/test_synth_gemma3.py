@@ -121,9 +121,9 @@ def test_the_window_cache_computes_what_a_full_one_does(tiny: Path) -> None:
 def _llama_server_kv(model: Path, n_ctx: int, log: Path) -> tuple[int, list[tuple[int, int]]]:
     """The KV cache llama-server (the pinned build) allocates for ``model`` at ``-c n_ctx -np 1``: bytes (from its
     MiB lines) and each cache's (cells, layers)."""
+    from artifacts.engine_params import EngineParams
     from engine_bridge.backend import llama_server_path
     from engine_bridge.llama_server import LlamaServer
-    from engine_bridge.params import EngineParams
 
     exe = llama_server_path(Path.home() / ".cache" / "flux")
     if exe is None:

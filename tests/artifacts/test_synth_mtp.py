@@ -10,13 +10,14 @@ import pytest
 from gguf import GGUFReader
 from twin_checks import field, greedy_twice, kinds_by_layer
 
+from artifacts.drafting import Drafting
+from artifacts.engine_params import EngineParams
+from artifacts.engine_spec import EngineSpec
 from artifacts.model_info import model_info
 from artifacts.synth import synthesize
 from engine_bridge.backend import llama_server_path
-from engine_bridge.drafting import Drafting
 from engine_bridge.engines.process import EngineProcess
-from engine_bridge.engines.spec import EngineSpec, launch
-from engine_bridge.params import EngineParams
+from engine_bridge.engines.spec import launch
 
 TINY = "tiny-qwen35moe"
 NEXTN = {"nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight"}

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
+from artifacts.engine_params import EngineParams
 from engine_bridge.aclient import AsyncWorkerClient
 from engine_bridge.errors import EngineError, WorkerDied, WorkerTimeout
-from engine_bridge.params import EngineParams
 from engine_bridge.protocol import PROTOCOL_VERSION
 from tests.engine_bridge.sinks import gen_args
 

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from artifacts.engine_params import EngineParams, TensorOverride
 from artifacts.synth import synthesize
 from engine_bridge.errors import EngineError
 from engine_bridge.gbnf import GrammarBuilder, Trigger, schema_grammar
-from engine_bridge.params import EngineParams, TensorOverride
 from engine_bridge.worker.native import NativeModel
 from engine_bridge.worker.sampling import new_text_decoder
 from engine_bridge.worker.serving import MIN_PARK_TOKENS, ServeEngine

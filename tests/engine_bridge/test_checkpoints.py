@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from artifacts.engine_params import EngineParams
 from artifacts.synth import synthesize
-from engine_bridge.params import EngineParams
 from tests.engine_bridge.sinks import Recorder, gen_args
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from artifacts.config import EngineSettings
+from artifacts.engine_params import EngineParams, ExpertSplit
+from artifacts.engine_spec import EngineSpec
 from artifacts.records.plan import PlanRequest
 from engine_bridge.engines.registry import EngineRefused, resolve
-from engine_bridge.engines.spec import BadEngineTemplate, EngineSpec, check_template, launch
-from engine_bridge.params import EngineParams, ExpertSplit
+from engine_bridge.engines.spec import BadEngineTemplate, check_template, launch
 
 
 @pytest.mark.parametrize(("command", "says"), [

@@ -22,10 +22,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from artifacts.engine_params import EngineParams, ExpertSplit, HotExperts
 from artifacts.model_info import model_info
 from engine_bridge.errors import ExpertSplitMismatch
 from engine_bridge.expert_split import check_expert_split
-from engine_bridge.params import EngineParams, ExpertSplit, HotExperts
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
 from llama_cpp._ggml import libggml  # noqa: E402  # after the skip

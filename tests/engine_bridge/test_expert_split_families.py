@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from artifacts.engine_params import EngineParams, ExpertSplit
 from artifacts.model_info import model_info
 from artifacts.synth import synthesize
 from engine_bridge.expert_split import check_expert_split
-from engine_bridge.params import EngineParams, ExpertSplit
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
 

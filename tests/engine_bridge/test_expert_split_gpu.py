@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from artifacts.engine_params import EngineParams, ExpertSplit, TensorOverride
 from artifacts.model_info import model_info
 from artifacts.synth import synthesize
 from artifacts.synth.routing import layer_ranks
-from engine_bridge.params import EngineParams, ExpertSplit, TensorOverride
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
 from llama_cpp._ggml import libggml  # noqa: E402  # after the skip

@@ -30,7 +30,7 @@ RUN = """
 import json, sys
 import numpy as np
 from pathlib import Path
-from engine_bridge.params import EngineParams, ExpertSplit, TensorOverride
+from artifacts.engine_params import EngineParams, ExpertSplit, TensorOverride
 from engine_bridge.worker.native import NativeModel
 model, endpoint, mode, out = sys.argv[1:5]
 # 6 of the 8 experts of each layer hot on the RPC device: with 2 picks per token, about half the steps of a

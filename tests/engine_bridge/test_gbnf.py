@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from artifacts.engine_params import EngineParams
 from engine_bridge.errors import GrammarError
 from engine_bridge.gbnf import GrammarBuilder, literal, rule_name, schema_grammar
-from engine_bridge.params import EngineParams
 from engine_bridge.worker.serving import ServeEngine
 from tests.engine_bridge.sinks import WHOLE_VOCABULARY, gen_args
 

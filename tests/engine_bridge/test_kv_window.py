@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from engine_bridge import native_switches as sw
-from engine_bridge.params import EngineParams
+from artifacts import native_switches as sw
+from artifacts.engine_params import EngineParams
 
 pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
 

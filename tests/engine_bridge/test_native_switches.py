@@ -1,4 +1,4 @@
-"""The patched backend's switches: the declaration (engine_bridge/native_switches.py), the patches that read them,
+"""The patched backend's switches: the declaration (artifacts/native_switches.py), the patches that read them,
 their headers, the README's table and the code that sets them say the same thing."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine_bridge import native_switches as sw
+from artifacts import native_switches as sw
+from artifacts.engine_params import EngineParams, ExpertSplit
 from engine_bridge.backend import PATCH_DIR
-from engine_bridge.params import EngineParams, ExpertSplit
 
 REPO = Path(__file__).resolve().parents[2]
 README = PATCH_DIR / "README.md"
@@ -46,15 +46,15 @@ def reads() -> dict[str, str]:
 def test_the_readme_table_is_the_declaration() -> None:
     text = README.read_text()
     assert sw.render_into(text) == text, (
-        "patches/llama.cpp/README.md's switch table differs from engine_bridge/native_switches.py: regenerate it "
+        "patches/llama.cpp/README.md's switch table differs from artifacts/native_switches.py: regenerate it "
         "with the command under \"Switches\" in that README")
 
 
 def test_every_switch_a_patch_reads_is_declared_with_its_patch_and_every_declared_one_is_read() -> None:
     declared = {s.name: s.patch for s in sw.SWITCHES}
     read = reads()
-    assert set(read) - set(declared) == set(), "read by a patch, missing from engine_bridge/native_switches.py"
-    assert set(declared) - set(read) == set(), "declared in engine_bridge/native_switches.py, read by no patch"
+    assert set(read) - set(declared) == set(), "read by a patch, missing from artifacts/native_switches.py"
+    assert set(declared) - set(read) == set(), "declared in artifacts/native_switches.py, read by no patch"
     assert declared == read, "a switch declared with another patch than the one that first reads it"
 
 

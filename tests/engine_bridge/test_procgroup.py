@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from artifacts.engine_params import EngineParams
+from artifacts.engine_spec import EngineSpec
 from engine_bridge.engines.process import EngineProcess, EngineStartError
-from engine_bridge.engines.spec import EngineSpec
 from engine_bridge.llama_server import LlamaServer, LlamaServerError
-from engine_bridge.params import EngineParams
 from engine_bridge.procgroup import ManagedProcess
 
 # A leader that starts a grandchild (in its group), says so in the log, then waits. ``{leader}`` and ``{grandchild}``

@@ -9,14 +9,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from artifacts.engine_params import EngineParams, ExpertSplit
+from artifacts.records.routing import top_share
 from artifacts.synth import PRESETS, synthesize
 from artifacts.synth.routing import router_scales
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError, RoutingMismatch
 from engine_bridge.ops import RoutingCounts, RoutingRequest
-from engine_bridge.params import EngineParams, ExpertSplit
-from engine_bridge.routing_trace import ROUTING_SCHEMA, check_routing_table, routing_table, top_share
+from engine_bridge.routing_trace import ROUTING_SCHEMA, check_routing_table, routing_table
 
 pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
 

@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from artifacts.engine_params import EngineParams
+from artifacts.engine_spec import EngineKind, EngineSpec
 from engine_bridge import ops
 from engine_bridge.aclient import AsyncWorkerClient
 from engine_bridge.client import WorkerClient
 from engine_bridge.engines.host import request_body
-from engine_bridge.engines.spec import EngineKind, EngineSpec
-from engine_bridge.params import EngineParams
 from engine_bridge.sampling import GREEDY, SamplingParams
 from server.openapi import body_schema
 from server.schemas import ChatRequest, CompletionRequest, parse_body

@@ -16,9 +16,9 @@ import pytest
 from test_batch import PARAMS as BATCH_PARAMS
 from test_batch import Recorder, ctx_model, text  # noqa: F401  (the fixture)
 
+from artifacts.drafting import Drafting, ngram_proposals
 from artifacts.synth import synthesize
 from artifacts.synth.draft import draft_twin
-from engine_bridge.drafting import Drafting, ngram_proposals
 from engine_bridge.errors import EngineError
 from engine_bridge.worker.serving import ServeEngine
 from tests.engine_bridge.sinks import WHOLE_VOCABULARY, gen_args

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
+from artifacts.engine_params import EngineParams, ExpertSplit
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient
-from engine_bridge.params import EngineParams, ExpertSplit
 from engine_bridge.sampling import GREEDY
 
 # n_batch 16, below the op-offload threshold: a split layer takes the split path

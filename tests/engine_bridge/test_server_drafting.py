@@ -9,12 +9,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from artifacts.drafting import Drafting
+from artifacts.engine_params import EngineParams
+from artifacts.engine_spec import EngineSpec
 from artifacts.synth.draft import draft_twin
 from engine_bridge.backend import llama_server_path
-from engine_bridge.drafting import Drafting
 from engine_bridge.engines.process import EngineProcess
-from engine_bridge.engines.spec import EngineSpec, launch
-from engine_bridge.params import EngineParams
+from engine_bridge.engines.spec import launch
 
 
 def test_the_flags_say_the_same_drafting_as_the_worker_does(tmp_path: Path) -> None:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from artifacts.engine_params import EngineParams
 from artifacts.synth import synthesize
 from artifacts.synth.draft import draft_twin
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError
-from engine_bridge.params import EngineParams
 
 pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
 
@@ -83,7 +83,7 @@ def test_verification_batches_run_on_the_decode_thread_count(tiny_moe: Path) -> 
     on the decode count, the prompt on the batch count, and the context is given back as it was."""
     import llama_cpp
 
-    from engine_bridge.drafting import draft_params
+    from artifacts.drafting import draft_params
     from engine_bridge.worker.native import NativeModel
     from engine_bridge.worker.speculative import ModelDrafter, speculative_greedy
 

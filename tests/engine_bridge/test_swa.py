@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from artifacts.engine_params import EngineParams
 from artifacts.model_info import kv_cache_bytes, model_info
 from artifacts.synth import synthesize
-from engine_bridge.params import EngineParams
 from tests.engine_bridge.sinks import Recorder, gen_args
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the backend is not built: run scripts/build-backend.sh")
@@ -27,7 +27,7 @@ MIB = 2**20
 KV_SIZE = re.compile(r"llama_kv_cache: size =\s+([\d.]+) MiB \(\s*(\d+) cells,\s+(\d+) layers")
 _CONTEXT = """
 import sys, llama_cpp
-from engine_bridge.params import EngineParams
+from artifacts.engine_params import EngineParams
 from engine_bridge.worker.load import _context_params
 llama_cpp.llama_backend_init()
 model = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), llama_cpp.llama_model_default_params())

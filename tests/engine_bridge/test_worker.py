@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from artifacts.engine_params import EngineParams, TensorOverride
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient
 from engine_bridge.errors import EngineError, WorkerDied, WorkerTimeout
-from engine_bridge.params import EngineParams, TensorOverride
 from engine_bridge.protocol import PROTOCOL_VERSION
 from engine_bridge.sampling import GREEDY
 

@@ -8,8 +8,8 @@ import pytest
 from bench_support import bench_settings, make_plan, session_cache
 from test_bench_cli import flux
 
+from artifacts.engine_params import EngineParams
 from artifacts.store import Store
-from engine_bridge.params import EngineParams
 from tasks.bench.registry import ORDER, suites
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from artifacts.config import load_settings
+from artifacts.engine_params import EngineParams
 from artifacts.ids import content_id
 from artifacts.model_info import model_info
 from artifacts.records.keys import plan_key
@@ -16,7 +17,6 @@ from artifacts.records.kinds import PLAN, PROBE
 from artifacts.records.plan import PlanRequest
 from artifacts.records.store import Records
 from engine_bridge.machine_facts import machine_facts
-from engine_bridge.params import EngineParams
 from flows.plan_context import plan_context
 from flows.request import gpu_budget_unused, plan_request
 from tasks.probing import probe as probe_stage

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
+from artifacts.engine_params import EngineParams
 from artifacts.records.search import Candidate, Finalists, Placement, Prediction
-from engine_bridge.params import EngineParams
 from tasks import clock as clock_module
 from tasks import workload as wl
 from tasks.clock import TAIL_S, StageClock, mark_command_start
@@ -191,7 +191,7 @@ def test_the_cost_models_error_compares_the_measured_round_not_the_whole_mix() -
 
 def test_a_drafting_candidate_is_measured_whenever_its_placement_is() -> None:
     """Run 20: prompt lookup on the best placement was fourth in the race order and the budget measured three."""
-    from engine_bridge.drafting import Drafting
+    from artifacts.drafting import Drafting
     from tasks.measurement.speculation import with_drafting
 
     fin = _fin(5, 10 * 10**9)

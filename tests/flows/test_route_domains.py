@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from bench_support import bench_settings, session_cache
 
+from artifacts.engine_params import ExpertSplit
 from artifacts.records.plan import PlanRequest
 from artifacts.records.routing import RoutingProfile
 from artifacts.synth import synthesize
-from engine_bridge.params import ExpertSplit
 from flows import stages
 from tasks import workload as wl
 from tasks.pipeline import ROUTE, PlanContext

@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from artifacts.engine_params import EngineParams
 from artifacts.records.kinds import PLAN, ROUTING_TABLE
 from artifacts.records.plan import Plan, PlanRequest
 from artifacts.records.store import Records
 from artifacts.store import Store
 from engine_bridge import ops
 from engine_bridge.client import WorkerClient
-from engine_bridge.params import EngineParams
 from engine_bridge.sampling import GREEDY
 from engine_bridge.serve_trace import served_table, served_trace_path, trace_array, write_trace
 

@@ -9,8 +9,8 @@ from gguf_edit import edited_gguf
 from rich.console import Console
 
 from artifacts.config import load_settings
+from artifacts.engine_params import EngineParams
 from artifacts.synth import synthesize
-from engine_bridge.params import EngineParams
 from flows.show import print_plan
 from tasks.testing import stored_plan
 

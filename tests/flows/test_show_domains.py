@@ -9,8 +9,8 @@ from pathlib import Path
 from rich.console import Console
 
 from artifacts.config import load_settings
+from artifacts.engine_params import EngineParams
 from artifacts.records.plan import PlanRequest
-from engine_bridge.params import EngineParams
 from flows.show import print_plan
 from tasks.testing import stored_plan
 

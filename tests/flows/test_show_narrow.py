@@ -15,12 +15,12 @@ from typing import Any
 from rich.console import Console
 
 from artifacts.config import load_settings
+from artifacts.engine_params import EngineParams
 from artifacts.records.evidence import MeasureSummary
 from artifacts.records.kinds import PLAN
 from artifacts.records.plan import Plan, seal
 from artifacts.records.search import Prediction
 from artifacts.records.store import Records
-from engine_bridge.params import EngineParams
 from flows.show import FINALISTS_LAYOUTS, PLANS_LAYOUTS, print_plan, print_plans
 from tasks.testing import stored_plan
 

@@ -15,9 +15,9 @@ import pytest
 from support import ServeEnv, Server, serve_env, start_server, stop_server, with_chat_template
 
 from artifacts.config import Settings
+from artifacts.engine_params import EngineParams
 from artifacts.records.plan import Plan
 from artifacts.synth.presets import CHATML
-from engine_bridge.params import EngineParams
 from tasks.testing import stored_plan
 
 

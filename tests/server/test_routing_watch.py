@@ -22,9 +22,9 @@ import pyarrow.parquet as pq
 import pytest
 from support import SERVE_TOML, ServeEnv, Server, serve_env, start_server, stop_server
 
+from artifacts.engine_params import EngineParams, ExpertSplit
 from artifacts.records.plan import Plan
 from engine_bridge.ops import ServeRouting
-from engine_bridge.params import EngineParams, ExpertSplit
 from engine_bridge.serve_trace import served_trace_path, trace_array, trace_meta
 from server.routing_watch import NOT_APPLICABLE, hot_share
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import httpx
 from support import REPO, SERVE_TOML, ServeEnv, serve_env, start_server, stop_server
 
+from artifacts.engine_params import EngineParams, ExpertSplit
 from artifacts.model_info import expert_bytes, model_info
 from artifacts.records.fit import device_need
 from artifacts.records.plan import Plan
 from artifacts.records.search import Candidate, Placement
-from engine_bridge.params import EngineParams, ExpertSplit
 from tasks.testing import stored_plan
 
 HOT = {0: [0, 1, 2], 1: [3, 4], 2: [5], 3: [6, 7]}

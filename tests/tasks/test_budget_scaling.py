@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from artifacts.engine_params import EngineParams
 from artifacts.model_info import model_info
 from artifacts.records.hardware import HardwareReport, KernelTiming
 from artifacts.records.plan import PlanRequest
 from artifacts.records.search import Candidate, Finalists, Placement, Prediction
-from engine_bridge.params import EngineParams
 from tasks import workload as wl
 from tasks.errors import ImpossiblePlan
 from tasks.probing import trace as route

@@ -8,7 +8,7 @@ from pathlib import Path
 import llama_cpp
 import pytest
 
-from engine_bridge.params import EngineParams
+from artifacts.engine_params import EngineParams
 from engine_bridge.worker.native import NativeModel
 from engine_bridge.worker.threads import SharedThreads
 from tasks.cores import CoreShare

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from artifacts.engine_params import EngineParams
 from artifacts.model_info import ModelInfo, model_info
 from artifacts.records.hardware import HardwareReport
 from artifacts.records.search import Candidate, Placement
-from engine_bridge.params import EngineParams
 from tasks.costmodel import Workload, all_on, host_attention_ms, predict
 from tasks.testing import h200_report
 

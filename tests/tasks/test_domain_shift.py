@@ -71,9 +71,9 @@ def test_the_hot_copies_serve_less_of_a_shifted_workload_on_the_domain_twin(tmp_
 
 
 def test_the_plan_says_which_expert_cache_won_the_shifted_rounds() -> None:
+    from artifacts.engine_params import EngineParams, ExpertSplit
     from artifacts.records.evidence import MeasureSummary
     from artifacts.records.search import Candidate, Placement
-    from engine_bridge.params import EngineParams, ExpertSplit
 
     split = EngineParams(n_ctx=512, expert_split=ExpertSplit.on("CUDA0", {0: [1, 2]}), expert_mapped=True)
     cands = [Candidate(id=f"c{i}", family="experts-mapped", placement=Placement(layer_device=["CUDA0"]),

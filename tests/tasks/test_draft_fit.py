@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from artifacts.drafting import Drafting
+from artifacts.engine_params import EngineParams
 from artifacts.model_info import model_info
 from artifacts.records.search import Candidate, Finalists, Placement, Prediction
 from artifacts.synth.draft import draft_twin
-from engine_bridge.drafting import Drafting
-from engine_bridge.params import EngineParams
 from tasks.measurement.speculation import DRAFT_COMPUTE_BYTES, draft_bytes, with_drafting
 
 
@@ -117,7 +117,7 @@ def test_next_token_heads_draft_on_llama_server_only(tmp_path: Path) -> None:
     assert mtp_note(info.n_nextn_layers, ["native"]) and not mtp_note(info.n_nextn_layers, ["native", "llama-server"])
     block = mtp_block_bytes(model)
     assert 0 < block < info.file_bytes and mtp_block_bytes(synthesize("tiny-qwen35moe", tmp_path / "t.gguf").path) == 0
-    from engine_bridge.engines.spec import EngineSpec
+    from artifacts.engine_spec import EngineSpec
 
     engines = [EngineSpec(name="native", kind="native"), EngineSpec(name="llama-server", kind="llama-server")]
     on_gpu = EngineParams(n_ctx=512, n_gpu_layers=-1)
@@ -132,7 +132,7 @@ def test_next_token_heads_draft_on_llama_server_only(tmp_path: Path) -> None:
 def test_llama_server_drafts_the_same_ways_as_the_worker(tiny_moe: Path, tmp_path: Path) -> None:
     """With llama-server among the engines, its best placement is measured with each way of drafting too (the
     pin's own drafters), each candidate right after its placement, the draft's bytes on its GPU."""
-    from engine_bridge.engines.spec import EngineSpec
+    from artifacts.engine_spec import EngineSpec
     from tasks.engines import on_engines
 
     draft = draft_twin(tiny_moe, tmp_path / "d.gguf", 1).path
@@ -152,8 +152,8 @@ def test_llama_server_takes_no_draft_file_beside_a_per_expert_split(tiny_moe: Pa
     """The patched llama.cpp applies FLUX_MOE_SPLIT to every model its process loads: llama-server would refuse a
     draft model (or grafted heads) of other layers beside a split placement, so none is measured there; prompt
     lookup is, and Flux's worker, which loads a draft with its own environment, drafts with the file too."""
-    from engine_bridge.engines.spec import EngineSpec
-    from engine_bridge.params import ExpertSplit
+    from artifacts.engine_params import ExpertSplit
+    from artifacts.engine_spec import EngineSpec
     from tasks.engines import on_engines
 
     draft = draft_twin(tiny_moe, tmp_path / "d.gguf", 1).path

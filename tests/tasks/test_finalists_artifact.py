@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from artifacts.engine_params import EngineParams
 from artifacts.records.search import Candidate, Finalists, Placement, Prediction
-from engine_bridge.params import EngineParams
 from tasks.search.prune import STAGE
 
 

@@ -113,7 +113,7 @@ def modelled_gpu(c: object) -> int:
 
 
 def test_calibration_loads_put_a_moe_models_experts_on_the_host(moe: ModelInfo) -> None:
-    from engine_bridge.params import EngineParams
+    from artifacts.engine_params import EngineParams
 
     base = EngineParams(n_ctx=512, n_batch=64, n_ubatch=64, n_gpu_layers=-1, flash_attn=True)
     loads = dict(calibration_loads(moe, base))

@@ -55,8 +55,8 @@ def test_a_plan_at_the_trained_context_fits_where_ram_holds_the_attention_layers
 def test_a_decoded_token_moves_the_recurrent_state_where_the_layers_cache_is(tmp_path: Path) -> None:
     """The 80B twin's 79 MB of delta-net state is read and written back each decoded token (2 x 79 MB), on the
     GPU with the layers there, on the host with their cache on the host (-nkvo) or the layers there."""
+    from artifacts.engine_params import EngineParams
     from artifacts.records.search import Candidate, Placement
-    from engine_bridge.params import EngineParams
     from tasks.costmodel import decode_reads, state_reads
 
     info = _info(tmp_path)

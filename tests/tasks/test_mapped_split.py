@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from artifacts.engine_params import EngineParams, ExpertSplit, mapped_batch_limit
 from artifacts.model_info import ModelInfo, expert_bytes, model_info
-from engine_bridge.params import EngineParams, ExpertSplit, mapped_batch_limit
 from tasks import workload as wl
 from tasks.costmodel import (
     CACHE_READ_MS,

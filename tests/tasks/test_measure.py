@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from artifacts.engine_params import EngineParams
 from artifacts.records.search import Candidate, Placement
 from engine_bridge.gpumem import GpuMemoryMeter, GpuReading, over_budget
-from engine_bridge.params import EngineParams
 from tasks.measurement.rounds import TRIAL_SCHEMA, measure
 
 GIB = 2**30
@@ -150,7 +150,7 @@ def test_a_slow_first_visit_drops_drafting_before_the_second_placement() -> None
     """H200 run 22: the measure stage kept c208, its prompt lookup c208+ngram and c209; c208's first visit took
     1.1x its prediction and c209, last, was dropped, so the plan's race had one placement. The drafting
     candidate goes first now, and two placements race."""
-    from engine_bridge.drafting import Drafting
+    from artifacts.drafting import Drafting
     from tasks.measurement.rounds import _drop_unvisited
 
     fin = [cand("c208"), cand("c208").model_copy(update={"id": "c208+ngram", "draft": Drafting(kind="ngram")}),

@@ -140,7 +140,7 @@ def test_model_beyond_ram_needs_streaming(moe: ModelInfo) -> None:
 
 
 def _cand(info: ModelInfo, placement, **kw) -> Candidate:  # type: ignore[no-untyped-def]
-    from engine_bridge.params import EngineParams
+    from artifacts.engine_params import EngineParams
 
     return Candidate(id="x", family="t", placement=placement, params=EngineParams(**kw), weights_bytes={},
                      kv_bytes={}, compute_bytes={})

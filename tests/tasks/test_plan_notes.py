@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from artifacts.engine_params import EngineParams
 from artifacts.records.evidence import MeasureResults, MeasureSummary, ValidationReport, ValidationResult
 from artifacts.records.search import Candidate, Finalists, Placement, PlacementSpace
-from engine_bridge.params import EngineParams
 from tasks.recording.record import plan_notes
 
 

@@ -21,12 +21,12 @@ import pyarrow as pa
 import pytest
 
 from artifacts.config import Settings, load_settings
+from artifacts.engine_params import EngineParams
 from artifacts.ids import content_id
 from artifacts.model_info import model_info
 from artifacts.records.hardware import CpuInfo, HardwareReport
 from artifacts.records.kinds import PROBE
 from artifacts.records.search import Finalists, Prediction
-from engine_bridge.params import EngineParams
 from flows.plan_context import plan_context
 from flows.request import plan_request
 from tasks.errors import ImpossiblePlan

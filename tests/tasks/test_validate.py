@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from artifacts.engine_params import EngineParams, TensorOverride
 from artifacts.records.evidence import MeasureSummary
 from artifacts.records.search import Candidate, Placement
 from engine_bridge.errors import EngineError
-from engine_bridge.params import EngineParams, TensorOverride
 from tasks.cores import CoreShare
 from tasks.quality_gate import Gate
 from tasks.validation.gate import Cache, rank_measured, reference_params, validate

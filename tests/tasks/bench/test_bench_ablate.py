@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from bench_support import bench_settings, make_plan, session_cache
 
+from artifacts.engine_params import EngineParams, TensorOverride
 from artifacts.records.search import Candidate, Placement
-from engine_bridge.params import EngineParams, TensorOverride
 from tasks.bench.ablate import EXPERTS_ON_CPU, NO_SPEC, OTHER, VARIANTS, AblateOptions, bench_ablate, variants
 from tasks.bench.context import open_bench
 from tasks.bench.engines import llama_cpp_python_defaults
@@ -98,7 +98,7 @@ def test_ablation_races_only_the_choices_the_plan_made(stored: dict[str, Any]) -
 
 def test_a_drafting_plan_races_its_placement_without_drafting(tmp_path_factory: pytest.TempPathFactory,
                                                               tiny_moe: Path) -> None:
-    from engine_bridge.drafting import Drafting
+    from artifacts.drafting import Drafting
 
     st, _ = bench_settings(tmp_path_factory.mktemp("bench-ablate-spec"), session_cache(tmp_path_factory))
     params = EngineParams(n_ctx=512, n_batch=512, n_ubatch=512, n_threads=1, n_threads_batch=1)
@@ -118,10 +118,10 @@ def test_a_llama_server_plan_races_drafting_as_it_serves(tmp_path_factory: pytes
                                                          tiny_moe: Path) -> None:
     """A plan won by llama-server drafting with a draft model is raced as it is served: llama-server with the
     pin's drafter; `no-speculation` is llama-server without it, `other-engine` the native worker drafting alike."""
+    from artifacts.drafting import Drafting
+    from artifacts.engine_spec import EngineSpec as ServedBy
     from artifacts.synth.draft import draft_twin
     from engine_bridge.backend import llama_server_path
-    from engine_bridge.drafting import Drafting
-    from engine_bridge.engines.spec import EngineSpec as ServedBy
     from tasks.bench.engines import no_drafting, other_engine, plan_engine
 
     exe = llama_server_path(Path.home() / ".cache" / "flux")

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from bench_support import bench_settings, make_plan, session_cache
 
+from artifacts.engine_params import EngineParams
 from artifacts.records.search import PlacementSpace
-from engine_bridge.params import EngineParams
 from tasks.bench.context import BenchContext, open_bench
 from tasks.bench.errors import BenchError
 from tasks.bench.oracle import RAW_SCHEMA, OracleOptions, bench_oracle, stored_space

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from bench_support import bench_settings, make_plan, session_cache
 
-from engine_bridge.params import EngineParams
+from artifacts.engine_params import EngineParams
 from tasks.bench.context import open_bench
 from tasks.bench.quality import QualityOptions, bench_quality
 from tasks.bench.record import save_run

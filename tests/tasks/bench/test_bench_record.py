@@ -10,8 +10,8 @@ import pyarrow as pa
 import pytest
 from bench_support import bench_settings, make_plan, session_cache
 
+from artifacts.engine_params import EngineParams
 from artifacts.errors import NotFound
-from engine_bridge.params import EngineParams
 from tasks.bench.context import open_bench
 from tasks.bench.engines import fit_server_args, llama_cpp_python_defaults
 from tasks.bench.errors import BenchError

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from bench_support import bench_settings, make_plan, session_cache
 
+from artifacts.engine_params import EngineParams
 from engine_bridge.llama_server import LlamaServer, LlamaServerError
 from engine_bridge.machine_facts import cpu_info
-from engine_bridge.params import EngineParams
 from tasks.bench.context import BenchContext, open_bench
 from tasks.bench.engines import EngineSpec
 from tasks.bench.record import save_run

@@ -11,7 +11,7 @@ import pytest
 from bench_support import make_plan, session_cache
 from test_bench_soak import serve_settings
 
-from engine_bridge.params import EngineParams
+from artifacts.engine_params import EngineParams
 from tasks.bench.context import BenchContext, open_bench
 from tasks.bench.record import save_run
 from tasks.bench.serve import RAW_SCHEMA, ServeOptions, bench_serve

@@ -10,7 +10,7 @@ import pytest
 from bench_support import bench_settings, make_plan, session_cache
 
 from artifacts.config import Settings, load_settings
-from engine_bridge.params import EngineParams
+from artifacts.engine_params import EngineParams
 from tasks.bench.context import BenchContext, open_bench
 from tasks.bench.errors import BenchError
 from tasks.bench.record import save_run

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from bench_support import bench_settings, make_plan, session_cache
 
+from artifacts.engine_params import EngineParams
 from artifacts.model_info import kv_cache_bytes, model_info
 from artifacts.records.kinds import PROBE
 from artifacts.records.search import Candidate
 from artifacts.records.store import Records
-from engine_bridge.params import EngineParams
 from flows.bench_report import print_rows
 from tasks.bench.context import BenchContext, open_bench
 from tasks.bench.record import overall, save_run, summary_table

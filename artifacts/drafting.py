@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine_bridge.params import EngineParams
+from artifacts.engine_params import EngineParams
 
 DraftKind = Literal["model", "ngram", "mtp"]
 NGRAM_MIN = 2  # the shortest key prompt lookup matches: a single token repeats too often to predict much

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine_bridge import native_switches as sw
+from artifacts import native_switches as sw
 
 KvType = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"]
 # ggml_type ids of the KV cache types (ggml.h).
@@ -260,7 +260,7 @@ class EngineParams(BaseModel):
 
         The expert split travels only here: llama.cpp reads FLUX_MOE_SPLIT when it loads a model, whichever
         program loads it, so ``cli_args`` has no flag for it. The patches' variables come from their declaration
-        (:mod:`engine_bridge.native_switches`).
+        (:mod:`artifacts.native_switches`).
         """
         env: dict[str, str] = {}
         if self.offload_min_batch is not None:

@@ -24,7 +24,7 @@ SET_BY_TEXT: dict[SetBy, str] = {
     "rpc-server": "Flux: `flux rpc-server`",
     "by-hand": "by hand (A/B, diagnosis, bench scripts, tests)",
 }
-TABLE_BEGIN = "<!-- native-switches: generated from engine_bridge/native_switches.py; do not edit -->"
+TABLE_BEGIN = "<!-- native-switches: generated from artifacts/native_switches.py; do not edit -->"
 TABLE_END = "<!-- native-switches: end -->"
 
 
@@ -34,7 +34,7 @@ class UnknownSwitch(FluxError):
     def __init__(self, name: str) -> None:
         self.name = name
         super().__init__(f"{name} is not a switch of Flux's llama.cpp patches: the switches are declared in "
-                         "engine_bridge/native_switches.py (patches/llama.cpp/README.md, \"Switches\")")
+                         "artifacts/native_switches.py (patches/llama.cpp/README.md, \"Switches\")")
 
 
 class NativeSwitch(BaseModel):
@@ -150,7 +150,7 @@ SWITCHES: tuple[NativeSwitch, ...] = (
 )
 BY_NAME: dict[str, NativeSwitch] = {s.name: s for s in SWITCHES}
 if len(BY_NAME) != len(SWITCHES):
-    raise ValueError("engine_bridge/native_switches.py declares a switch twice")
+    raise ValueError("artifacts/native_switches.py declares a switch twice")
 
 
 def switch(name: str) -> NativeSwitch:
