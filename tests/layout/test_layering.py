@@ -8,6 +8,8 @@
   in ``tasks.pipeline.STAGES``, and run by the flow (flows/plan_model.py) once each, in that order;
 - the server reads plans, it never plans: server/ imports nothing from tasks/ (the records both share are
   artifacts.records'); artifacts/ and engine_bridge/, which both import, import neither tasks/ nor server/;
+- artifacts/ (the records included) is data, below the bridge: it imports nothing from engine_bridge/ (the engine's
+  parameters, switches, drafting and spec that records hold are declared in artifacts/, the bridge imports them);
 - the benchmarks sit beside the planner, never in it: only flows/ (``flux bench``, its reports) and the suites
   themselves import ``tasks.bench``, so no planning stage's code (and key) holds a bench suite;
 - only the worker-side package engine_bridge.worker imports llama_cpp (the worker process links llama.cpp),
@@ -90,6 +92,27 @@ def test_the_server_and_the_shared_packages_import_no_planning_stage(pkg: str, b
            for m in MODS if m.split(".")[0] == pkg}
     bad = {m: found for m, found in bad.items() if found}
     assert not bad, f"{pkg} imports {banned}: {bad}; what they share belongs in artifacts.records"
+
+
+def bridge_imports(mods: dict[str, Path]) -> dict[str, list[str]]:
+    """Module of artifacts/ -> the engine_bridge modules (or names in them) it imports, for each that imports any."""
+    bad = {m: sorted(i for i in imports(m, p, False) if i.split(".")[0] == "engine_bridge")
+           for m, p in mods.items() if m.split(".")[0] == "artifacts"}
+    return {m: found for m, found in bad.items() if found}
+
+
+def test_artifacts_import_nothing_from_the_bridge() -> None:
+    bad = bridge_imports(MODS)
+    assert not bad, (f"artifacts/ imports engine_bridge/: {bad}; a record holds data declared in artifacts/ "
+                     "(artifacts.engine_params, artifacts.engine_spec, ...), the bridge imports it, not the other way")
+
+
+def test_the_bridge_rule_refuses_a_record_importing_the_bridge(tmp_path: Path) -> None:
+    record, bridge = tmp_path / "record.py", tmp_path / "bridge.py"
+    record.write_text("def f():\n    from engine_bridge.params import EngineParams\n")
+    bridge.write_text("from artifacts.records.plan import Plan\n")
+    got = bridge_imports({"artifacts.records.plan": record, "engine_bridge.client": bridge})
+    assert got == {"artifacts.records.plan": ["engine_bridge.params", "engine_bridge.params.EngineParams"]}
 
 
 # Who may import the bench suites (tasks/bench/): the CLI and its reports, and the suites themselves.
