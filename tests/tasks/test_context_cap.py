@@ -1,5 +1,5 @@
 """`flux plan` gives a model its trained context and caps it only where RAM cannot hold the trained context's KV
-cache, saying so in one line (tasks/search/space.py: resolve_context, context_cap_line)."""
+cache, saying so in one line (tasks/search/context.py: resolve_context, context_cap_line)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from test_hybrid_sizing import header_only_twin
 
 from artifacts.model_info import ModelInfo, kv_cache_bytes, model_info
 from artifacts.records.plan import PlanRequest
-from tasks.search.space import context_cap_line, enumerate_placements, resolve_context
+from tasks.search.context import context_cap_line, resolve_context
+from tasks.search.space import enumerate_placements
 from tasks.testing import h200_report
 
 GIB = 2**30

@@ -9,7 +9,8 @@ from pathlib import Path
 from artifacts import synth
 from artifacts.model_info import ModelInfo, model_info
 from artifacts.records.plan import PlanRequest
-from tasks.search.space import kv_at, resolve_context
+from tasks.search.context import resolve_context
+from tasks.search.space import kv_at
 from tasks.testing import h200_report
 
 GIB = 2**30
